@@ -1,0 +1,111 @@
+"""Farm settings: defaults < config file (YAML, ``--config`` or ``OSFARM_CONFIG``) < ``OSFARM_*``
+environment variables < command-line flags."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+def default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "osfarm"
+
+
+class ConfigError(ValueError):
+    """A config file or value is wrong; the message names the file and the key."""
+
+
+class FarmSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="OSFARM_", extra="forbid")
+
+    host: str = Field(default="127.0.0.1", description="address the farm API binds (loopback by default)")
+    port: int = Field(default=8765, ge=0, le=65535)
+    token: str = Field(default="", description="bearer token for the farm API; generated when empty")
+    provider: Literal["sandbox"] = "sandbox"
+    pool_min: int = Field(default=1, ge=0, description="desktops kept warm (ready, unleased)")
+    pool_max: int = Field(default=4, ge=1, description="most desktops alive at once")
+    lease_ttl_s: float = Field(default=300.0, gt=0, description="a lease expires this long after its last heartbeat")
+    width: int = Field(default=1920, ge=320, le=7680)
+    height: int = Field(default=1080, ge=200, le=4320)
+    depth: Literal[16, 24] = 24
+    private_network: bool = Field(default=False, description="give each sandbox its own empty network namespace")
+    state_dir: Path = Field(default_factory=default_state_dir)
+    health_interval_s: float = Field(default=2.0, gt=0)
+    start_timeout_s: float = Field(default=60.0, gt=0)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlFileSource(settings_cls))
+
+    def ensure_token(self) -> "FarmSettings":
+        if not self.token:
+            self.token = secrets.token_urlsafe(24)
+        return self
+
+
+class _YamlFileSource(PydanticBaseSettingsSource):
+    """Reads the file named by OSFARM_CONFIG (set by ``--config``)."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:  # pragma: no cover
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("OSFARM_CONFIG")
+        if not path:
+            return {}
+        return load_yaml_config(Path(path))
+
+
+def load_yaml_config(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}:1: expected a mapping of settings, got {type(data).__name__}")
+    unknown = set(data) - set(FarmSettings.model_fields)
+    if unknown:
+        line = _line_of(text, sorted(unknown)[0])
+        raise ConfigError(f"{path}:{line}: unknown setting {sorted(unknown)[0]!r}")
+    return data
+
+
+def _line_of(text: str, key: str) -> int:
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith(f"{key}:"):
+            return i
+    return 1
+
+
+def load_settings(config: Path | None = None, **overrides: Any) -> FarmSettings:
+    """Build settings from file + env + explicit overrides; errors name the file, line or variable."""
+    if config is not None:
+        os.environ["OSFARM_CONFIG"] = str(config)
+    try:
+        return FarmSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as e:
+        err = e.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        src = os.environ.get("OSFARM_CONFIG")
+        where = f"{src}:{_line_of(Path(src).read_text(), key)}" if src and Path(src).exists() else "settings"
+        raise ConfigError(f"{where}: {key}: {err['msg']} (env var OSFARM_{key.upper()})") from None

@@ -1,0 +1,270 @@
+"""The action vocabulary shared by the guest server, the farm and the clients.
+
+Two action spaces, as in OSWorld:
+
+* ``computer_13``: ``{"action_type": "CLICK", "parameters": {"x": 10, "y": 20}}`` and friends,
+  executed in-process through XTest by the guest.
+* ``pyautogui``: a string of Python code run in the guest's long-lived interpreter, or one of the
+  special strings ``WAIT``, ``DONE``, ``FAIL``.
+
+Everything here is pure data and validation; nothing touches a display.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+
+# pyautogui's KEYBOARD_KEYS (the names computer_13 agents use), plus a few common aliases.
+KEY_NAMES: frozenset[str] = frozenset(
+    [chr(c) for c in range(0x20, 0x7F)]
+    + [
+        "\t", "\n", "\r", "accept", "add", "alt", "altleft", "altright", "apps", "backspace",
+        "browserback", "browserfavorites", "browserforward", "browserhome", "browserrefresh",
+        "browsersearch", "browserstop", "capslock", "clear", "convert", "ctrl", "ctrlleft",
+        "ctrlright", "decimal", "del", "delete", "divide", "down", "end", "enter", "esc",
+        "escape", "execute", "f1", "f2", "f3", "f4", "f5", "f6", "f7", "f8", "f9", "f10", "f11",
+        "f12", "f13", "f14", "f15", "f16", "f17", "f18", "f19", "f20", "f21", "f22", "f23",
+        "f24", "final", "fn", "hanguel", "hangul", "hanja", "help", "home", "insert", "junja",
+        "kana", "kanji", "launchapp1", "launchapp2", "launchmail", "launchmediaselect", "left",
+        "modechange", "multiply", "nexttrack", "nonconvert", "num0", "num1", "num2", "num3",
+        "num4", "num5", "num6", "num7", "num8", "num9", "numlock", "pagedown", "pageup", "pause",
+        "pgdn", "pgup", "playpause", "prevtrack", "print", "printscreen", "prntscrn", "prtsc",
+        "prtscr", "return", "right", "scrolllock", "select", "separator", "shift", "shiftleft",
+        "shiftright", "sleep", "space", "stop", "subtract", "tab", "up", "volumedown",
+        "volumemute", "volumeup", "win", "winleft", "winright", "yen", "command", "option",
+        "optionleft", "optionright", "super", "meta", "cmd",
+    ]
+)
+
+SPECIAL_CODES: frozenset[str] = frozenset({"WAIT", "DONE", "FAIL"})
+
+Button = Literal["left", "middle", "right"]
+
+
+def _check_key(key: str) -> str:
+    if key.lower() not in KEY_NAMES and key not in KEY_NAMES:
+        raise ValueError(f"unknown key {key!r}; use pyautogui key names such as 'enter', 'ctrl', 'a'")
+    return key
+
+
+class _Params(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PointParams(_Params):
+    x: int
+    y: int
+
+
+class OptionalPointParams(_Params):
+    x: int | None = None
+    y: int | None = None
+
+
+class ClickParams(OptionalPointParams):
+    button: Button = "left"
+    num_clicks: int = Field(default=1, ge=1, le=3)
+
+
+class ButtonParams(_Params):
+    button: Button = "left"
+
+
+class ScrollParams(_Params):
+    dx: int = 0
+    dy: int = 0
+
+
+class TypingParams(_Params):
+    text: str
+
+
+class KeyParams(_Params):
+    key: str
+
+    _key = field_validator("key")(_check_key)
+
+
+class HotkeyParams(_Params):
+    keys: list[str] = Field(min_length=1)
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, v: list[str]) -> list[str]:
+        return [_check_key(k) for k in v]
+
+
+class NoParams(_Params):
+    pass
+
+
+class _Action(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MoveTo(_Action):
+    action_type: Literal["MOVE_TO"]
+    parameters: PointParams
+
+
+class Click(_Action):
+    action_type: Literal["CLICK"]
+    parameters: ClickParams = ClickParams()
+
+
+class MouseDown(_Action):
+    action_type: Literal["MOUSE_DOWN"]
+    parameters: ButtonParams = ButtonParams()
+
+
+class MouseUp(_Action):
+    action_type: Literal["MOUSE_UP"]
+    parameters: ButtonParams = ButtonParams()
+
+
+class RightClick(_Action):
+    action_type: Literal["RIGHT_CLICK"]
+    parameters: OptionalPointParams = OptionalPointParams()
+
+
+class DoubleClick(_Action):
+    action_type: Literal["DOUBLE_CLICK"]
+    parameters: OptionalPointParams = OptionalPointParams()
+
+
+class DragTo(_Action):
+    action_type: Literal["DRAG_TO"]
+    parameters: PointParams
+
+
+class Scroll(_Action):
+    action_type: Literal["SCROLL"]
+    parameters: ScrollParams = ScrollParams()
+
+
+class Typing(_Action):
+    action_type: Literal["TYPING"]
+    parameters: TypingParams
+
+
+class Press(_Action):
+    action_type: Literal["PRESS"]
+    parameters: KeyParams
+
+
+class KeyDown(_Action):
+    action_type: Literal["KEY_DOWN"]
+    parameters: KeyParams
+
+
+class KeyUp(_Action):
+    action_type: Literal["KEY_UP"]
+    parameters: KeyParams
+
+
+class Hotkey(_Action):
+    action_type: Literal["HOTKEY"]
+    parameters: HotkeyParams
+
+
+class Control(_Action):
+    """WAIT, DONE or FAIL: no input is sent; DONE and FAIL end the episode."""
+
+    action_type: Literal["WAIT", "DONE", "FAIL"]
+    parameters: NoParams = NoParams()
+
+
+Computer13Action = Annotated[
+    Union[
+        MoveTo, Click, MouseDown, MouseUp, RightClick, DoubleClick, DragTo, Scroll, Typing,
+        Press, KeyDown, KeyUp, Hotkey, Control,
+    ],
+    Field(discriminator="action_type"),
+]
+
+ACTION_TYPES: tuple[str, ...] = (
+    "MOVE_TO", "CLICK", "MOUSE_DOWN", "MOUSE_UP", "RIGHT_CLICK", "DOUBLE_CLICK", "DRAG_TO",
+    "SCROLL", "TYPING", "PRESS", "KEY_DOWN", "KEY_UP", "HOTKEY", "WAIT", "DONE", "FAIL",
+)
+
+
+class CodeAction(_Action):
+    """pyautogui code (or WAIT/DONE/FAIL) run in the guest's long-lived interpreter."""
+
+    code: str = Field(min_length=1)
+
+    @property
+    def special(self) -> str | None:
+        c = self.code.strip()
+        return c if c in SPECIAL_CODES else None
+
+
+Action = Union[Computer13Action, CodeAction]
+
+_computer13 = TypeAdapter(Computer13Action)
+
+
+class ActionError(ValueError):
+    """An action that cannot be run; ``field`` is the dotted path of the offending input."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def parse_action(raw: Any, field: str = "action") -> Computer13Action | CodeAction:
+    """Turn a JSON value into an action, or raise ActionError naming the bad field.
+
+    A string is pyautogui code (or WAIT/DONE/FAIL); a dict with ``action_type`` is computer_13;
+    a dict with ``code`` is pyautogui code.
+    """
+    if isinstance(raw, str):
+        if not raw.strip():
+            raise ActionError(field, "empty code string")
+        return CodeAction(code=raw)
+    if isinstance(raw, BaseModel):
+        return raw  # type: ignore[return-value]
+    if not isinstance(raw, dict):
+        raise ActionError(field, f"expected a computer_13 object or a code string, got {type(raw).__name__}")
+    if "code" in raw and "action_type" not in raw:
+        try:
+            return CodeAction.model_validate(raw)
+        except ValidationError as e:
+            raise _first_error(e, field) from None
+    at = raw.get("action_type")
+    if at is None:
+        raise ActionError(f"{field}.action_type", "missing; expected one of " + ", ".join(ACTION_TYPES))
+    if at not in ACTION_TYPES:
+        raise ActionError(f"{field}.action_type", f"unknown action type {at!r}; expected one of " + ", ".join(ACTION_TYPES))
+    try:
+        return _computer13.validate_python(raw)
+    except ValidationError as e:
+        raise _first_error(e, field) from None
+
+
+def _first_error(e: ValidationError, field: str) -> ActionError:
+    err = e.errors()[0]
+    loc = [str(p) for p in err["loc"] if str(p) not in ACTION_TYPES]
+    path = ".".join([field, *loc])
+    return ActionError(path, err["msg"])
+
+
+def check_on_screen(action: Computer13Action | CodeAction, width: int, height: int, field: str = "action") -> None:
+    """Raise ActionError if a computer_13 action points outside a width x height screen."""
+    params = getattr(action, "parameters", None)
+    for axis, limit in (("x", width), ("y", height)):
+        v = getattr(params, axis, None)
+        if v is not None and not 0 <= v < limit:
+            raise ActionError(f"{field}.parameters.{axis}", f"{v} is off screen (screen is {width}x{height})")
+
+
+def is_terminal(action: Computer13Action | CodeAction) -> str | None:
+    """'DONE' or 'FAIL' if the action ends the episode, else None."""
+    if isinstance(action, CodeAction):
+        s = action.special
+        return s if s in ("DONE", "FAIL") else None
+    at = getattr(action, "action_type", None)
+    return at if at in ("DONE", "FAIL") else None

@@ -1,0 +1,121 @@
+"""Wire models of the guest's native ``/v1`` API (also reused by the farm API).
+
+Routes (all need ``Authorization: Bearer <token>``):
+
+* ``GET  /v1/health``                  -> Health
+* ``POST /v1/step``        StepRequest -> StepResult
+* ``GET  /v1/observation`` (query: ObserveOptions fields) -> Observation
+* ``GET  /v1/screenshot``  (query: format, scale, quality) -> raw image bytes
+* ``POST /v1/pyautogui``   CodeRequest -> CodeResult
+* ``POST /v1/wait_for_window`` WaitForWindow -> WaitResult
+* ``POST /v1/wait_for_file``   WaitForFile   -> WaitResult
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+ImageFormat = Literal["png", "jpeg", "webp"]
+
+
+class ScreenSize(BaseModel):
+    width: int
+    height: int
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    display: str
+    screen: ScreenSize
+    uptime_s: float
+    pid: int
+    a11y_bus: bool = Field(description="whether the AT-SPI bus answers")
+
+
+class ObserveOptions(BaseModel):
+    screenshot: bool = True
+    format: ImageFormat = "png"
+    scale: float = Field(default=1.0, gt=0.0, le=1.0, description="resize factor for the screenshot")
+    quality: int = Field(default=80, ge=1, le=100, description="JPEG/WebP quality")
+    a11y: bool = False
+    windows: bool = True
+    cursor: bool = True
+
+
+class Window(BaseModel):
+    id: int
+    title: str
+    wm_class: str
+    x: int
+    y: int
+    width: int
+    height: int
+    focused: bool = False
+
+
+class Observation(BaseModel):
+    screenshot: str | None = Field(default=None, description="base64 image bytes")
+    format: ImageFormat | None = None
+    width: int | None = Field(default=None, description="width of the image as encoded (after scale)")
+    height: int | None = None
+    screen: ScreenSize
+    cursor: tuple[int, int] | None = None
+    windows: list[Window] | None = None
+    a11y: str | None = Field(default=None, description="OSWorld-style accessibility tree XML")
+    t_ms: float = 0.0
+
+
+class StepRequest(BaseModel):
+    actions: list[Any] = Field(
+        min_length=1,
+        description="computer_13 objects ({action_type, parameters}), pyautogui code strings, "
+        "or {code}; run in order, stopping at the first error",
+    )
+    observe: ObserveOptions | None = Field(default=None, description="observation to return after the actions")
+    code_timeout: float = Field(default=30.0, gt=0, le=600)
+
+
+class ActionResult(BaseModel):
+    index: int
+    ok: bool
+    error: str | None = None
+    output: str | None = None
+
+
+class StepResult(BaseModel):
+    results: list[ActionResult]
+    done: Literal["DONE", "FAIL"] | None = None
+    observation: Observation | None = None
+    t_env_ms: float
+
+
+class CodeRequest(BaseModel):
+    code: str = Field(min_length=1)
+    timeout: float = Field(default=30.0, gt=0, le=600)
+
+
+class CodeResult(BaseModel):
+    ok: bool
+    output: str = ""
+    error: str | None = None
+    t_ms: float = 0.0
+
+
+class WaitForWindow(BaseModel):
+    title: str | None = Field(default=None, description="substring of the window title")
+    wm_class: str | None = Field(default=None, description="substring of WM_CLASS (instance or class)")
+    timeout: float = Field(default=30.0, gt=0, le=600)
+
+
+class WaitForFile(BaseModel):
+    path: str
+    min_size: int = Field(default=0, ge=0)
+    timeout: float = Field(default=30.0, gt=0, le=600)
+
+
+class WaitResult(BaseModel):
+    ok: bool
+    waited_s: float
+    detail: str | None = None

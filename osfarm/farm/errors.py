@@ -1,0 +1,39 @@
+"""Errors the pool raises; the API maps each to an HTTP status with the message as detail."""
+
+from __future__ import annotations
+
+
+class FarmError(Exception):
+    status: int = 500
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class UnknownDesktop(FarmError):
+    """No lease with this id was ever handed out (404)."""
+
+    status = 404
+
+
+class LeaseGone(FarmError):
+    """The lease expired, was released, or its desktop crashed (410); lease a new desktop."""
+
+    status = 410
+
+
+class ForeignLease(FarmError):
+    """The lease belongs to another owner (403)."""
+
+    status = 403
+
+
+class CapacityError(FarmError):
+    """No desktop can be handed out: 429 when every desktop is leased (retry later),
+    503 when desktops cannot be started (provider failing)."""
+
+    def __init__(self, message: str, status: int = 429, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s

@@ -1,0 +1,89 @@
+"""The provider protocol: how a desktop box is made, reset and destroyed.
+
+A provider starts the same desktop runtime (``osfarm desktop run``) inside some box (a
+bubblewrap sandbox, a Docker container, a libvirt VM) and tells the farm how to reach the guest
+server inside. The farm's pool owns the lifecycle; a provider only does box work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import httpx
+
+
+class ProviderError(RuntimeError):
+    """A box could not be made or reached; the message says what is missing and how to fix it."""
+
+
+@dataclass(frozen=True)
+class DesktopSpec:
+    width: int = 1920
+    height: int = 1080
+    depth: int = 24
+    private_network: bool = False
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GuestEndpoint:
+    """How to reach a guest server: a unix socket (``uds``) or a loopback ``base_url``."""
+
+    base_url: str
+    token: str
+    uds: str | None = None
+
+    def client(self, timeout: float = 60.0) -> httpx.AsyncClient:
+        transport = httpx.AsyncHTTPTransport(uds=self.uds) if self.uds else None
+        return httpx.AsyncClient(
+            base_url=self.base_url,
+            transport=transport,
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=timeout,
+        )
+
+
+@dataclass
+class DesktopHandle:
+    """One running box. ``pid`` is the box's top process on this host (for health and memory)."""
+
+    id: str
+    provider: str
+    spec: DesktopSpec
+    endpoint: GuestEndpoint
+    pid: int | None = None
+    info: dict[str, str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Provider(Protocol):
+    name: str
+
+    async def reap_orphans(self) -> int:
+        """Remove boxes left by an earlier farm process (crash, kill -9). Returns how many."""
+        ...
+
+    async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
+        """Create a fresh box and return once its guest server answers ``/v1/health``."""
+        ...
+
+    async def stop(self, handle: DesktopHandle) -> None:
+        """Destroy the box; no process of it may survive. Idempotent."""
+        ...
+
+    async def reset(self, handle: DesktopHandle) -> DesktopHandle:
+        """Return a clean box for the same desktop id (may be a new process/container/VM)."""
+        ...
+
+    async def alive(self, handle: DesktopHandle) -> str | None:
+        """None if the box looks alive, else a reason such as 'Xvfb exited'."""
+        ...
+
+    def pids(self, handle: DesktopHandle) -> list[int]:
+        """Host pids of every process of the box (for memory accounting)."""
+        ...
+
+    async def close(self) -> None:
+        """Release provider resources (not the boxes)."""
+        ...
