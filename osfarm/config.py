@@ -35,7 +35,11 @@ class FarmSettings(BaseSettings):
     width: int = Field(default=1920, ge=320, le=7680)
     height: int = Field(default=1080, ge=200, le=4320)
     depth: Literal[16, 24] = 24
-    private_network: bool = Field(default=False, description="give each sandbox its own empty network namespace")
+    private_network: bool = Field(
+        default=True,
+        description="give each sandbox its own network namespace (only loopback): no port or X socket "
+        "clashes between desktops; turn off for tasks that need the network",
+    )
     state_dir: Path = Field(default_factory=default_state_dir)
     health_interval_s: float = Field(default=2.0, gt=0)
     start_timeout_s: float = Field(default=60.0, gt=0)

@@ -22,7 +22,7 @@ class DesktopSpec:
     width: int = 1920
     height: int = 1080
     depth: int = 24
-    private_network: bool = False
+    private_network: bool = True
     extra_env: dict[str, str] = field(default_factory=dict)
 
 

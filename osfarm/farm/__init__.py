@@ -1,0 +1,1 @@
+"""The farm service: warm pool and leases, REST API, auth, metrics."""

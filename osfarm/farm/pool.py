@@ -1,0 +1,586 @@
+"""The warm pool of desktops and the leases handed out on them.
+
+Desktop lifecycle (``_Desktop.state``)::
+
+    starting --> ready --> leased --release/expiry--> resetting --> ready
+        |          |          |                            |
+        +----------+----------+--crash / start or reset fails---> failed --> stopping --> (gone)
+
+The pool keeps ``pool_min`` desktops ready (leased ones do not count) and never has more than
+``pool_max`` desktops at once; a released desktop is reset in the background so the next lease
+is answered from a ready desktop without waiting. A background loop expires leases whose
+heartbeat lapsed and health-checks every desktop (provider + guest ``/v1/health``); a crashed
+desktop is replaced and its lease ends with a message naming the crash.
+
+Threading: everything runs on one asyncio event loop; the sync methods (``get``,
+``mark_failed``, ``status``) must be called from that loop's thread too. There are no locks:
+state only changes between awaits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Coroutine
+
+import httpx
+
+from osfarm.config import FarmSettings
+from osfarm.farm import metrics
+from osfarm.farm.errors import CapacityError, ForeignLease, LeaseGone, UnknownDesktop
+from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider
+
+log = logging.getLogger("osfarm.farm.pool")
+
+STARTING, READY, LEASED, RESETTING, FAILED, STOPPING = (
+    "starting", "ready", "leased", "resetting", "failed", "stopping",
+)  # fmt: skip
+STATES = (STARTING, READY, LEASED, RESETTING, FAILED, STOPPING)
+ENDED_LEASES_KEPT = 10_000
+# After this many start/reset failures in a row, lease requests get a 503 at once instead of
+# waiting for a desktop that will most likely not come.
+MAX_START_FAILURES = 3
+BACKOFF_MAX_S = 30.0
+HEALTH_TIMEOUT_S = 3.0
+# Guest health timeouts/connection errors in a row before a desktop counts as crashed: one slow
+# answer under load must not kill a lease. A dead box or a non-200 answer counts at once.
+UNREACHABLE_STRIKES = 2
+
+
+@dataclass
+class Lease:
+    id: str
+    desktop_id: str
+    owner: str | None
+    created_at: float
+    expires_at: float
+    ttl_s: float
+    endpoint: GuestEndpoint
+    screen: tuple[int, int]
+    wait_s: float
+
+
+@dataclass
+class _Desktop:
+    id: str
+    state: str
+    since: float
+    handle: DesktopHandle | None = None
+    lease_id: str | None = None
+    misses: int = 0  # guest health failures in a row
+
+
+class LeasePool:
+    """Warm pool + leases (see module doc). ``close`` also closes the provider."""
+
+    def __init__(self, provider: Provider, settings: FarmSettings):
+        self.provider = provider
+        self.settings = settings
+        self.spec = DesktopSpec(
+            width=settings.width,
+            height=settings.height,
+            depth=settings.depth,
+            private_network=settings.private_network,
+        )
+        self._desktops: dict[str, _Desktop] = {}
+        self._leases: dict[str, Lease] = {}
+        self._ended: OrderedDict[str, tuple[str | None, str]] = OrderedDict()
+        self._waiters: deque[asyncio.Future[_Desktop]] = deque()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._box_tasks: dict[str, asyncio.Task[Any]] = {}  # start/reset in flight, by desktop
+        self._clients: dict[str, tuple[DesktopHandle, httpx.AsyncClient]] = {}
+        self._changed = asyncio.Event()
+        self._seq = 0
+        self._fail_count = 0
+        self._last_error = ""
+        self._next_start_at = 0.0
+        self._retry_handle: asyncio.TimerHandle | None = None
+        self._health_task: asyncio.Task[None] | None = None
+        self._started = False
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Reap boxes of an earlier farm, start the health loop and begin warming (no wait)."""
+        if self._started:
+            return
+        reaped = await self.provider.reap_orphans()
+        if reaped:
+            log.warning("reaped orphan desktops count=%d provider=%s", reaped, self.provider.name)
+        self._started = True
+        self._health_task = asyncio.create_task(self._health_loop(), name="osfarm-pool-health")
+        self._replenish()
+        self._publish()
+
+    async def wait_warm(self, timeout: float) -> None:
+        """Wait until ``pool_min`` desktops are ready; TimeoutError (or CapacityError 503 when
+        desktops keep failing to start) otherwise."""
+        want = min(self.settings.pool_min, self.settings.pool_max)
+        deadline = time.monotonic() + timeout
+        while self._count(READY) < want:
+            if self._fail_count >= MAX_START_FAILURES and not self._coming():
+                raise CapacityError(self._failing_message(), status=503, retry_after_s=self._retry_after())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"pool not warm after {timeout:g}s: {self._counts()}"
+                    + (f"; last start error: {self._last_error}" if self._last_error else "")
+                )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), left)
+
+    async def close(self) -> None:
+        """Stop background work and every desktop, end all leases, close the provider."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._retry_handle:
+            self._retry_handle.cancel()
+        if self._health_task:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_exception(CapacityError("the farm is shutting down", status=503))
+        self._waiters.clear()
+        # Starts/resets are cancelled (the provider kills a half-started box); stops finish.
+        for task in self._box_tasks.values():
+            task.cancel()
+        while self._tasks:  # finishing tasks may spawn small ones (client closes)
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        for lease in list(self._leases.values()):
+            self._end_lease(lease, f"lease {lease.id} ended: the farm shut down")
+        for d in list(self._desktops.values()):
+            if d.handle is not None:
+                try:
+                    await self.provider.stop(d.handle)
+                except Exception:
+                    log.exception("stop failed on close desktop=%s", d.id)
+            self._desktops.pop(d.id, None)
+        for _, client in self._clients.values():
+            with contextlib.suppress(Exception):
+                await client.aclose()
+        self._clients.clear()
+        self._publish()
+        await self.provider.close()
+        log.info("pool closed")
+
+    # -- leases -----------------------------------------------------------------------------
+
+    async def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0) -> Lease:
+        if self._closed or not self._started:
+            raise CapacityError("the farm is not running", status=503)
+        t0 = time.monotonic()
+        ttl = float(ttl_s or self.settings.lease_ttl_s)
+        deadline = t0 + max(0.0, wait_s)
+        while True:
+            d = self._take_ready() if not self._pending_waiters() else None
+            if d is None:
+                d = await self._wait_for_desktop(deadline, wait_s)
+            if d.state == LEASED and d.lease_id is None and d.handle is not None:
+                break
+            # The reserved desktop crashed between hand-over and now: try again.
+        lease = Lease(
+            id=secrets.token_urlsafe(18),
+            desktop_id=d.id,
+            owner=owner,
+            created_at=time.time(),
+            expires_at=time.time() + ttl,
+            ttl_s=ttl,
+            endpoint=d.handle.endpoint,
+            screen=(d.handle.spec.width, d.handle.spec.height),
+            wait_s=time.monotonic() - t0,
+        )
+        d.lease_id = lease.id
+        self._leases[lease.id] = lease
+        metrics.LEASE_WAIT.observe(lease.wait_s)
+        self._replenish()  # keep pool_min ready now that one is leased
+        log.info(
+            "lease granted lease=%s desktop=%s owner=%s ttl_s=%g wait_s=%.4f",
+            lease.id[:8], d.id, owner, ttl, lease.wait_s,
+        )  # fmt: skip
+        return lease
+
+    async def _wait_for_desktop(self, deadline: float, wait_s: float) -> _Desktop:
+        if self._fail_count >= MAX_START_FAILURES and not self._coming() and time.monotonic() < self._next_start_at:
+            raise CapacityError(self._failing_message(), status=503, retry_after_s=self._retry_after())
+        fut: asyncio.Future[_Desktop] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        self._replenish()
+        try:
+            await asyncio.wait({fut}, timeout=max(0.0, deadline - time.monotonic()))
+        except asyncio.CancelledError:
+            # The requester went away; a desktop already handed to it goes back to ready.
+            self._abandon(fut)
+            raise
+        if not fut.done():
+            self._abandon(fut)
+            raise self._capacity_error(wait_s)
+        return fut.result()  # may raise CapacityError (503) set by a failing start
+
+    def _abandon(self, fut: asyncio.Future[_Desktop]) -> None:
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(fut)
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            d = fut.result()
+            if d.state == LEASED and d.lease_id is None:
+                self._set(d, READY)
+                self._dispatch()
+        else:
+            fut.cancel()
+
+    async def release(self, lease_id: str) -> None:
+        """End the lease; its desktop is reset in the background. Releasing an ended lease is
+        a no-op (DELETE is idempotent); an unknown id raises UnknownDesktop."""
+        if lease_id in self._ended:
+            return
+        try:
+            lease = self.get(lease_id)
+        except LeaseGone:
+            return  # it expired just now; expiry already recycles the desktop
+        self._end_lease(lease, f"lease {lease_id} was released; lease a new desktop")
+        d = self._desktops.get(lease.desktop_id)
+        if d is not None and d.state == LEASED:
+            self._recycle(d)
+        log.info("lease released lease=%s desktop=%s", lease_id[:8], lease.desktop_id)
+
+    async def heartbeat(self, lease_id: str, ttl_s: float | None = None) -> Lease:
+        lease = self.get(lease_id)
+        if ttl_s:
+            lease.ttl_s = float(ttl_s)
+        lease.expires_at = time.time() + lease.ttl_s
+        return lease
+
+    def get(self, lease_id: str, owner: str | None = None) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            if owner is not None and owner != lease.owner:
+                raise ForeignLease(f"lease {lease_id} belongs to another owner")
+            if time.time() > lease.expires_at:
+                self._expire(lease)
+            else:
+                return lease
+        ended = self._ended.get(lease_id)
+        if ended is not None:
+            ended_owner, message = ended
+            if owner is not None and owner != ended_owner:
+                raise ForeignLease(f"lease {lease_id} belongs to another owner")
+            raise LeaseGone(message)
+        raise UnknownDesktop(f"no desktop lease {lease_id!r}; lease one with POST /v1/desktops")
+
+    def mark_failed(self, lease_id: str, reason: str) -> None:
+        """The API found the guest unreachable: end the lease, replace the desktop."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return
+        d = self._desktops.get(lease.desktop_id)
+        if d is not None:
+            self._fail(d, reason, kind="unreachable")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "desktops": [
+                {"id": d.id, "state": d.state, "lease_id": d.lease_id, "since": d.since}
+                for d in self._desktops.values()
+            ],
+            "counts": self._counts(),
+            "pool_min": self.settings.pool_min,
+            "pool_max": self.settings.pool_max,
+            "leases": len(self._leases),
+            "start_failures": self._fail_count,
+            "last_error": self._last_error or None,
+        }
+
+    # -- bookkeeping ------------------------------------------------------------------------
+
+    def _count(self, state: str) -> int:
+        return sum(1 for d in self._desktops.values() if d.state == state)
+
+    def _counts(self) -> dict[str, int]:
+        counts = dict.fromkeys(STATES, 0)
+        for d in self._desktops.values():
+            counts[d.state] += 1
+        return counts
+
+    def _coming(self) -> int:
+        """Desktops that are or will soon be ready without a release."""
+        return sum(1 for d in self._desktops.values() if d.state in (STARTING, RESETTING))
+
+    def _pending_waiters(self) -> int:
+        return sum(1 for f in self._waiters if not f.done())
+
+    def _set(self, d: _Desktop, state: str) -> None:
+        d.state = state
+        d.since = time.time()
+        self._publish()
+
+    def _publish(self) -> None:
+        for state, n in self._counts().items():
+            metrics.DESKTOPS.labels(state).set(n)
+        # Wake everyone waiting for a change (wait_warm); a fresh Event for the next change.
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _take_ready(self) -> _Desktop | None:
+        for d in self._desktops.values():
+            if d.state == READY:
+                self._set(d, LEASED)  # reserved; the lease id is filled in by the caller
+                return d
+        return None
+
+    def _dispatch(self) -> None:
+        """Hand ready desktops to waiting lease requests, oldest first."""
+        while self._waiters:
+            fut = self._waiters[0]
+            if fut.done():
+                self._waiters.popleft()
+                continue
+            d = self._take_ready()
+            if d is None:
+                return
+            self._waiters.popleft()
+            fut.set_result(d)
+
+    def _end_lease(self, lease: Lease, message: str) -> None:
+        self._leases.pop(lease.id, None)
+        self._ended[lease.id] = (lease.owner, message)
+        while len(self._ended) > ENDED_LEASES_KEPT:
+            self._ended.popitem(last=False)
+        d = self._desktops.get(lease.desktop_id)
+        if d is not None and d.lease_id == lease.id:
+            d.lease_id = None
+
+    def _expire(self, lease: Lease) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(lease.expires_at))
+        self._end_lease(
+            lease,
+            f"lease {lease.id} expired at {stamp} (no heartbeat within {lease.ttl_s:g}s); lease a new desktop",
+        )
+        d = self._desktops.get(lease.desktop_id)
+        if d is not None and d.state == LEASED:
+            self._recycle(d)
+        log.info("lease expired lease=%s desktop=%s", lease.id[:8], lease.desktop_id)
+
+    def _capacity_error(self, wait_s: float) -> CapacityError:
+        leased = self._count(LEASED)
+        if self._fail_count and leased < self.settings.pool_max:
+            return CapacityError(self._failing_message(), status=503, retry_after_s=self._retry_after())
+        if leased >= self.settings.pool_max:
+            return CapacityError(
+                f"all {self.settings.pool_max} desktops are leased (waited {wait_s:g}s); retry later",
+                status=429,
+                retry_after_s=1.0,
+            )
+        return CapacityError(
+            f"no desktop became ready within {wait_s:g}s ({self._coming()} starting or resetting, "
+            f"{leased} of {self.settings.pool_max} leased); retry later",
+            status=429,
+            retry_after_s=1.0,
+        )
+
+    def _failing_message(self) -> str:
+        return f"desktops cannot be started ({self._fail_count} failures in a row): {self._last_error}"
+
+    def _retry_after(self) -> float:
+        return max(1.0, self._next_start_at - time.monotonic())
+
+    # -- box work (background tasks) --------------------------------------------------------
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], desktop_id: str | None = None) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        if desktop_id is not None:
+            self._box_tasks[desktop_id] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            if desktop_id is not None and self._box_tasks.get(desktop_id) is t:
+                del self._box_tasks[desktop_id]
+            if not t.cancelled() and t.exception() is not None:
+                log.error("pool task failed", exc_info=t.exception())
+
+        task.add_done_callback(done)
+        return task
+
+    def _replenish(self) -> None:
+        """Start desktops until pool_min + waiting requests are ready or coming (<= pool_max)."""
+        if self._closed or not self._started:
+            return
+        now = time.monotonic()
+        if now < self._next_start_at:
+            if self._retry_handle is None:
+                loop = asyncio.get_running_loop()
+                self._retry_handle = loop.call_later(self._next_start_at - now, self._retry_replenish)
+            return
+        need = self.settings.pool_min + self._pending_waiters()
+        have = self._count(READY) + self._coming()
+        while have < need and len(self._desktops) < self.settings.pool_max:
+            self._seq += 1
+            d = _Desktop(id=f"d{self._seq}", state=STARTING, since=time.time())
+            self._desktops[d.id] = d
+            self._publish()
+            self._spawn(self._start_box(d), d.id)
+            have += 1
+
+    def _retry_replenish(self) -> None:
+        self._retry_handle = None
+        self._replenish()
+
+    async def _start_box(self, d: _Desktop) -> None:
+        t0 = time.monotonic()
+        try:
+            handle = await self.provider.start(d.id, self.spec)
+        except Exception as e:
+            self._box_failed(d, e, "start_failed")
+            return
+        dt = time.monotonic() - t0
+        metrics.START_SECONDS.observe(dt)
+        log.info("desktop ready desktop=%s start_s=%.3f", d.id, dt)
+        self._box_ready(d, handle)
+
+    def _recycle(self, d: _Desktop) -> None:
+        self._drop_client(d.id)
+        self._set(d, RESETTING)
+        self._spawn(self._reset_box(d), d.id)
+
+    async def _reset_box(self, d: _Desktop) -> None:
+        assert d.handle is not None
+        t0 = time.monotonic()
+        try:
+            handle = await self.provider.reset(d.handle)
+        except Exception as e:
+            with contextlib.suppress(Exception):
+                await self.provider.stop(d.handle)
+            self._box_failed(d, e, "reset_failed")
+            return
+        dt = time.monotonic() - t0
+        metrics.RESET_SECONDS.observe(dt)
+        log.info("desktop reset desktop=%s reset_s=%.3f", d.id, dt)
+        self._box_ready(d, handle)
+
+    def _box_ready(self, d: _Desktop, handle: DesktopHandle) -> None:
+        self._fail_count = 0
+        self._last_error = ""
+        self._next_start_at = 0.0
+        d.handle = handle
+        d.misses = 0
+        self._set(d, READY)
+        self._dispatch()
+
+    def _box_failed(self, d: _Desktop, e: Exception, kind: str) -> None:
+        self._fail_count += 1
+        text = str(e) or repr(e)
+        self._last_error = text if len(text) <= 2000 else text[:600] + "\n...\n" + text[-1400:]
+        self._next_start_at = time.monotonic() + min(BACKOFF_MAX_S, 0.5 * 2 ** (self._fail_count - 1))
+        metrics.DESKTOP_FAILURES.labels(kind).inc()
+        log.error("desktop %s desktop=%s failures=%d error=%s", kind, d.id, self._fail_count, text.splitlines()[0])
+        self._desktops.pop(d.id, None)
+        self._publish()
+        if self._fail_count >= MAX_START_FAILURES and not self._coming():
+            err = CapacityError(self._failing_message(), status=503, retry_after_s=self._retry_after())
+            while self._waiters:
+                fut = self._waiters.popleft()
+                if not fut.done():
+                    fut.set_exception(err)
+        self._replenish()
+
+    def _fail(self, d: _Desktop, reason: str, kind: str) -> None:
+        """A ready or leased desktop crashed: end its lease with the reason, replace it."""
+        if d.state in (FAILED, STOPPING):
+            return
+        metrics.DESKTOP_FAILURES.labels(kind).inc()
+        log.warning("desktop failed desktop=%s kind=%s lease=%s reason=%s", d.id, kind, d.lease_id, reason)
+        if d.lease_id is not None and d.lease_id in self._leases:
+            self._end_lease(self._leases[d.lease_id], f"desktop {d.id} crashed: {reason}; lease a new desktop")
+        self._set(d, FAILED)
+        self._spawn(self._remove(d))
+
+    async def _remove(self, d: _Desktop) -> None:
+        self._set(d, STOPPING)
+        self._drop_client(d.id)
+        if d.handle is not None:
+            try:
+                await self.provider.stop(d.handle)
+            except Exception:
+                log.exception("stop failed desktop=%s", d.id)
+        self._desktops.pop(d.id, None)
+        self._publish()
+        self._replenish()
+
+    # -- health -----------------------------------------------------------------------------
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            try:
+                await self._tick()
+            except Exception:
+                log.exception("health tick failed")
+
+    async def _tick(self) -> None:
+        now = time.time()
+        for lease in list(self._leases.values()):
+            if now > lease.expires_at:
+                self._expire(lease)
+        targets = [d for d in self._desktops.values() if d.state in (READY, LEASED) and d.handle is not None]
+        results = await asyncio.gather(*(self._check(d) for d in targets))
+        for d, (handle, reason, strike) in zip(targets, results):
+            if d.handle is not handle or d.state not in (READY, LEASED):
+                continue  # changed hands during the check (released, reset): result is stale
+            if reason is None:
+                d.misses = 0
+            elif strike:
+                d.misses += 1
+                if d.misses >= UNREACHABLE_STRIKES:
+                    self._fail(d, reason, kind="crashed")
+            else:
+                self._fail(d, reason, kind="crashed")
+        self._replenish()
+
+    async def _check(self, d: _Desktop) -> tuple[DesktopHandle, str | None, bool]:
+        """(handle checked, failure reason or None, whether it only counts as a strike)."""
+        handle = d.handle
+        assert handle is not None
+        reason = await self.provider.alive(handle)
+        if reason:
+            return handle, reason, False
+        client = self._client(d.id, handle)
+        try:
+            r = await client.get("/v1/health")
+        except httpx.HTTPError as e:
+            return handle, f"guest unreachable: {e!r}", True
+        if r.status_code != 200:
+            return handle, f"guest health returned {r.status_code}: {_detail(r)}", False
+        return handle, None, False
+
+    def _client(self, desktop_id: str, handle: DesktopHandle) -> httpx.AsyncClient:
+        # One client per box: building one per check costs an SSL context each time.
+        cached = self._clients.get(desktop_id)
+        if cached is not None and cached[0] is handle:
+            return cached[1]
+        self._drop_client(desktop_id)
+        client = handle.endpoint.client(timeout=HEALTH_TIMEOUT_S)
+        self._clients[desktop_id] = (handle, client)
+        return client
+
+    def _drop_client(self, desktop_id: str) -> None:
+        cached = self._clients.pop(desktop_id, None)
+        if cached is not None:
+            self._spawn(cached[1].aclose())
+
+
+def _detail(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+        if isinstance(body, dict) and "detail" in body:
+            return str(body["detail"])[:300]
+    except ValueError:
+        pass
+    return r.text[:300]

@@ -1,0 +1,220 @@
+"""The lease pool over real sandboxes: warm leases, background resets, expiry, crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import pytest
+from prometheus_client import generate_latest
+
+from osfarm.config import FarmSettings
+from osfarm.farm.errors import CapacityError, ForeignLease, LeaseGone, UnknownDesktop
+from osfarm.farm.metrics import REGISTRY
+from osfarm.farm.pool import LeasePool
+from osfarm.providers.sandbox import SANDBOX_ENV, SandboxProvider
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("bwrap") and shutil.which("Xvfb")), reason="needs bubblewrap and Xvfb"
+)
+
+
+def box_processes(state_dir: Path) -> list[psutil.Process]:
+    prefix = f"{state_dir}/sandbox/"
+    found = []
+    for p in psutil.process_iter(["name", "cmdline", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if p.info["name"] == "bwrap" and any(a.startswith(prefix) for a in p.info["cmdline"] or ()):
+                found.append(p)
+            elif p.environ().get(SANDBOX_ENV, "").startswith(prefix):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+async def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def counts(pool: LeasePool) -> dict[str, int]:
+    return pool.status()["counts"]
+
+
+@pytest.fixture
+async def make_pool():
+    pools: list[tuple[LeasePool, Path]] = []
+
+    async def make(launcher: list[str] | None = None, **kw: Any) -> LeasePool:
+        sd = Path(tempfile.mkdtemp(prefix="osf-", dir="/tmp"))
+        opts: dict[str, Any] = dict(
+            state_dir=sd, width=1024, height=768, health_interval_s=0.2, start_timeout_s=45, pool_min=1, pool_max=2
+        )
+        opts.update(kw)
+        settings = FarmSettings(**opts)
+        pool = LeasePool(SandboxProvider(settings, launcher=launcher), settings)
+        pools.append((pool, sd))
+        await pool.start()
+        return pool
+
+    yield make
+    for pool, sd in pools:
+        await pool.close()
+        deadline = time.monotonic() + 5
+        while box_processes(sd) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not box_processes(sd), "processes left after pool.close()"
+        shutil.rmtree(sd, ignore_errors=True)
+
+
+async def test_warm_lease_release_reset_cycle(make_pool):
+    pool = await make_pool(pool_min=1, pool_max=2)
+    await pool.wait_warm(60)
+    lease = await pool.lease(owner="alice")
+    assert lease.wait_s < 0.05 and lease.owner == "alice" and lease.screen == (1024, 768)
+    async with lease.endpoint.client() as c:
+        assert (await c.get("/v1/health")).status_code == 200
+    assert pool.get(lease.id, owner="alice") is lease
+    # The pool tops itself up to pool_min ready while one is leased.
+    await pool.wait_warm(60)
+    assert counts(pool)["leased"] == 1 and counts(pool)["ready"] == 1
+
+    await pool.release(lease.id)
+    assert counts(pool)["resetting"] == 1
+    with pytest.raises(LeaseGone, match="was released"):
+        pool.get(lease.id)
+    await pool.release(lease.id)  # idempotent
+    await wait_until(lambda: counts(pool)["ready"] == 2, what="released desktop back to ready")
+
+    # Warm lease latency: a ready desktop is pure bookkeeping.
+    times = []
+    for _ in range(10):
+        await pool.wait_warm(60)
+        t0 = time.perf_counter()
+        lz = await pool.lease()
+        times.append(time.perf_counter() - t0)
+        await pool.release(lz.id)
+    median = statistics.median(times)
+    print(f"\nwarm lease median over {len(times)}: {median * 1000:.3f} ms")
+    assert median < 0.05
+    text = generate_latest(REGISTRY).decode()
+    assert 'osfarm_desktops{state="ready"}' in text and "osfarm_reset_seconds_count" in text
+
+
+async def test_expiry_without_heartbeat_recycles(make_pool):
+    pool = await make_pool(pool_min=1, pool_max=1)
+    await pool.wait_warm(60)
+    lease = await pool.lease(ttl_s=0.8)
+    # Heartbeats keep it alive well past the ttl.
+    for _ in range(4):
+        await asyncio.sleep(0.4)
+        hb = await pool.heartbeat(lease.id)
+        assert hb.expires_at > time.time() + 0.5
+    assert pool.get(lease.id) is lease
+    hb = await pool.heartbeat(lease.id, ttl_s=0.5)
+    assert hb.ttl_s == 0.5
+    # Then it lapses: the background loop ends it and recycles the desktop.
+    await wait_until(lambda: counts(pool)["leased"] == 0, timeout=5, what="lease expiry")
+    with pytest.raises(LeaseGone, match="expired"):
+        pool.get(lease.id)
+    with pytest.raises(LeaseGone, match="expired"):
+        await pool.heartbeat(lease.id)
+    await pool.wait_warm(60)
+    assert counts(pool) == {**counts(pool), "ready": 1, "leased": 0}
+
+
+async def test_capacity_owner_and_unknown_errors(make_pool):
+    pool = await make_pool(pool_min=0, pool_max=1)
+    lease = await pool.lease(owner="alice", wait_s=60)  # cold: started on demand
+    assert lease.wait_s > 0.05
+    with pytest.raises(CapacityError) as e:
+        await pool.lease(owner="bob", wait_s=0.3)
+    assert e.value.status == 429 and "all 1 desktops are leased" in e.value.message
+    with pytest.raises(ForeignLease):
+        pool.get(lease.id, owner="bob")
+    with pytest.raises(UnknownDesktop):
+        pool.get("no-such-lease")
+    with pytest.raises(UnknownDesktop):
+        await pool.release("no-such-lease")
+
+    # A queued request is served by the released desktop once it is reset.
+    waiter = asyncio.create_task(pool.lease(owner="bob", wait_s=60))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()
+    await pool.release(lease.id)
+    second = await waiter
+    assert second.desktop_id == lease.desktop_id and second.owner == "bob" and second.wait_s > 0.05
+    with pytest.raises(ForeignLease):
+        pool.get(lease.id, owner="bob")  # an ended lease still belongs to alice
+    with pytest.raises(LeaseGone):
+        pool.get(lease.id, owner="alice")
+    await pool.release(second.id)
+
+
+async def test_crashed_desktop_ends_lease_and_is_replaced(make_pool):
+    pool = await make_pool(pool_min=1, pool_max=2)
+    await pool.wait_warm(60)
+    lease = await pool.lease()
+    box_dir = f"{pool.provider.state_dir}/sandbox/{lease.desktop_id}"  # type: ignore[attr-defined]
+    xvfb = [p for p in box_processes(Path(pool.provider.state_dir)) if p.name() == "Xvfb"  # type: ignore[attr-defined]
+            and p.environ().get(SANDBOX_ENV) == box_dir]  # fmt: skip
+    assert len(xvfb) == 1
+    os.kill(xvfb[0].pid, signal.SIGKILL)
+
+    def gone() -> str | None:
+        try:
+            pool.get(lease.id)
+        except LeaseGone as e:
+            return e.message
+        return None
+
+    message = await wait_until(gone, timeout=10, what="crash detection")
+    assert f"desktop {lease.desktop_id} crashed" in message and "lease a new desktop" in message
+    assert "Xvfb" in message or "X server" in message or "exited" in message
+    await wait_until(
+        lambda: lease.desktop_id not in [d["id"] for d in pool.status()["desktops"]], timeout=10, what="removal"
+    )
+    await pool.wait_warm(60)  # a replacement is ready
+    assert counts(pool)["ready"] >= 1
+    assert 'osfarm_desktop_failures_total{reason="crashed"}' in generate_latest(REGISTRY).decode()
+
+
+async def test_mark_failed_replaces_desktop(make_pool):
+    pool = await make_pool(pool_min=1, pool_max=2)
+    await pool.wait_warm(60)
+    lease = await pool.lease()
+    pool.mark_failed(lease.id, "guest unreachable: test")
+    with pytest.raises(LeaseGone, match="crashed: guest unreachable: test"):
+        pool.get(lease.id)
+    await wait_until(lambda: counts(pool)["ready"] >= 1 and counts(pool)["stopping"] == 0, what="replacement")
+
+
+async def test_failing_starts_give_503_with_the_reason(make_pool):
+    launcher = [sys.executable, "-c", "import sys; sys.exit('cannot open display: broken on purpose')"]
+    pool = await make_pool(launcher=launcher, pool_min=1, pool_max=2)
+    with pytest.raises(CapacityError) as e:
+        await pool.lease(wait_s=30)
+    assert e.value.status == 503
+    assert "broken on purpose" in e.value.message and "cannot be started" in e.value.message
+    assert pool.status()["start_failures"] >= 3
+    with pytest.raises(CapacityError) as e2:
+        await pool.wait_warm(30)
+    assert e2.value.status == 503

@@ -1,0 +1,252 @@
+"""The bubblewrap provider with real sandboxes: real bwrap, Xvfb and the session launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from osfarm.config import FarmSettings
+from osfarm.providers import make_provider
+from osfarm.providers.base import DesktopHandle, DesktopSpec, ProviderError
+from osfarm.providers.sandbox import SANDBOX_ENV, SandboxProvider
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("bwrap") and shutil.which("Xvfb")), reason="needs bubblewrap and Xvfb"
+)
+
+SPEC = DesktopSpec(width=1024, height=768, private_network=False)  # the shared-network path: X display numbers must not clash
+REPO = Path(__file__).resolve().parent.parent
+
+
+def new_state_dir() -> Path:
+    # Short and outside pytest's deep tmp_path: guest socket paths must fit in 107 bytes.
+    return Path(tempfile.mkdtemp(prefix="osf-", dir="/tmp"))
+
+
+def dead(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def box_processes(state_dir: Path) -> list[psutil.Process]:
+    """Live (non-zombie) processes that belong to sandboxes under ``state_dir``."""
+    prefix = f"{state_dir}/sandbox/"
+    found = []
+    for p in psutil.process_iter(["name", "cmdline", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if p.info["name"] == "bwrap" and any(a.startswith(prefix) for a in p.info["cmdline"] or ()):
+                found.append(p)
+            elif p.environ().get(SANDBOX_ENV, "").startswith(prefix):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+async def wait_no_box_processes(state_dir: Path, timeout: float = 5.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while (left := box_processes(state_dir)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return left
+
+
+async def sh(handle: DesktopHandle, command: str) -> str:
+    """Run a shell command inside the box through the guest's /execute route."""
+    async with handle.endpoint.client(timeout=30) as c:
+        r = await c.post("/execute", json={"command": command, "shell": True})
+    r.raise_for_status()
+    return r.json()["output"]
+
+
+@pytest.fixture
+async def provider():
+    sd = new_state_dir()
+    p = SandboxProvider(FarmSettings(state_dir=sd, start_timeout_s=45))
+    yield p
+    await p.stop_all()
+    await p.close()
+    assert not await wait_no_box_processes(sd)
+    shutil.rmtree(sd, ignore_errors=True)
+
+
+def test_missing_tools_are_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    settings = FarmSettings(state_dir=tmp_path / "st")
+    with pytest.raises(ProviderError, match="bubblewrap is not installed: apt-get install bubblewrap"):
+        make_provider(settings)
+    (tmp_path / "bwrap").symlink_to(shutil.which("bwrap", path="/usr/bin:/bin") or "/usr/bin/bwrap")
+    with pytest.raises(ProviderError, match="Xvfb is not installed: apt-get install xvfb"):
+        make_provider(settings)
+
+
+def test_state_dir_too_long_for_sockets(tmp_path):
+    with pytest.raises(ProviderError, match="too long for unix socket paths"):
+        SandboxProvider(FarmSettings(state_dir=tmp_path / ("x" * 90)))
+
+
+async def test_one_farm_per_state_dir(provider):
+    with pytest.raises(ProviderError, match="another osfarm process is using state_dir"):
+        SandboxProvider(FarmSettings(state_dir=provider.state_dir))
+
+
+async def test_start_stop_leaves_no_process(provider):
+    t0 = time.monotonic()
+    h = await provider.start("t1", SPEC)
+    print(f"\nsandbox start-to-ready: {time.monotonic() - t0:.3f}s")
+    async with h.endpoint.client() as c:
+        health = (await c.get("/v1/health")).json()
+    assert health["screen"] == {"width": 1024, "height": 768}
+    assert await provider.alive(h) is None
+
+    pids = provider.pids(h)
+    names = {psutil.Process(p).name() for p in pids}
+    assert {"bwrap", "Xvfb"} <= names
+    rss = sum(psutil.Process(p).memory_info().rss for p in pids)
+    print(f"idle desktop: {len(pids)} processes, summed RSS {rss / 2**20:.0f} MiB")
+    # Everything but the outer bwrap lives in the box's own pid namespace.
+    ours = os.readlink("/proc/self/ns/pid")
+    inner = [p for p in pids if p != h.pid]
+    assert inner and all(os.readlink(f"/proc/{p}/ns/pid") != ours for p in inner)
+    assert (await sh(h, "hostname")).strip() == "osfarm-t1"
+    assert (await sh(h, "echo $HOME; id -un 2>/dev/null || true")).splitlines()[0] == "/home/user"
+    assert (await sh(h, "grep CapEff /proc/self/status")).split()[1] == "0000000000000000"
+    assert (await sh(h, "touch /usr/osf-x 2>&1 || echo ro")).strip().endswith("ro")
+    assert (await sh(h, "ls -A /root | wc -l")).strip() == "0"
+    token = Path(h.info["dir"]) / "run" / "token"
+    assert token.stat().st_mode & 0o777 == 0o600
+    # The farm's state dir (other boxes' tokens) is hidden inside the box.
+    assert (await sh(h, f"ls -A {provider.state_dir} | wc -l")).strip() == "0"
+
+    await provider.stop(h)
+    assert all(dead(p) for p in pids)
+    assert not box_processes(provider.state_dir)
+    assert not Path(h.info["dir"]).exists()
+    assert await provider.alive(h) is not None
+    await provider.stop(h)  # idempotent
+
+
+async def test_reset_gives_fresh_home_and_tmp_is_private(provider):
+    marker = Path(tempfile.mkstemp(prefix="osf-host-marker-", dir="/tmp")[1])
+    try:
+        h = await provider.start("t2", SPEC)
+        assert sorted((await sh(h, "ls ~")).split()) == [
+            "Desktop", "Documents", "Downloads", "Music", "Pictures", "Public", "Templates", "Videos",
+        ]  # fmt: skip
+        await sh(h, "echo secret > ~/Desktop/note.txt; echo inside > /tmp/osf-inside.txt")
+        host_home = Path(h.info["dir"]) / "home"
+        assert (host_home / "Desktop" / "note.txt").read_text() == "secret\n"
+        assert not Path("/tmp/osf-inside.txt").exists()
+        assert (await sh(h, f"test -e {marker} && echo yes || echo no")).strip() == "no"
+
+        t0 = time.monotonic()
+        h2 = await provider.reset(h)
+        print(f"\nsandbox reset: {time.monotonic() - t0:.3f}s")
+        assert h2.id == h.id and h2.pid != h.pid
+        assert h2.endpoint.token != h.endpoint.token
+        assert (await sh(h2, "ls -A ~/Desktop; ls /tmp/osf-inside.txt 2>&1 || true")).strip().endswith(
+            "No such file or directory"
+        )
+        assert not (Path(h2.info["dir"]) / "home" / "Desktop" / "note.txt").exists()
+        # The previous lessee's token no longer opens the desktop.
+        async with h.endpoint.client() as c:
+            assert (await c.get("/v1/health")).status_code == 401
+        await provider.stop(h2)
+    finally:
+        marker.unlink()
+
+
+async def test_private_network_has_only_loopback(provider):
+    h = await provider.start("t3", DesktopSpec(width=1024, height=768, private_network=True))
+    lines = (await sh(h, "cat /proc/net/dev")).splitlines()[2:]
+    assert [ln.split(":")[0].strip() for ln in lines] == ["lo"]
+    async with h.endpoint.client() as c:
+        assert (await c.get("/v1/health")).status_code == 200  # the unix socket still reaches it
+    await provider.stop(h)
+
+
+FARM_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from osfarm.config import FarmSettings
+    from osfarm.providers.base import DesktopSpec
+    from osfarm.providers.sandbox import SandboxProvider
+
+    class Detached(SandboxProvider):
+        # Simulates a box that did not die with its farm (the case reap_orphans is for).
+        def bwrap_argv(self, desktop_id, spec):
+            return [a for a in super().bwrap_argv(desktop_id, spec) if a != "--die-with-parent"]
+
+    async def main():
+        cls = Detached if sys.argv[2] == "detached" else SandboxProvider
+        p = cls(FarmSettings(state_dir=sys.argv[1], start_timeout_s=45))
+        h = await p.start("k1", DesktopSpec(width=1024, height=768, private_network=False))
+        print(json.dumps({"pids": p.pids(h)}), flush=True)
+        await asyncio.sleep(600)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def _farm_then_kill9(state_dir: Path, mode: str) -> list[int]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FARM_SCRIPT, str(state_dir), mode,
+        stdout=asyncio.subprocess.PIPE, cwd=str(REPO),
+    )  # fmt: skip
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 60)
+        pids = json.loads(line)["pids"]
+        assert len(pids) > 3
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+    return pids
+
+
+async def test_box_dies_with_killed_farm_and_dir_is_reaped():
+    sd = new_state_dir()
+    try:
+        await _farm_then_kill9(sd, "normal")
+        assert not await wait_no_box_processes(sd), "box survived kill -9 of its farm"
+        p = SandboxProvider(FarmSettings(state_dir=sd))  # the lock died with the farm
+        try:
+            assert await p.reap_orphans() == 0
+            assert list((sd / "sandbox").iterdir()) == []  # stale desktop dir deleted
+        finally:
+            await p.close()
+    finally:
+        shutil.rmtree(sd, ignore_errors=True)
+
+
+async def test_reap_orphans_kills_surviving_box():
+    sd = new_state_dir()
+    try:
+        pids = await _farm_then_kill9(sd, "detached")
+        assert box_processes(sd), "the detached box should have outlived its farm"
+        p = SandboxProvider(FarmSettings(state_dir=sd))
+        try:
+            assert await p.reap_orphans() == 1
+            assert not await wait_no_box_processes(sd, timeout=1.0)
+            assert all(dead(x) for x in pids)
+            assert list((sd / "sandbox").iterdir()) == []
+        finally:
+            await p.close()
+    finally:
+        for proc in box_processes(sd):  # never leave the orphan behind, even on failure
+            proc.kill()
+        shutil.rmtree(sd, ignore_errors=True)
