@@ -1,0 +1,484 @@
+"""The ``osfarm`` command.
+
+* ``osfarm serve``   run the farm API (uvicorn) with a warm pool of desktops
+* ``osfarm desktop`` run the session launcher (``run``) or manage leases on a farm
+* ``osfarm demo``    the scripted main job: lease a desktop, open a terminal, type, screenshot
+
+Settings come from ``--config FILE`` (YAML) and ``OSFARM_*`` variables, flags win. A bad
+setting prints ``FILE:LINE: message`` and exits 2; a farm error prints its status and message
+and exits 1; neither prints a traceback.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import logging
+import signal
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+
+from osfarm.config import ConfigError, FarmSettings, load_settings
+
+app = typer.Typer(
+    name="osfarm",
+    help="Real Linux desktops as async HTTP environments for GUI agents.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+    rich_markup_mode="rich",
+)
+desktop_app = typer.Typer(
+    help="Run the desktop session launcher, or lease and drive desktops on a farm.",
+    no_args_is_help=True,
+)
+app.add_typer(desktop_app, name="desktop")
+
+out = Console()
+err = Console(stderr=True)
+
+# ---- shared options ---------------------------------------------------------------------------
+
+UrlOpt = Annotated[str, typer.Option("--url", envvar="OSFARM_URL", help="farm URL")]
+TokenOpt = Annotated[str, typer.Option("--token", envvar="OSFARM_TOKEN", help="farm token", show_default=False)]
+OwnerOpt = Annotated[
+    Optional[str], typer.Option("--owner", envvar="OSFARM_OWNER", help="lease owner (sent as X-Osfarm-Owner)")
+]
+ConfigOpt = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="YAML settings file (keys as in FarmSettings)", show_default=False)
+]
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _settings(config: Path | None, **overrides: Any) -> FarmSettings:
+    try:
+        return load_settings(config, **overrides)
+    except ConfigError as e:
+        raise _fail(str(e), 2) from None
+
+
+@contextmanager
+def _farm_errors() -> Iterator[None]:
+    """Turn client errors into one red line and exit 1 (no traceback)."""
+    from osfarm.client import FarmAPIError
+
+    try:
+        yield
+    except FarmAPIError as e:
+        raise _fail(f"{e.status or 'unreachable'}: {e.detail}" if e.status else e.detail) from None
+    except ValueError as e:  # e.g. no token configured
+        raise _fail(str(e)) from None
+
+
+def _client(url: str, token: str) -> Any:
+    from osfarm.client import Farm
+
+    with _farm_errors():
+        return Farm(url, token)
+
+
+# ---- logging ----------------------------------------------------------------------------------
+
+
+class LogfmtFormatter(logging.Formatter):
+    """``ts=... level=info logger=osfarm.farm.pool msg="..."``: one greppable line per event."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        ts = datetime.fromtimestamp(record.created).isoformat(timespec="milliseconds")
+        fields = {"ts": ts, "level": record.levelname.lower(), "logger": record.name, "msg": record.getMessage()}
+        line = " ".join(f"{k}={_logfmt_value(v)}" for k, v in fields.items())
+        if record.exc_info:
+            line += " exc=" + _logfmt_value(self.formatException(record.exc_info))
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def _logfmt_value(v: str) -> str:
+    if v and not any(c in v for c in ' ="\n\t'):
+        return v
+    return json.dumps(v)
+
+
+def setup_logging(level: str = "info", fmt: str = "logfmt") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else LogfmtFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        lg = logging.getLogger(name)
+        lg.handlers[:] = []
+        lg.propagate = True
+    # httpx logs every request at info: the pool's guest health checks would flood the log.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))
+
+
+# ---- serve ------------------------------------------------------------------------------------
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise _fail(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port") from None
+    return sock
+
+
+@app.command()
+def serve(
+    provider: Annotated[Optional[str], typer.Option(help="desktop provider (sandbox)", show_default=False)] = None,
+    pool_size: Annotated[Optional[int], typer.Option("--pool-size", help="desktops kept warm (pool_min)", show_default=False)] = None,
+    pool_max: Annotated[Optional[int], typer.Option("--pool-max", help="most desktops alive at once", show_default=False)] = None,
+    host: Annotated[Optional[str], typer.Option(help="address to bind (default 127.0.0.1)", show_default=False)] = None,
+    port: Annotated[Optional[int], typer.Option(help="port to bind (default 8765; 0 = any free)", show_default=False)] = None,
+    token: Annotated[Optional[str], typer.Option(help="API token (default: generated)", show_default=False)] = None,
+    width: Annotated[Optional[int], typer.Option(help="screen width of each desktop", show_default=False)] = None,
+    height: Annotated[Optional[int], typer.Option(help="screen height of each desktop", show_default=False)] = None,
+    state_dir: Annotated[Optional[Path], typer.Option(help="where desktops keep their files", show_default=False)] = None,
+    config: ConfigOpt = None,
+    allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow binding a non-loopback address")] = False,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
+    log_format: Annotated[str, typer.Option(help="logfmt or json")] = "logfmt",
+) -> None:
+    """Run the farm API with a warm pool of desktops (Ctrl-C stops it and every desktop)."""
+    settings = _settings(
+        config, provider=provider, pool_min=pool_size, pool_max=pool_max, host=host, port=port, token=token,
+        width=width, height=height, state_dir=state_dir,
+    )  # fmt: skip
+    if not _is_loopback(settings.host) and not allow_remote:
+        raise _fail(
+            f"refusing to listen on {settings.host}: the farm API drives desktops and runs commands in them; "
+            "bind a loopback address, or pass --allow-remote if the network is trusted",
+            2,
+        )
+    setup_logging(log_level, log_format)
+    settings.ensure_token()
+
+    from osfarm.farm.api import create_app
+    from osfarm.providers import make_provider
+    from osfarm.providers.base import ProviderError
+
+    try:  # checks bwrap/Xvfb and the state dir now, with a fix in the message
+        prov = make_provider(settings)
+    except ProviderError as e:
+        raise _fail(str(e)) from None
+    sock = _bind(settings.host, settings.port)
+    bound_port = sock.getsockname()[1]
+    shown_host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    url = f"http://{shown_host}:{bound_port}"
+    out.print(
+        Panel.fit(
+            f"[bold]farm[/]   {url}\n[bold]token[/]  {settings.token}\n[bold]docs[/]   {url}/docs\n\n"
+            f"export OSFARM_URL={url} OSFARM_TOKEN={settings.token}",
+            title="osfarm serve",
+        ),
+        highlight=False,
+    )
+    import uvicorn
+
+    fapp = create_app(settings, prov)
+    server = uvicorn.Server(
+        uvicorn.Config(fapp, log_config=None, log_level=log_level.lower(), lifespan="on", access_log=True,
+                       timeout_graceful_shutdown=10)
+    )  # fmt: skip
+    # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown; with these handlers in place
+    # that re-raise is a no-op, so a requested stop exits 0 instead of 130/-15.
+    stop_signals: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop_signals.append(signum))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:
+        why = fapp.state.farm.start_error
+        raise _fail(f"the farm did not start: {why}" if why else "the farm did not start")
+
+
+# ---- desktop ----------------------------------------------------------------------------------
+
+
+@desktop_app.command(
+    "run",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def desktop_run(ctx: typer.Context) -> None:
+    """Run the desktop session launcher here (Xvfb, WM, D-Bus, AT-SPI, guest server).
+
+    Every argument goes to the launcher; see `osfarm desktop run --help`.
+    """
+    from osfarm.desktop.session import main
+
+    raise typer.Exit(main(list(ctx.args)))
+
+
+@desktop_app.command("ls")
+def desktop_ls(url: UrlOpt = "http://127.0.0.1:8765", token: TokenOpt = "") -> None:
+    """Show the farm's pool: desktops and their states."""
+    farm = _client(url, token)
+    with farm, _farm_errors():
+        status = farm.pool()
+    summary = Table(title=f"pool at {url}", show_header=False)
+    rows: list[dict[str, Any]] = []
+    for key, value in status.items():
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            rows = value
+        else:
+            summary.add_row(key, json.dumps(value) if isinstance(value, (dict, list)) else str(value))
+    out.print(summary)
+    if rows:
+        cols = list(dict.fromkeys(k for r in rows for k in r))
+        table = Table(*cols, title="desktops")
+        for r in rows:
+            table.add_row(*(_cell(r.get(c)) for c in cols))
+        out.print(table)
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3f}"
+    if isinstance(v, (dict, list, tuple)):
+        return json.dumps(v)
+    return str(v)
+
+
+@desktop_app.command("lease")
+def desktop_lease(
+    ttl: Annotated[Optional[float], typer.Option("--ttl", help="lease TTL in seconds (default: the farm's)", show_default=False)] = None,
+    wait: Annotated[float, typer.Option("--wait", help="seconds to wait for a free desktop")] = 30.0,
+    owner: OwnerOpt = None,
+    url: UrlOpt = "http://127.0.0.1:8765",
+    token: TokenOpt = "",
+) -> None:
+    """Lease a desktop and print the lease as JSON (release it with `osfarm desktop release ID`)."""
+    farm = _client(url, token)
+    with farm, _farm_errors():
+        desk = farm.lease(owner=owner, ttl_s=ttl, wait_s=wait)
+    typer.echo(desk.info.model_dump_json(indent=2))
+
+
+@desktop_app.command("screenshot")
+def desktop_screenshot(
+    lease_id: Annotated[str, typer.Argument(help="lease id")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="image file to write")],
+    format: Annotated[str, typer.Option("--format", help="png, jpeg or webp")] = "png",
+    scale: Annotated[float, typer.Option("--scale", help="resize factor (0, 1]")] = 1.0,
+    quality: Annotated[int, typer.Option("--quality", help="JPEG/WebP quality")] = 80,
+    owner: OwnerOpt = None,
+    url: UrlOpt = "http://127.0.0.1:8765",
+    token: TokenOpt = "",
+) -> None:
+    """Save a screenshot of a leased desktop."""
+    farm = _client(url, token)
+    with farm, _farm_errors():
+        data = farm.desktop(lease_id, owner=owner).screenshot(format, scale, quality)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_bytes(data)
+    out.print(f"wrote {output} ({len(data)} bytes)", highlight=False)
+
+
+@desktop_app.command("exec")
+def desktop_exec(
+    lease_id: Annotated[str, typer.Argument(help="lease id")],
+    command: Annotated[list[str], typer.Argument(help="command and arguments (after --)")],
+    shell: Annotated[bool, typer.Option("--shell", help="run the words as one shell command line")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", help="HTTP timeout in seconds")] = 180.0,
+    owner: OwnerOpt = None,
+    url: UrlOpt = "http://127.0.0.1:8765",
+    token: TokenOpt = "",
+) -> None:
+    """Run a command in a leased desktop (guest /execute) and exit with its return code.
+
+    Example: osfarm desktop exec ID -- ls -la /home/user
+    """
+    farm = _client(url, token)
+    body = {"command": " ".join(command) if shell else command, "shell": shell}
+    with farm, _farm_errors():
+        r = farm.desktop(lease_id, owner=owner).guest("POST", "/execute", json=body, timeout=timeout, check=False)
+    try:
+        reply = r.json()
+    except ValueError:
+        reply = {}
+    if r.status_code >= 400 or not isinstance(reply, dict) or reply.get("status") != "success":
+        msg = reply.get("detail") or reply.get("message") if isinstance(reply, dict) else None
+        raise _fail(f"{r.status_code}: {msg or r.text[:500]}")
+    if reply.get("output"):
+        sys.stdout.write(reply["output"])
+    if reply.get("error"):
+        sys.stderr.write(reply["error"])
+    raise typer.Exit(int(reply.get("returncode") or 0))
+
+
+@desktop_app.command("release")
+def desktop_release(
+    lease_id: Annotated[str, typer.Argument(help="lease id")],
+    owner: OwnerOpt = None,
+    url: UrlOpt = "http://127.0.0.1:8765",
+    token: TokenOpt = "",
+) -> None:
+    """Release a lease (its desktop is reset and returned to the pool)."""
+    farm = _client(url, token)
+    with farm, _farm_errors():
+        farm.release(lease_id, owner=owner)
+    out.print(f"released {lease_id}", highlight=False)
+
+
+# ---- demo -------------------------------------------------------------------------------------
+
+
+class _Phases:
+    """Named, timed phases shown as a rich progress list."""
+
+    def __init__(self, progress: Any):
+        self.progress = progress
+        self.timings: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        task = self.progress.add_task(name, total=1)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.timings[name] = dt
+            self.progress.update(task, completed=1, description=f"{name} [dim]{dt * 1000:.0f} ms[/]")
+
+
+def _wait_settled(desk: Any, timeout: float = 5.0) -> bytes:
+    """Screenshots until two in a row are identical: the screen finished redrawing."""
+    prev = desk.screenshot("png")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cur = desk.screenshot("png")
+        if cur == prev:
+            return cur
+        prev = cur
+    return prev
+
+
+@app.command()
+def demo(
+    out_dir: Annotated[Path, typer.Option("--out", help="run directory root")] = Path("runs"),
+    url: Annotated[Optional[str], typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)] = None,
+    token: Annotated[Optional[str], typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)] = None,
+    text: Annotated[str, typer.Option("--text", help="command typed into the terminal")] = "echo hello from osfarm",
+    width: Annotated[Optional[int], typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
+    height: Annotated[Optional[int], typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
+    config: ConfigOpt = None,
+) -> None:
+    """The main job: lease a desktop, open a terminal, type a command, save a screenshot."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn
+
+    from osfarm.client import Farm, FarmAPIError
+
+    settings = None
+    if url is None:
+        settings = _settings(config, pool_min=1, pool_max=1, port=0, width=width, height=height)
+    run_dir = out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
+    server = None
+    t_all = time.perf_counter()
+    with Progress(SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"), console=err) as progress:
+        phase = _Phases(progress)
+        try:
+            if settings is not None:
+                from osfarm.farm.api import FarmServer
+
+                with phase("start farm (1 warm desktop)"):
+                    from osfarm.providers import make_provider
+                    from osfarm.providers.base import ProviderError
+
+                    try:  # made here so a missing bwrap/Xvfb is one clear line, not a traceback
+                        server = FarmServer(settings, make_provider(settings))
+                        url = server.start(timeout=settings.start_timeout_s + 30)
+                    except (ProviderError, RuntimeError) as e:
+                        raise _fail(str(e)) from None
+                    token = server.token
+            assert url is not None
+            with _farm_errors(), Farm(url, token) as farm:
+                with phase("lease a desktop"):
+                    desk = farm.lease(owner="osfarm-demo", ttl_s=300)
+                try:
+                    with phase("launch xfce4-terminal"):
+                        desk.guest("POST", "/setup/launch", json={"command": ["xfce4-terminal"], "shell": False})
+                    with phase("wait for its window"):
+                        r = desk.guest("POST", "/v1/wait_for_window", json={"wm_class": "xfce4-terminal", "timeout": 30})
+                        if not r.json().get("ok"):
+                            raise FarmAPIError(504, f"the terminal window did not appear: {r.json().get('detail')}")
+                    with phase(f"type {text!r} + Enter"):
+                        res = desk.step([
+                            {"action_type": "TYPING", "parameters": {"text": text}},
+                            {"action_type": "PRESS", "parameters": {"key": "enter"}},
+                        ])  # fmt: skip
+                        bad = [a for a in res.results if not a.ok]
+                        if bad:
+                            raise FarmAPIError(500, f"action {bad[0].index} failed: {bad[0].error}")
+                    with phase("screenshot"):
+                        png = _wait_settled(desk)
+                        run_dir.mkdir(parents=True, exist_ok=True)
+                        (run_dir / "screenshot.png").write_bytes(png)
+                finally:
+                    with phase("release"):
+                        desk.close()
+        finally:
+            if server is not None:
+                with phase("stop farm"):
+                    server.stop()
+    total = time.perf_counter() - t_all
+    timings = {**phase.timings, "total": total}
+    (run_dir / "timings.json").write_text(json.dumps({k: round(v, 4) for k, v in timings.items()}, indent=2))
+    table = Table("phase", "ms", title="osfarm demo")
+    for name, dt in timings.items():
+        table.add_row(name, f"{dt * 1000:.0f}")
+    out.print(table)
+    out.print(f"screenshot: {run_dir / 'screenshot.png'}", highlight=False)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

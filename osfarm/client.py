@@ -1,0 +1,484 @@
+"""Python client of the farm API: ``AsyncFarm`` (asyncio) and ``Farm`` (blocking).
+
+A leased desktop is a small gymnasium-like environment::
+
+    with Farm("http://127.0.0.1:8765", token) as farm, farm.lease(ttl_s=120) as desk:
+        result = desk.step({"action_type": "CLICK", "parameters": {"x": 10, "y": 20}},
+                           observe={"format": "jpeg", "scale": 0.5})
+        image = screenshot_image(result.observation)
+
+Every farm error raises a :class:`FarmAPIError` subclass carrying the server's status and
+message (``LeaseGoneError`` for 410, ``CapacityError`` for 429/503, ...). The sync client
+wraps one ``httpx.Client`` (no event loop per call); both keep connections alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from pydantic import BaseModel
+
+from osfarm.desktop.models import Observation, ObserveOptions, StepResult
+from osfarm.farm.schemas import LeaseInfo
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+DEFAULT_URL = "http://127.0.0.1:8765"
+OWNER_HEADER = "X-Osfarm-Owner"
+
+# ---- errors -----------------------------------------------------------------------------------
+
+
+class FarmAPIError(Exception):
+    """The farm answered an error. ``status`` is the HTTP status, ``detail`` its message."""
+
+    def __init__(self, status: int, detail: str, retry_after_s: float | None = None):
+        super().__init__(f"{status}: {detail}")
+        self.status = status
+        self.detail = detail
+        self.retry_after_s = retry_after_s
+
+
+class InvalidRequestError(FarmAPIError):
+    """400/422: the request was malformed; the detail names the field."""
+
+
+class AuthError(FarmAPIError):
+    """401: missing or wrong token."""
+
+
+class ForeignLeaseError(FarmAPIError):
+    """403: the lease belongs to another owner."""
+
+
+class UnknownDesktopError(FarmAPIError):
+    """404: no such lease (or, through the guest passthrough, no such guest route/file)."""
+
+
+class LeaseGoneError(FarmAPIError):
+    """410: the lease expired or was released, or its desktop crashed: lease a new desktop."""
+
+
+class CapacityError(FarmAPIError):
+    """429 (every desktop leased; retry after ``retry_after_s``) or 503 (cannot start desktops)."""
+
+
+class GuestError(FarmAPIError):
+    """5xx: the desktop's guest server failed or timed out (the lease may still be usable)."""
+
+
+class FarmUnreachableError(FarmAPIError):
+    """The farm itself could not be reached (status 0)."""
+
+
+_BY_STATUS: dict[int, type[FarmAPIError]] = {
+    400: InvalidRequestError, 422: InvalidRequestError, 401: AuthError, 403: ForeignLeaseError,
+    404: UnknownDesktopError, 410: LeaseGoneError, 429: CapacityError, 503: CapacityError,
+}  # fmt: skip
+
+
+def _error_for(r: httpx.Response) -> FarmAPIError:
+    detail: Any = None
+    try:
+        body = r.json()
+        if isinstance(body, dict):
+            detail = body.get("detail") or body.get("message") or body.get("error")
+    except ValueError:
+        pass
+    if not detail:
+        detail = r.text[:500] or r.reason_phrase
+    retry = r.headers.get("retry-after")
+    retry_s = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
+    cls = _BY_STATUS.get(r.status_code) or (GuestError if r.status_code >= 500 else FarmAPIError)
+    return cls(r.status_code, str(detail), retry_s)
+
+
+def _check(r: httpx.Response) -> httpx.Response:
+    if r.status_code >= 400:
+        raise _error_for(r)
+    return r
+
+
+# ---- helpers shared by both clients ---------------------------------------------------------
+
+
+def screenshot_bytes(obs: Observation) -> bytes:
+    """The observation's screenshot as encoded image bytes (PNG/JPEG/WebP)."""
+    if obs.screenshot is None:
+        raise ValueError("this observation has no screenshot (observe with screenshot=True)")
+    return base64.b64decode(obs.screenshot)
+
+
+def screenshot_image(obs: Observation) -> "Image.Image":
+    """The observation's screenshot decoded as a PIL image."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(screenshot_bytes(obs)))
+    img.load()
+    return img
+
+
+def _action_json(action: Any) -> Any:
+    if isinstance(action, BaseModel):
+        return action.model_dump(mode="json")
+    return action
+
+
+def _step_body(actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None, code_timeout: float) -> dict[str, Any]:
+    # One action (dict, model or code string) or a list of them.
+    items = actions if isinstance(actions, (list, tuple)) else [actions]
+    body: dict[str, Any] = {"actions": [_action_json(a) for a in items], "code_timeout": code_timeout}
+    if observe is True:
+        observe = ObserveOptions()
+    if isinstance(observe, ObserveOptions):
+        body["observe"] = observe.model_dump(mode="json")
+    elif isinstance(observe, dict):
+        body["observe"] = ObserveOptions(**observe).model_dump(mode="json")
+    return body
+
+
+def _observe_params(opts: dict[str, Any]) -> dict[str, str]:
+    o = ObserveOptions(**opts).model_dump()
+    return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in o.items()}
+
+
+def _lease_body(owner: str | None, ttl_s: float | None, wait_s: float) -> dict[str, Any]:
+    body: dict[str, Any] = {"wait_s": wait_s}
+    if owner is not None:
+        body["owner"] = owner
+    if ttl_s is not None:
+        body["ttl_s"] = ttl_s
+    return body
+
+
+def _resolve(url: str | None, token: str | None) -> tuple[str, str]:
+    url = (url or os.environ.get("OSFARM_URL") or DEFAULT_URL).rstrip("/")
+    token = token if token is not None else os.environ.get("OSFARM_TOKEN", "")
+    if not token:
+        raise ValueError("no farm token: pass token= or set OSFARM_TOKEN (`osfarm serve` prints it)")
+    return url, token
+
+
+def _step_timeout(body: dict[str, Any]) -> float:
+    return float(body["code_timeout"]) * len(body["actions"]) + 90.0
+
+
+def _heartbeat_interval(info: LeaseInfo, interval: float | None) -> float:
+    return interval if interval is not None else max(0.5, info.ttl_s / 3.0)
+
+
+# ---- async ----------------------------------------------------------------------------------
+
+
+class AsyncRemoteDesktop:
+    """One leased desktop (async). ``close()`` releases it; also an async context manager."""
+
+    def __init__(self, farm: "AsyncFarm", info: LeaseInfo):
+        self.farm = farm
+        self.info = info
+        self._headers = {OWNER_HEADER: info.owner} if info.owner else {}
+        self._hb_task: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def screen(self) -> tuple[int, int]:
+        return self.info.screen.width, self.info.screen.height
+
+    def _path(self, suffix: str = "") -> str:
+        return f"/v1/desktops/{self.info.id}{suffix}"
+
+    async def step(self, actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None = None,
+                   code_timeout: float = 30.0) -> StepResult:
+        """Run one action or a list of them (computer_13 dicts/models or pyautogui code)."""
+        body = _step_body(actions, observe, code_timeout)
+        r = await self.farm._request("POST", self._path("/step"), json=body, headers=self._headers, timeout=_step_timeout(body))
+        return StepResult.model_validate_json(r.content)
+
+    async def observe(self, **opts: Any) -> Observation:
+        """Screenshot/windows/cursor/a11y now; options as in ObserveOptions."""
+        r = await self.farm._request("GET", self._path("/observation"), params=_observe_params(opts), headers=self._headers)
+        return Observation.model_validate_json(r.content)
+
+    async def screenshot(self, fmt: str = "png", scale: float = 1.0, quality: int = 80) -> bytes:
+        r = await self.farm._request("GET", self._path("/screenshot"), headers=self._headers,
+                                     params={"format": fmt, "scale": scale, "quality": quality})
+        return r.content
+
+    async def heartbeat(self, ttl_s: float | None = None) -> LeaseInfo:
+        body = {"ttl_s": ttl_s} if ttl_s is not None else {}
+        r = await self.farm._request("POST", self._path("/heartbeat"), json=body, headers=self._headers)
+        self.info = LeaseInfo.model_validate_json(r.content)
+        return self.info
+
+    def start_heartbeat(self, interval: float | None = None) -> None:
+        """Keep the lease alive in the background (every ttl/3 by default) until close()."""
+        if self._hb_task is None:
+            self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(_heartbeat_interval(self.info, interval)))
+
+    async def _heartbeat_loop(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.heartbeat()
+            except (LeaseGoneError, UnknownDesktopError, ForeignLeaseError):
+                return  # nothing left to keep alive
+            except FarmAPIError:
+                continue  # transient (farm restarting, network blip): try again next tick
+
+    async def guest(self, method: str, path: str, check: bool = True, **kw: Any) -> httpx.Response:
+        """Call the guest's OSWorld-compatible route ``path`` (e.g. ``"/execute"``) through the farm.
+
+        ``kw`` goes to httpx (json=, data=, files=, params=, timeout=). With ``check`` an error
+        status raises FarmAPIError with the guest's message.
+        """
+        headers = {**self._headers, **kw.pop("headers", {})}
+        kw.setdefault("timeout", 300.0)
+        r = await self.farm._request(method, self._path("/guest/" + path.lstrip("/")), headers=headers, check=check, **kw)
+        return r
+
+    async def close(self) -> None:
+        """Release the lease (idempotent; a lease already gone is not an error)."""
+        if self._hb_task is not None:
+            self._hb_task.cancel()
+            try:
+                await self._hb_task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._hb_task = None
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self.farm._request("DELETE", self._path(), headers=self._headers)
+        except (LeaseGoneError, UnknownDesktopError):
+            pass
+
+    release = close
+
+    async def __aenter__(self) -> "AsyncRemoteDesktop":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncFarm:
+    """Async client of one farm. ``url``/``token`` default to OSFARM_URL / OSFARM_TOKEN."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        self.url, token = _resolve(url, token)
+        self._http = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+                                       timeout=timeout, transport=transport)
+
+    async def _request(self, method: str, path: str, check: bool = True, **kw: Any) -> httpx.Response:
+        try:
+            r = await self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise FarmUnreachableError(0, f"cannot reach the farm at {self.url}: {e}") from None
+        return _check(r) if check else r
+
+    async def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0,
+                    heartbeat: bool | float = False) -> AsyncRemoteDesktop:
+        """Lease a desktop. ``heartbeat=True`` (or an interval in s) keeps it alive in the background."""
+        r = await self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s), timeout=wait_s + 120.0)
+        desk = AsyncRemoteDesktop(self, LeaseInfo.model_validate_json(r.content))
+        if heartbeat is not False:
+            desk.start_heartbeat(None if heartbeat is True else float(heartbeat))
+        return desk
+
+    async def desktop(self, lease_id: str, owner: str | None = None) -> AsyncRemoteDesktop:
+        """Attach to an existing lease by id."""
+        headers = {OWNER_HEADER: owner} if owner else {}
+        r = await self._request("GET", f"/v1/desktops/{lease_id}", headers=headers)
+        return AsyncRemoteDesktop(self, LeaseInfo.model_validate_json(r.content))
+
+    async def release(self, lease_id: str, owner: str | None = None) -> None:
+        headers = {OWNER_HEADER: owner} if owner else {}
+        await self._request("DELETE", f"/v1/desktops/{lease_id}", headers=headers)
+
+    async def pool(self) -> dict[str, Any]:
+        return (await self._request("GET", "/v1/pool")).json()
+
+    async def healthz(self) -> dict[str, Any]:
+        return (await self._request("GET", "/healthz")).json()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncFarm":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+# ---- sync -----------------------------------------------------------------------------------
+
+
+class RemoteDesktop:
+    """One leased desktop (blocking). ``close()`` releases it; also a context manager.
+
+    The optional background heartbeat runs in a daemon thread sharing the farm's httpx.Client,
+    which is safe to use from several threads.
+    """
+
+    def __init__(self, farm: "Farm", info: LeaseInfo):
+        self.farm = farm
+        self.info = info
+        self._headers = {OWNER_HEADER: info.owner} if info.owner else {}
+        self._hb_stop: threading.Event | None = None
+        self._hb_thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def id(self) -> str:
+        return self.info.id
+
+    @property
+    def screen(self) -> tuple[int, int]:
+        return self.info.screen.width, self.info.screen.height
+
+    def _path(self, suffix: str = "") -> str:
+        return f"/v1/desktops/{self.info.id}{suffix}"
+
+    def step(self, actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None = None,
+             code_timeout: float = 30.0) -> StepResult:
+        """Run one action or a list of them (computer_13 dicts/models or pyautogui code)."""
+        body = _step_body(actions, observe, code_timeout)
+        r = self.farm._request("POST", self._path("/step"), json=body, headers=self._headers, timeout=_step_timeout(body))
+        return StepResult.model_validate_json(r.content)
+
+    def observe(self, **opts: Any) -> Observation:
+        r = self.farm._request("GET", self._path("/observation"), params=_observe_params(opts), headers=self._headers)
+        return Observation.model_validate_json(r.content)
+
+    def screenshot(self, fmt: str = "png", scale: float = 1.0, quality: int = 80) -> bytes:
+        r = self.farm._request("GET", self._path("/screenshot"), headers=self._headers,
+                               params={"format": fmt, "scale": scale, "quality": quality})
+        return r.content
+
+    def heartbeat(self, ttl_s: float | None = None) -> LeaseInfo:
+        body = {"ttl_s": ttl_s} if ttl_s is not None else {}
+        r = self.farm._request("POST", self._path("/heartbeat"), json=body, headers=self._headers)
+        self.info = LeaseInfo.model_validate_json(r.content)
+        return self.info
+
+    def start_heartbeat(self, interval: float | None = None) -> None:
+        """Keep the lease alive from a background thread (every ttl/3 by default) until close()."""
+        if self._hb_thread is not None:
+            return
+        stop = threading.Event()
+        every = _heartbeat_interval(self.info, interval)
+
+        def loop() -> None:
+            while not stop.wait(every):
+                try:
+                    self.heartbeat()
+                except (LeaseGoneError, UnknownDesktopError, ForeignLeaseError):
+                    return
+                except FarmAPIError:
+                    continue
+                except RuntimeError:  # client closed underneath us
+                    return
+
+        self._hb_stop = stop
+        self._hb_thread = threading.Thread(target=loop, name=f"osfarm-heartbeat-{self.id}", daemon=True)
+        self._hb_thread.start()
+
+    def guest(self, method: str, path: str, check: bool = True, **kw: Any) -> httpx.Response:
+        """Call the guest's OSWorld-compatible route ``path`` (e.g. ``"/execute"``) through the farm."""
+        headers = {**self._headers, **kw.pop("headers", {})}
+        kw.setdefault("timeout", 300.0)
+        return self.farm._request(method, self._path("/guest/" + path.lstrip("/")), headers=headers, check=check, **kw)
+
+    def close(self) -> None:
+        """Release the lease (idempotent; a lease already gone is not an error)."""
+        if self._hb_stop is not None and self._hb_thread is not None:
+            self._hb_stop.set()
+            self._hb_thread.join(timeout=10)
+            self._hb_thread = self._hb_stop = None
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.farm._request("DELETE", self._path(), headers=self._headers)
+        except (LeaseGoneError, UnknownDesktopError):
+            pass
+
+    release = close
+
+    def __enter__(self) -> "RemoteDesktop":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Farm:
+    """Blocking client of one farm. ``url``/``token`` default to OSFARM_URL / OSFARM_TOKEN."""
+
+    def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
+                 transport: httpx.BaseTransport | None = None):
+        self.url, token = _resolve(url, token)
+        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+                                  timeout=timeout, transport=transport)
+
+    def _request(self, method: str, path: str, check: bool = True, **kw: Any) -> httpx.Response:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise FarmUnreachableError(0, f"cannot reach the farm at {self.url}: {e}") from None
+        return _check(r) if check else r
+
+    def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0,
+              heartbeat: bool | float = False) -> RemoteDesktop:
+        """Lease a desktop. ``heartbeat=True`` (or an interval in s) keeps it alive in the background."""
+        r = self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s), timeout=wait_s + 120.0)
+        desk = RemoteDesktop(self, LeaseInfo.model_validate_json(r.content))
+        if heartbeat is not False:
+            desk.start_heartbeat(None if heartbeat is True else float(heartbeat))
+        return desk
+
+    def desktop(self, lease_id: str, owner: str | None = None) -> RemoteDesktop:
+        """Attach to an existing lease by id."""
+        headers = {OWNER_HEADER: owner} if owner else {}
+        r = self._request("GET", f"/v1/desktops/{lease_id}", headers=headers)
+        return RemoteDesktop(self, LeaseInfo.model_validate_json(r.content))
+
+    def release(self, lease_id: str, owner: str | None = None) -> None:
+        headers = {OWNER_HEADER: owner} if owner else {}
+        self._request("DELETE", f"/v1/desktops/{lease_id}", headers=headers)
+
+    def pool(self) -> dict[str, Any]:
+        return self._request("GET", "/v1/pool").json()
+
+    def healthz(self) -> dict[str, Any]:
+        return self._request("GET", "/healthz").json()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Farm":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = [
+    "AsyncFarm", "AsyncRemoteDesktop", "AuthError", "CapacityError", "Farm", "FarmAPIError",
+    "FarmUnreachableError", "ForeignLeaseError", "GuestError", "InvalidRequestError",
+    "LeaseGoneError", "RemoteDesktop", "UnknownDesktopError", "screenshot_bytes", "screenshot_image",
+]  # fmt: skip

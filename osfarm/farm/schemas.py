@@ -1,0 +1,92 @@
+"""Wire models of the farm's REST API (the guest's step/observation models are reused as-is
+from :mod:`osfarm.desktop.models`, so a client sees one shape whether it talks to a guest or
+to the farm)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from osfarm.desktop.models import ScreenSize
+
+
+class _Strict(BaseModel):
+    # Unknown keys are rejected so a typo ("ttl": 5) gets a 422 instead of being ignored.
+    model_config = ConfigDict(extra="forbid")
+
+
+class LeaseRequest(_Strict):
+    owner: str | None = Field(
+        default=None,
+        max_length=200,
+        description="who holds the lease; later calls may send it as X-Osfarm-Owner to guard "
+        "against using someone else's desktop",
+    )
+    ttl_s: float | None = Field(
+        default=None, gt=0, le=86400, description="lease expires this long after its last heartbeat"
+    )
+    wait_s: float = Field(
+        default=30.0, ge=0, le=600, description="how long to wait for a free desktop before answering 429"
+    )
+
+
+class HeartbeatRequest(_Strict):
+    ttl_s: float | None = Field(default=None, gt=0, le=86400, description="new TTL from now; default: the lease's")
+
+
+class LeaseInfo(BaseModel):
+    id: str = Field(description="lease id; use it in every /v1/desktops/{id}/... call")
+    desktop_id: str
+    owner: str | None = None
+    created_at: float = Field(description="unix time the lease was granted")
+    expires_at: float = Field(description="unix time the lease expires without a heartbeat")
+    ttl_s: float
+    wait_s: float = Field(default=0.0, description="how long the lease request waited for a desktop")
+    screen: ScreenSize
+    guest_url: str = Field(description="path of the OSWorld-compatible guest passthrough")
+
+
+class DesktopStatus(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    state: str = Field(description="starting, ready, leased, resetting, failed or stopping")
+    lease_id: str | None = None
+    since: float = Field(description="unix time the desktop entered this state")
+
+
+class PoolStatus(BaseModel):
+    """What the pool reports (keys the pool adds later pass through unchanged)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    desktops: list[DesktopStatus] = Field(default_factory=list)
+    counts: dict[str, int] = Field(default_factory=dict, description="desktops per state")
+    pool_min: int | None = None
+    pool_max: int | None = None
+    leases: int | None = Field(default=None, description="live leases")
+    start_failures: int | None = Field(default=None, description="desktop start/reset failures in a row")
+    last_error: str | None = None
+
+
+class Healthz(BaseModel):
+    status: Literal["ok"] = "ok"
+    version: str
+    provider: str
+    uptime_s: float
+    ready: bool = Field(description="the pool has started")
+
+
+class ErrorBody(BaseModel):
+    detail: str = Field(description="what went wrong, naming the offending field where there is one")
+
+
+# Responses every desktop route can give; listed once so the OpenAPI page documents them.
+DESKTOP_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorBody, "description": "missing or wrong token"},
+    403: {"model": ErrorBody, "description": "the lease belongs to another owner (X-Osfarm-Owner)"},
+    404: {"model": ErrorBody, "description": "no such lease"},
+    410: {"model": ErrorBody, "description": "the lease expired or was released, or its desktop crashed"},
+    422: {"model": ErrorBody, "description": "invalid input; the detail names the field"},
+}
