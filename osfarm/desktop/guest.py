@@ -617,7 +617,9 @@ def create_app(
         from osfarm.desktop.capture import encode_image
 
         def work() -> bytes:
-            return encode_image(desk.capture.grab(cursor=True), "png")
+            # OSWorld saves with Pillow's default zlib level (6); the compatible route keeps
+            # that so it behaves like OSWorld's. /v1/screenshot is the fast path.
+            return encode_image(desk.capture.grab(cursor=True), "png", png_level=6)
 
         return Response(await run_in_threadpool(work), media_type="image/png")
 

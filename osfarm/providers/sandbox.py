@@ -88,8 +88,8 @@ def _needed_host_paths(state_dir: Path) -> list[str]:
     hidden = [*PRIVATE_DIRS, str(state_dir)]
     out: list[str] = []
     for p in sorted({os.path.realpath(w) for w in wanted}):
-        if not os.path.isdir(p) or not any(p == h or p.startswith(h.rstrip("/") + "/") for h in hidden):
-            continue
+        if not os.path.isdir(p) or not any(p.startswith(h.rstrip("/") + "/") for h in hidden):
+            continue  # visible anyway, or a private dir itself (binding /tmp back would unshare nothing)
         if any(p.startswith(o.rstrip("/") + "/") for o in out):
             continue  # already inside a bound parent
         out.append(p)
