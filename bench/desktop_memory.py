@@ -20,17 +20,20 @@ from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopSpec
 
 
-def rss_mib(pids: list[int]) -> float:
-    total = 0
+def rss_pss_mib(pids: list[int]) -> tuple[float, float]:
+    """Summed RSS (counts shared libraries once per process) and PSS (shares them out)."""
+    rss = pss = 0
     for pid in pids:
         try:
-            total += psutil.Process(pid).memory_info().rss
+            info = psutil.Process(pid).memory_full_info()
         except psutil.Error:
-            pass
-    return total / 2**20
+            continue
+        rss += info.rss
+        pss += info.pss
+    return rss / 2**20, pss / 2**20
 
 
-async def measure(k: int) -> list[tuple[str, int, float]]:
+async def measure(k: int) -> list[tuple[str, int, float, float]]:
     settings = FarmSettings(state_dir=Path(tempfile.mkdtemp(prefix="ofm", dir="/tmp")))
     provider = make_provider(settings)
     handles = []
@@ -38,7 +41,7 @@ async def measure(k: int) -> list[tuple[str, int, float]]:
         for i in range(k):
             handles.append(await provider.start(f"m{i}", DesktopSpec(width=1920, height=1080)))
         await asyncio.sleep(2)  # let start-up allocations settle before reading RSS
-        return [(h.id, len(provider.pids(h)), rss_mib(provider.pids(h))) for h in handles]
+        return [(h.id, len(provider.pids(h)), *rss_pss_mib(provider.pids(h))) for h in handles]
     finally:
         for h in handles:
             await provider.stop(h)
@@ -48,14 +51,18 @@ async def measure(k: int) -> list[tuple[str, int, float]]:
 def main(k: int = 3) -> None:
     rows = asyncio.run(measure(k))
     table = Table(title=f"idle 1920x1080 sandbox desktops ({k} side by side)")
-    for col in ("desktop", "processes", "RSS MiB"):
+    for col in ("desktop", "processes", "RSS MiB", "PSS MiB"):
         table.add_column(col, justify="right")
-    for did, n, mib in rows:
-        table.add_row(did, str(n), f"{mib:.0f}")
-    mean = sum(r[2] for r in rows) / len(rows)
+    for did, n, rss, pss in rows:
+        table.add_row(did, str(n), f"{rss:.0f}", f"{pss:.0f}")
+    rss = sum(r[2] for r in rows) / len(rows)
+    pss = sum(r[3] for r in rows) / len(rows)
     avail = psutil.virtual_memory().available / 2**20
     Console().print(table)
-    Console().print(f"mean {mean:.0f} MiB per idle desktop; {avail:.0f} MiB available -> about {int(avail // mean)} idle desktops fit (apps add more)")
+    Console().print(
+        f"per idle desktop: {rss:.0f} MiB summed RSS, {pss:.0f} MiB PSS; {avail:.0f} MiB available -> "
+        f"{int(avail // rss)} (by RSS) to {int(avail // pss)} (by PSS) idle desktops fit; apps add more"
+    )
 
 
 if __name__ == "__main__":

@@ -905,7 +905,7 @@ def create_app(
         """Everything an agent sees, gathered in parallel threads (the a11y tree is the slow part)."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from osfarm.desktop.capture import encode_image
+        from osfarm.desktop.capture import encode_frame
 
         t0 = time.perf_counter()
         w, h = desk.screen_size()
@@ -914,14 +914,14 @@ def create_app(
             fut_a11y = pool.submit(_a11y_tree) if opts.a11y else None
             fut_win = pool.submit(desk.windows) if opts.windows else None
             if opts.screenshot:
-                img = desk.capture.grab(cursor=True)
-                data = encode_image(img, opts.format, opts.scale, opts.quality)
+                frame = desk.capture.grab_frame(cursor=True)
+                data = encode_frame(frame, opts.format, opts.scale, opts.quality)
                 obs.screenshot = base64.b64encode(data).decode("ascii")
                 obs.format = opts.format
                 if opts.scale < 1:
-                    obs.width, obs.height = max(1, round(img.width * opts.scale)), max(1, round(img.height * opts.scale))
+                    obs.width, obs.height = max(1, round(frame.width * opts.scale)), max(1, round(frame.height * opts.scale))
                 else:
-                    obs.width, obs.height = img.width, img.height
+                    obs.width, obs.height = frame.width, frame.height
             if opts.cursor:
                 obs.cursor = tuple(desk.input.cursor_position())  # type: ignore[assignment]
             if fut_win is not None:
@@ -1000,14 +1000,14 @@ def create_app(
         quality: int = Query(80, ge=1, le=100),
         cursor: bool = True,
     ) -> Response:
-        from osfarm.desktop.capture import encode_image
+        from osfarm.desktop.capture import encode_frame
 
         def work() -> tuple[bytes, int, int]:
-            img = desk.capture.grab(cursor=cursor)
-            data = encode_image(img, format, scale, quality)
+            frame = desk.capture.grab_frame(cursor=cursor)
+            data = encode_frame(frame, format, scale, quality)
             if scale < 1:
-                return data, max(1, round(img.width * scale)), max(1, round(img.height * scale))
-            return data, img.width, img.height
+                return data, max(1, round(frame.width * scale)), max(1, round(frame.height * scale))
+            return data, frame.width, frame.height
 
         data, w, h = await run_in_threadpool(work)
         return Response(data, media_type=MEDIA_TYPES[format],

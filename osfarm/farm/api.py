@@ -36,6 +36,7 @@ from osfarm.desktop.actions import ActionError, check_on_screen, parse_action
 from osfarm.desktop.models import ImageFormat, Observation, ObserveOptions, StepRequest, StepResult
 from osfarm.farm.auth import TokenAuth
 from osfarm.farm.errors import CapacityError, FarmError
+from osfarm.farm.guest_link import GuestLink, GuestReply, GuestTimeout, GuestUnreachable
 from osfarm.farm.schemas import (
     DESKTOP_ERRORS,
     ErrorBody,
@@ -53,6 +54,7 @@ log = logging.getLogger("osfarm.farm.api")
 # min for a window; /execute runs commands for up to 120 s): no read timeout beyond this.
 PASSTHROUGH_TIMEOUT = httpx.Timeout(connect=10.0, read=1900.0, write=120.0, pool=60.0)
 NATIVE_TIMEOUT = httpx.Timeout(connect=10.0, read=120.0, write=60.0, pool=60.0)
+NATIVE_TIMEOUT_S = 120.0
 # Errors that mean "the guest did not answer at all" (socket gone, process died mid-reply).
 _UNREACHABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 # Hop-by-hop or recomputed headers that must not be copied between the two connections.
@@ -78,7 +80,8 @@ class ApiError(Exception):
 @dataclass
 class _GuestConn:
     endpoint: GuestEndpoint
-    client: httpx.AsyncClient
+    client: httpx.AsyncClient  # passthrough (streaming)
+    link: GuestLink  # native hot path
 
 
 class FarmState:
@@ -116,6 +119,7 @@ class FarmState:
     async def close(self) -> None:
         for conn in list(self._guests.values()):
             await conn.client.aclose()
+            await conn.link.aclose()
         self._guests.clear()
         pool, provider = self.pool, self.provider
         self.pool = self.provider = None
@@ -129,21 +133,25 @@ class FarmState:
             raise ApiError(503, "the farm is starting or stopping", {"Retry-After": "1"})
         return self.pool
 
-    def guest(self, lease: Any) -> httpx.AsyncClient:
-        """The desktop's pooled client; a new one when the desktop's endpoint changed (reset)."""
+    def guest(self, lease: Any) -> _GuestConn:
+        """The desktop's pooled connections; new ones when the desktop's endpoint changed (reset)."""
         conn = self._guests.get(lease.desktop_id)
         if conn is not None and conn.endpoint == lease.endpoint:
-            return conn.client
+            return conn
         if conn is not None:
-            asyncio.get_running_loop().create_task(conn.client.aclose())
-        client = lease.endpoint.client(timeout=NATIVE_TIMEOUT.read or 120.0)
-        self._guests[lease.desktop_id] = _GuestConn(lease.endpoint, client)
-        return client
+            loop = asyncio.get_running_loop()
+            loop.create_task(conn.client.aclose())
+            loop.create_task(conn.link.aclose())
+        conn = _GuestConn(lease.endpoint, lease.endpoint.client(timeout=NATIVE_TIMEOUT.read or 120.0),
+                          GuestLink(lease.endpoint))
+        self._guests[lease.desktop_id] = conn
+        return conn
 
     async def drop_guest(self, desktop_id: str) -> None:
         conn = self._guests.pop(desktop_id, None)
         if conn is not None:
             await conn.client.aclose()
+            await conn.link.aclose()
 
     async def unreachable(self, lease: Any, exc: Exception) -> ApiError:
         """Decide what a failed guest call means, and return the error to answer.
@@ -210,7 +218,7 @@ def _format_validation(errors: list[dict[str, Any]]) -> tuple[int, str]:
     return 422, "; ".join(parts) or "invalid request"
 
 
-def _guest_error(r: httpx.Response) -> ApiError:
+def _guest_error(r: httpx.Response | GuestReply) -> ApiError:
     """Map a guest's error reply to ours: its 4xx stay (bad input), anything else is 502."""
     try:
         body = r.json()
@@ -293,14 +301,14 @@ def create_app(settings: FarmSettings, provider: Any = None) -> FastAPI:
 
     # ---- helpers shared by the desktop routes ----
 
-    async def guest_call(lease: Any, method: str, path: str, timeout: httpx.Timeout = NATIVE_TIMEOUT, **kw: Any) -> httpx.Response:
-        client = state.guest(lease)
+    async def guest_call(lease: Any, method: str, path: str, timeout_s: float = NATIVE_TIMEOUT_S, **kw: Any) -> GuestReply:
+        link = state.guest(lease).link
         try:
-            r = await client.request(method, path, timeout=timeout, **kw)
-        except _UNREACHABLE as e:
+            r = await link.request(method, path, timeout_s=timeout_s, **kw)
+        except GuestUnreachable as e:
             raise await state.unreachable(lease, e) from None
-        except httpx.TimeoutException as e:
-            raise ApiError(504, f"the desktop's guest server did not answer in time ({_describe(e)})") from None
+        except GuestTimeout as e:
+            raise ApiError(504, f"the desktop's guest server did not answer in time ({e})") from None
         if r.status_code >= 400:
             raise _guest_error(r)
         return r
@@ -363,9 +371,9 @@ def create_app(settings: FarmSettings, provider: Any = None) -> FastAPI:
                 check_on_screen(action, width, height, f"actions.{i}")
             except ActionError as e:
                 raise ApiError(422, str(e)) from None
-        timeout = httpx.Timeout(connect=10.0, read=req.code_timeout * len(req.actions) + 60.0, write=60.0, pool=60.0)
+        timeout_s = req.code_timeout * len(req.actions) + 60.0
         t0 = time.perf_counter()
-        r = await guest_call(lease, "POST", "/v1/step", json=req.model_dump(mode="json"), timeout=timeout)
+        r = await guest_call(lease, "POST", "/v1/step", json=req.model_dump(mode="json"), timeout_s=timeout_s)
         _observe_step(time.perf_counter() - t0)
         # The guest already speaks StepResult: pass its bytes through rather than re-encode them.
         return Response(r.content, media_type="application/json")
@@ -415,7 +423,7 @@ def create_app(settings: FarmSettings, provider: Any = None) -> FastAPI:
         url = "/" + quote(path, safe="/:@!$&'()*+,;=-._~")
         if request.url.query:
             url += "?" + request.url.query
-        client = state.guest(lease)
+        client = state.guest(lease).client
         # Stream both ways: uploads and recordings can be large, and a chunked copy keeps
         # the farm's memory flat.
         req = client.build_request(
