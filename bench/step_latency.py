@@ -65,7 +65,7 @@ def main(n: int = 20) -> None:
             }
             times: dict[str, list[float]] = {k: [] for k in paths}
             rng = random.Random(0)
-            for name, fn in paths.items():  # warm-up: imports, connections, page cache
+            for fn in paths.values():  # warm-up: imports, connections, page cache
                 fn(900, 500)
             with console.status("measuring") as status:
                 for i in range(n):

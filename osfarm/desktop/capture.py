@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING

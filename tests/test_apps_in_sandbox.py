@@ -1,0 +1,94 @@
+"""Real apps inside a real sandbox desktop, seen through the guest's OSWorld routes.
+
+This is the path every agent takes: LibreOffice Calc and Chromium are launched by /setup/launch
+in a bubblewrap box, and /accessibility must show their widgets (the session launcher sets up
+the AT-SPI bus and the toolkit variables; nothing here does it by hand).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from osfarm.config import FarmSettings
+from osfarm.providers.base import DesktopSpec
+from osfarm.providers.sandbox import SandboxProvider
+
+pytestmark = pytest.mark.slow
+
+PAGE = """<!doctype html><html><head><title>osfarm a11y page</title></head>
+<body><h1>Checkout</h1><button id="b">Press me</button> <a href="#x">Read the terms</a></body></html>"""
+
+
+@pytest.fixture(scope="module")
+async def guest() -> AsyncIterator[httpx.AsyncClient]:
+    state = Path(tempfile.mkdtemp(prefix="ofa", dir="/tmp"))
+    provider = SandboxProvider(FarmSettings(state_dir=state))
+    handle = await provider.start("apps", DesktopSpec(width=1280, height=800))
+    try:
+        async with handle.endpoint.client(timeout=120) as client:
+            yield client
+    finally:
+        await provider.stop(handle)
+        await provider.close()
+
+
+async def _launch(c: httpx.AsyncClient, command: list[str], wm_class: str) -> None:
+    r = await c.post("/setup/launch", json={"command": command})
+    assert r.status_code == 200, r.text
+    r = await c.post("/v1/wait_for_window", json={"wm_class": wm_class, "timeout": 120})
+    assert r.status_code == 200 and r.json()["ok"], f"no {wm_class} window: {r.text}"
+
+
+async def _tree_until(c: httpx.AsyncClient, found: Callable[[ET.Element], bool], timeout: float = 90) -> ET.Element:
+    """Poll /accessibility until ``found`` holds: apps publish their widgets a while after mapping."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    while True:
+        r = await c.get("/accessibility")
+        assert r.status_code == 200, r.text
+        last = r.json()["AT"]
+        root = ET.fromstring(last)
+        if found(root):
+            return root
+        if time.monotonic() > deadline:
+            raise AssertionError(f"widget not in the a11y tree after {timeout}s; tree starts:\n{last[:3000]}")
+        await asyncio.sleep(0.5)
+
+
+def _named(root: ET.Element, tag_part: str, name: str) -> list[ET.Element]:
+    return [e for e in root.iter() if tag_part in e.tag and name in (e.get("name") or "") + (e.text or "")]
+
+
+async def test_calc_widgets_in_accessibility_tree(guest: httpx.AsyncClient) -> None:
+    csv = "name,score\nAlice,91\nBob,78\n"
+    r = await guest.post("/setup/upload", data={"file_path": "/home/user/scores.csv"},
+                         files={"file_data": ("scores.csv", csv.encode())})
+    assert r.status_code == 200, r.text
+    # The CSV filter options skip the import dialog (comma, quote, UTF-8, from line 1).
+    await _launch(guest, ["soffice", "--calc", "--norestore", "--nologo",
+                          "--infilter=CSV:44,34,76,1", "/home/user/scores.csv"], "libreoffice")
+    root = await _tree_until(guest, lambda t: bool(_named(t, "table-cell", "Alice")))
+    assert root.tag == "desktop-frame"
+    assert _named(root, "table-cell", "91"), "cell B2 (91) missing"
+    assert _named(root, "menu", "File"), "Calc's File menu missing"
+    r = await guest.get("/v1/observation", params={"a11y": "true", "screenshot": "false"})
+    assert r.status_code == 200 and "Alice" in r.json()["a11y"]
+
+
+async def test_chromium_page_widgets_in_accessibility_tree(guest: httpx.AsyncClient) -> None:
+    r = await guest.post("/setup/upload", data={"file_path": "/home/user/page.html"},
+                         files={"file_data": ("page.html", PAGE.encode())})
+    assert r.status_code == 200, r.text
+    await _launch(guest, ["chromium", "--no-sandbox", "--force-renderer-accessibility", "--no-first-run",
+                          "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                          "--disable-gpu", "file:///home/user/page.html"], "chromium")
+    root = await _tree_until(guest, lambda t: bool(_named(t, "push-button", "Press me")))
+    assert _named(root, "link", "Read the terms"), "the page's link is missing"
