@@ -539,6 +539,10 @@ class Session:
         address = r.stdout.strip()
         if r.returncode != 0 or not address:
             return
+        # Apps launched from now on get the bus directly instead of reading it from the X root
+        # window, which any client of this display may overwrite.
+        self.env["AT_SPI_BUS_ADDRESS"] = address
+        os.environ["AT_SPI_BUS_ADDRESS"] = address
         subprocess.run(
             ["dbus-send", f"--bus={address}", "--print-reply", "--dest=org.freedesktop.DBus",
              "/org/freedesktop/DBus", "org.freedesktop.DBus.StartServiceByName",
