@@ -11,7 +11,6 @@ and exits 1; neither prints a traceback.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import signal
@@ -29,6 +28,8 @@ from rich.panel import Panel
 from rich.table import Table
 
 from osfarm.config import ConfigError, FarmSettings, load_settings
+from osfarm.desktop.session import is_loopback_host
+from osfarm.tasks.cli import tasks_app
 
 app = typer.Typer(
     name="osfarm",
@@ -43,6 +44,7 @@ desktop_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(desktop_app, name="desktop")
+app.add_typer(tasks_app, name="tasks")
 
 out = Console()
 err = Console(stderr=True)
@@ -142,15 +144,6 @@ def setup_logging(level: str = "info", fmt: str = "logfmt") -> None:
 # ---- serve ------------------------------------------------------------------------------------
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -184,7 +177,7 @@ def serve(
         config, provider=provider, pool_min=pool_size, pool_max=pool_max, host=host, port=port, token=token,
         width=width, height=height, state_dir=state_dir,
     )  # fmt: skip
-    if not _is_loopback(settings.host) and not allow_remote:
+    if not is_loopback_host(settings.host) and not allow_remote:
         raise _fail(
             f"refusing to listen on {settings.host}: the farm API drives desktops and runs commands in them; "
             "bind a loopback address, or pass --allow-remote if the network is trusted",

@@ -11,7 +11,6 @@ import io
 import json
 import os
 import select
-import shutil
 import subprocess
 import sys
 import time
@@ -27,14 +26,16 @@ from osfarm.desktop.actions import ActionError, parse_action
 from osfarm.desktop.capture import ScreenCapture, encode_image
 from osfarm.desktop.coderunner import CodeRunner
 from osfarm.desktop.xinput import InputController
+from waiting import wait_until
 
 SYS_PYTHON = "/usr/bin/python3"
 W, H = 1280, 800
 
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("Xvfb") and shutil.which("openbox") and os.path.exists(SYS_PYTHON)),
-    reason="needs Xvfb, openbox and /usr/bin/python3 with tkinter",
-)
+
+
+def _wait(pred: Callable[[], Any], timeout: float = 5.0, what: str | Callable[[], str] = "condition") -> Any:
+    return wait_until(pred, timeout, what, interval=0.02)
+
 
 TK_APP = r'''
 import json, os, sys, tkinter as tk
@@ -72,16 +73,6 @@ root.mainloop()
 '''
 
 
-def _wait(pred: Callable[[], Any], timeout: float = 5.0, what: str | Callable[[], str] = "condition") -> Any:
-    """Poll ``pred`` until truthy; ``what`` (or its value, if callable) names it in the failure."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
-        time.sleep(0.02)
 
 
 def _stop(p: subprocess.Popen) -> None:

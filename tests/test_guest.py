@@ -19,6 +19,7 @@ import pytest
 from PIL import Image
 
 from osfarm.desktop.session import descendants
+from waiting import wait_until
 
 TOKEN = "test-token-guest"
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,15 +27,6 @@ W, H = 1280, 800
 TERM_TITLE = "ofterm"
 
 
-def wait_until(pred, timeout: float, what: str, interval: float = 0.05):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 class Guest:

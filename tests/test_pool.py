@@ -11,9 +11,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import psutil
 import pytest
 from prometheus_client import generate_latest
 
@@ -22,37 +21,8 @@ from osfarm.farm.errors import CapacityError, ForeignLease, LeaseGone, UnknownDe
 from osfarm.farm.metrics import REGISTRY
 from osfarm.farm.pool import LeasePool
 from osfarm.providers.sandbox import SANDBOX_ENV, SandboxProvider
-
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("bwrap") and shutil.which("Xvfb")), reason="needs bubblewrap and Xvfb"
-)
-
-
-def box_processes(state_dir: Path) -> list[psutil.Process]:
-    prefix = f"{state_dir}/sandbox/"
-    found = []
-    for p in psutil.process_iter(["name", "cmdline", "status"]):
-        if p.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        try:
-            if p.info["name"] == "bwrap" and any(a.startswith(prefix) for a in p.info["cmdline"] or ()):
-                found.append(p)
-            elif p.environ().get(SANDBOX_ENV, "").startswith(prefix):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
-async def wait_until(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
+from boxes import box_processes
+from waiting import async_wait_until as wait_until
 
 
 def counts(pool: LeasePool) -> dict[str, int]:

@@ -19,11 +19,9 @@ import pytest
 from osfarm.config import FarmSettings
 from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopHandle, DesktopSpec, ProviderError
-from osfarm.providers.sandbox import SANDBOX_ENV, SandboxProvider
+from osfarm.providers.sandbox import SandboxProvider
+from boxes import box_processes
 
-pytestmark = pytest.mark.skipif(
-    not (shutil.which("bwrap") and shutil.which("Xvfb")), reason="needs bubblewrap and Xvfb"
-)
 
 SPEC = DesktopSpec(width=1024, height=768, private_network=False)  # the shared-network path: X display numbers must not clash
 REPO = Path(__file__).resolve().parent.parent
@@ -39,23 +37,6 @@ def dead(pid: int) -> bool:
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
-
-
-def box_processes(state_dir: Path) -> list[psutil.Process]:
-    """Live (non-zombie) processes that belong to sandboxes under ``state_dir``."""
-    prefix = f"{state_dir}/sandbox/"
-    found = []
-    for p in psutil.process_iter(["name", "cmdline", "status"]):
-        if p.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        try:
-            if p.info["name"] == "bwrap" and any(a.startswith(prefix) for a in p.info["cmdline"] or ()):
-                found.append(p)
-            elif p.environ().get(SANDBOX_ENV, "").startswith(prefix):
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
 
 
 async def wait_no_box_processes(state_dir: Path, timeout: float = 5.0) -> list[psutil.Process]:

@@ -16,20 +16,12 @@ import httpx
 import pytest
 
 from osfarm.desktop.session import descendants
+from waiting import wait_until
 
 TOKEN = "test-token-session"
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def wait_until(pred, timeout: float, what: str, interval: float = 0.02):  # noqa: ANN001, ANN201
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def alive(pid: int) -> bool:

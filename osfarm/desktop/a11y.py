@@ -66,7 +66,6 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 __all__ = [

@@ -696,7 +696,8 @@ class Session:
 # --------------------------------------------------------------------------- CLI
 
 
-def _loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """True for localhost and loopback addresses (the only places our servers may listen)."""
     if host == "localhost":
         return True
     try:
@@ -770,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --socket PATH or --port N")
     if args.socket and len(os.fsencode(args.socket)) >= 108:
         parser.error(f"--socket path is {len(os.fsencode(args.socket))} bytes; unix sockets allow at most 107")
-    if args.socket is None and not _loopback(args.host) and not args.allow_non_loopback:
+    if args.socket is None and not is_loopback_host(args.host) and not args.allow_non_loopback:
         parser.error(f"--host {args.host} is not a loopback address; the guest only binds loopback "
                      "or a unix socket (use --allow-non-loopback inside a VM)")
     try:

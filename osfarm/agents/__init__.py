@@ -1,0 +1,55 @@
+"""Agents for the benchmark harness, built by name: ``make_agent("noop")``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from osfarm.agents.base import (
+    ACTION_SPACES,
+    SPECIAL_ACTIONS,
+    Action,
+    ActionSpace,
+    Agent,
+    special,
+    special_action,
+)
+from osfarm.agents.trivial import FailAgent, NoopAgent
+
+AGENTS: dict[str, Callable[..., Agent]] = {
+    "noop": NoopAgent,
+    "fail": FailAgent,
+}
+# Names reserved for agents that are planned but not written yet.
+PLANNED: dict[str, str] = {
+    "replay": "replays a recorded trajectory's actions",
+}
+
+
+class UnknownAgent(ValueError):
+    pass
+
+
+def make_agent(name: str, **kw: Any) -> Agent:
+    """Build the agent registered as ``name`` with keyword options (e.g. ``action_space``)."""
+    if name in AGENTS:
+        return AGENTS[name](**kw)
+    if name in PLANNED:
+        raise UnknownAgent(f"agent {name!r} ({PLANNED[name]}) is not built yet; available: {', '.join(AGENTS)}")
+    raise UnknownAgent(f"unknown agent {name!r}; available: {', '.join(AGENTS)}")
+
+
+__all__ = [
+    "ACTION_SPACES",
+    "AGENTS",
+    "SPECIAL_ACTIONS",
+    "Action",
+    "ActionSpace",
+    "Agent",
+    "FailAgent",
+    "NoopAgent",
+    "UnknownAgent",
+    "make_agent",
+    "special",
+    "special_action",
+]

@@ -1,0 +1,319 @@
+"""Word-processor metrics compatible with OSWorld's ``metrics/docs.py``.
+
+Names, signatures and scoring follow upstream; every metric is a pure function over file paths
+and never raises: a missing, None or unreadable document scores 0.0.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import logging
+import os
+import re
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+from docx import Document
+from docx.enum.text import WD_PARAGRAPH_ALIGNMENT
+from lxml import etree
+
+logger = logging.getLogger("osfarm.evaluators.metrics.docs")
+
+
+def _never_raises(fn: Callable[..., float]) -> Callable[..., float]:
+    """Metric contract: an unexpected document shape (odd table grid, missing part) scores
+    0.0 instead of aborting the whole evaluation."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> float:
+        try:
+            return float(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - metrics never raise; any failure scores 0.0
+            logger.info("%s failed: %s", fn.__name__, exc)
+            return 0.0
+
+    return wrapper
+
+_W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+_ODF_TEXT = "urn:oasis:names:tc:opendocument:xmlns:text:1.0"
+
+
+def _open(path: str | None) -> Any:
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        return Document(path)
+    except Exception as exc:  # noqa: BLE001 - not a docx
+        logger.info("cannot open %s: %s", path, exc)
+        return None
+
+
+def _odt_paragraphs(path: str) -> list[str] | None:
+    """Paragraph texts of an .odt (text:p / text:h in content.xml, spans flattened)."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            root = etree.fromstring(zf.read("content.xml"))
+    except Exception as exc:  # noqa: BLE001 - metrics never raise; any failure scores 0.0
+        logger.info("cannot open %s: %s", path, exc)
+        return None
+    return ["".join(p.itertext()) for p in root.iter(f"{{{_ODF_TEXT}}}p", f"{{{_ODF_TEXT}}}h")]
+
+
+def _paragraphs(path: str | None) -> list[str] | None:
+    if not path or not os.path.isfile(path):
+        return None
+    if path.endswith(".odt"):
+        return _odt_paragraphs(path)
+    doc = _open(path)
+    return None if doc is None else [p.text for p in doc.paragraphs]
+
+
+def _ratio(a: str, b: str) -> float:
+    """Indel similarity in [0, 1] (rapidfuzz ``fuzz.ratio`` / 100), via LCS.
+
+    Memory is O(len(b)); long documents are fine, time is O(len(a) * len(b))."""
+    if not a and not b:
+        return 1.0
+    prev = [0] * (len(b) + 1)
+    for ca in a:
+        cur = [0] * (len(b) + 1)
+        for j in range(1, len(b) + 1):
+            cur[j] = prev[j - 1] + 1 if ca == b[j - 1] else (max(cur[j - 1], prev[j]))
+        prev = cur
+    return 2.0 * prev[-1] / (len(a) + len(b))
+
+
+def _squash(paragraphs: list[str]) -> str:
+    return re.sub(r"\s+", " ", "\n".join(paragraphs)).strip()
+
+
+@_never_raises
+def compare_docx_files(file1: str | None, file2: str | None, **options: Any) -> float:
+    """Text comparison of two .docx (or two .odt) documents.
+
+    Options (OSWorld defaults): ignore_blanks=True (whitespace runs collapse, whole text
+    compared), ignore_case=False, ignore_order=False (sort paragraphs), content_only=False
+    (return the fuzzy ratio of the squashed texts), fuzzy_match=False (ratio instead of
+    equality; with fuzzy_match_threshold it becomes pass/fail), delete_empty_lines=False.
+    """
+    if not file1 or not file2:
+        return 0.0
+    ext1, ext2 = os.path.splitext(file1)[1], os.path.splitext(file2)[1]
+    if ext1 != ext2 or ext1 not in {".docx", ".odt"}:
+        return 0.0
+    p1, p2 = _paragraphs(file1), _paragraphs(file2)
+    if p1 is None or p2 is None:
+        return 0.0
+    ignore_case = options.get("ignore_case", False)
+    threshold = options.get("fuzzy_match_threshold")
+    if options.get("ignore_order", False):
+        p1, p2 = sorted(p1), sorted(p2)
+    if options.get("delete_empty_lines", False):
+        p1, p2 = [p for p in p1 if p.strip()], [p for p in p2 if p.strip()]
+
+    if options.get("content_only", False) or options.get("ignore_blanks", True):
+        t1, t2 = _squash(p1), _squash(p2)
+        if ignore_case:
+            t1, t2 = t1.lower(), t2.lower()
+        if options.get("content_only", False):
+            return _ratio(t1, t2)
+        if options.get("fuzzy_match", False):
+            sim = _ratio(t1, t2)
+            return float(sim >= threshold) if threshold is not None else sim
+        return 1.0 if t1 == t2 else 0.0
+
+    if len(p1) != len(p2):
+        return 0.0
+    if ignore_case:
+        p1, p2 = [p.lower() for p in p1], [p.lower() for p in p2]
+    if options.get("fuzzy_match", False):
+        if not p1:
+            return 1.0
+        sims = [_ratio(a, b) for a, b in zip(p1, p2)]
+        if threshold is not None:
+            sims = [float(s >= threshold) for s in sims]
+        return sum(sims) / len(sims)
+    return 1.0 if p1 == p2 else 0.0
+
+
+@_never_raises
+def compare_docx_files_and_ignore_new_lines(file1: str | None, file2: str | None, **options: Any) -> float:
+    """Like compare_docx_files but blank paragraphs are dropped before comparing."""
+    return compare_docx_files(file1, file2, **{**options, "delete_empty_lines": True})
+
+
+@_never_raises
+def compare_docx_tables(docx_file1: str | None, docx_file2: str | None) -> float:
+    """1.0 iff both documents have the same tables, cell texts equal after strip."""
+    d1, d2 = _open(docx_file1), _open(docx_file2)
+    if d1 is None or d2 is None or len(d1.tables) != len(d2.tables):
+        return 0.0
+    for t1, t2 in zip(d1.tables, d2.tables):
+        if len(t1.rows) != len(t2.rows) or len(t1.columns) != len(t2.columns):
+            return 0.0
+        for i in range(len(t1.rows)):
+            for j in range(len(t1.columns)):
+                if t1.cell(i, j).text.strip() != t2.cell(i, j).text.strip():
+                    return 0.0
+    return 1.0
+
+
+@_never_raises
+def compare_line_spacing(docx_file1: str | None, docx_file2: str | None) -> float:
+    """1.0 iff the texts match (compare_docx_files) and every paragraph's line spacing is equal."""
+    if not compare_docx_files(docx_file1, docx_file2):
+        return 0.0
+    d1, d2 = _open(docx_file1), _open(docx_file2)
+    if d1 is None or d2 is None or len(d1.paragraphs) != len(d2.paragraphs):
+        return 0.0
+    for a, b in zip(d1.paragraphs, d2.paragraphs):
+        if a.paragraph_format.line_spacing != b.paragraph_format.line_spacing:
+            return 0.0
+    return 1.0
+
+
+@_never_raises
+def contains_page_break(docx_file: str | None, rules: dict[str, Any] | None = None) -> float:
+    """1.0 iff the body has at least one ``<w:br w:type="page"/>`` in a run, and exactly
+    ``rules["page_break_count"]`` of them when that is given."""
+    doc = _open(docx_file)
+    if doc is None:
+        return 0.0
+    count = 0
+    for para in doc.paragraphs:
+        for run in para.runs:
+            count += sum(1 for br in run.element.iter(f"{_W}br") if br.get(f"{_W}type") == "page")
+    expected = (rules or {}).get("page_break_count")
+    if expected is not None and count != expected:
+        return 0.0
+    return 1.0 if count > 0 else 0.0
+
+
+@_never_raises
+def is_first_line_centered(docx_file: str | None) -> float:
+    doc = _open(docx_file)
+    if doc is None or not doc.paragraphs:
+        return 0.0
+    return 1.0 if doc.paragraphs[0].paragraph_format.alignment == WD_PARAGRAPH_ALIGNMENT.CENTER else 0.0
+
+
+@_never_raises
+def compare_font_names(docx_file: str | None, rules: dict[str, Any]) -> float:
+    """1.0 iff every run of every body paragraph has font ``rules["font_name"]``."""
+    doc = _open(docx_file)
+    if doc is None or not rules or "font_name" not in rules:
+        return 0.0
+    want = rules["font_name"]
+    return 0.0 if any(r.font.name != want for p in doc.paragraphs for r in p.runs) else 1.0
+
+
+@_never_raises
+def check_italic_font_size_14(path1: str | None, path2: str | None) -> float:
+    """1.0 iff the texts match and every italic run is 14 pt."""
+    if not compare_docx_files(path1, path2):
+        return 0.0
+    doc = _open(path1)
+    if doc is None:
+        return 0.0
+    for p in doc.paragraphs:
+        for r in p.runs:
+            if r.italic and (r.font.size is None or r.font.size.pt != 14):
+                return 0.0
+    return 1.0
+
+
+@_never_raises
+def evaluate_strike_through_last_paragraph(file_path1: str | None, file_path2: str | None) -> float:
+    """1.0 iff the texts match and every run of the last paragraph is struck through."""
+    if not compare_docx_files(file_path1, file_path2):
+        return 0.0
+    doc = _open(file_path1)
+    if doc is None or not doc.paragraphs:
+        return 0.0
+    return 1.0 if all(r.font.strike for r in doc.paragraphs[-1].runs) else 0.0
+
+
+@_never_raises
+def compare_subscript_contains(docx_file1: str | None, docx_file2: str | None) -> float:
+    """1.0 iff some aligned pair of runs is subscript in both documents."""
+    d1, d2 = _open(docx_file1), _open(docx_file2)
+    if d1 is None or d2 is None:
+        return 0.0
+    for p1, p2 in zip(d1.paragraphs, d2.paragraphs):
+        for r1, r2 in zip(p1.runs, p2.runs):
+            if r1.font.subscript and r2.font.subscript:
+                return 1.0
+    return 0.0
+
+
+@_never_raises
+def has_page_numbers_in_footers(docx_file: str | None) -> float:
+    """1.0 iff every section's footer's first paragraph contains a digit.
+
+    A PAGE field that Writer saved with its cached value counts; an empty field does not."""
+    doc = _open(docx_file)
+    if doc is None:
+        return 0.0
+    for section in doc.sections:
+        paras = section.footer.paragraphs
+        text = "".join(paras[0]._p.itertext()) if paras else ""
+        if not any(c.isdigit() for c in text):
+            return 0.0
+    return 1.0
+
+
+def _image_blobs(doc: Any) -> list[bytes]:
+    return [rel.target_part.blob for rel in doc.part.rels.values() if "image" in rel.reltype]
+
+
+@_never_raises
+def compare_docx_images(docx_file1: str | None, docx_file2: str | None) -> float:
+    """1.0 iff both documents embed the same number of images with identical pixels."""
+    from PIL import Image
+
+    d1, d2 = _open(docx_file1), _open(docx_file2)
+    if d1 is None or d2 is None:
+        return 0.0
+    b1, b2 = _image_blobs(d1), _image_blobs(d2)
+    if len(b1) != len(b2):
+        return 0.0
+    try:
+        for x, y in zip(b1, b2):
+            if Image.open(io.BytesIO(x)).tobytes() != Image.open(io.BytesIO(y)).tobytes():
+                return 0.0
+    except Exception as exc:  # noqa: BLE001 - undecodable image part
+        logger.info("compare_docx_images: %s", exc)
+        return 0.0
+    return 1.0
+
+
+@_never_raises
+def compare_contains_image(docx_file1: str | None, docx_file2: str | None) -> float:
+    """1.0 iff aligned runs agree on whether they hold a drawing."""
+    d1, d2 = _open(docx_file1), _open(docx_file2)
+    if d1 is None or d2 is None:
+        return 0.0
+    for p1, p2 in zip(d1.paragraphs, d2.paragraphs):
+        for r1, r2 in zip(p1.runs, p2.runs):
+            if ("graphicData" in r1._element.xml) != ("graphicData" in r2._element.xml):
+                return 0.0
+    return 1.0
+
+
+METRICS: dict[str, Callable[..., float]] = {
+    "compare_docx_files": compare_docx_files,
+    "compare_docx_files_and_ignore_new_lines": compare_docx_files_and_ignore_new_lines,
+    "compare_docx_tables": compare_docx_tables,
+    "compare_line_spacing": compare_line_spacing,
+    "contains_page_break": contains_page_break,
+    "is_first_line_centered": is_first_line_centered,
+    "compare_font_names": compare_font_names,
+    "check_italic_font_size_14": check_italic_font_size_14,
+    "evaluate_strike_through_last_paragraph": evaluate_strike_through_last_paragraph,
+    "compare_subscript_contains": compare_subscript_contains,
+    "has_page_numbers_in_footers": has_page_numbers_in_footers,
+    "compare_docx_images": compare_docx_images,
+    "compare_contains_image": compare_contains_image,
+}
