@@ -32,6 +32,9 @@ class FarmSettings(BaseSettings):
     pool_min: int = Field(default=1, ge=0, description="desktops kept warm (ready, unleased)")
     pool_max: int = Field(default=4, ge=1, description="most desktops alive at once")
     lease_ttl_s: float = Field(default=300.0, gt=0, description="a lease expires this long after its last heartbeat")
+    idle_stop_s: float = Field(
+        default=120.0, gt=0, description="ready desktops above pool_min are stopped after idling this long"
+    )
     width: int = Field(default=1920, ge=320, le=7680)
     height: int = Field(default=1080, ge=200, le=4320)
     depth: Literal[16, 24] = 24

@@ -89,6 +89,19 @@ async def test_warm_lease_release_reset_cycle(make_pool):
     assert 'osfarm_desktops{state="ready"}' in text and "osfarm_reset_seconds_count" in text
 
 
+async def test_idle_desktops_above_pool_min_are_stopped(make_pool):
+    pool = await make_pool(pool_min=0, pool_max=2, idle_stop_s=1.0)
+    a, b = await pool.lease(), await pool.lease()  # a burst: two cold starts
+    await pool.release(a.id)
+    await pool.release(b.id)
+    await wait_until(lambda: counts(pool)["ready"] == 2, 60, "both desktops reset and ready")
+    # pool_min is 0: once idle for idle_stop_s, both are stopped and nothing is restarted.
+    await wait_until(lambda: not pool.status()["desktops"], 30, "idle desktops stopped")
+    assert counts(pool)["ready"] == 0
+    c = await pool.lease()  # the pool still serves (a cold start)
+    assert pool.get(c.id) is c
+
+
 async def test_expiry_without_heartbeat_recycles(make_pool):
     pool = await make_pool(pool_min=1, pool_max=1)
     await pool.wait_warm(60)

@@ -542,7 +542,21 @@ class LeasePool:
                     self._fail(d, reason, kind="crashed")
             else:
                 self._fail(d, reason, kind="crashed")
+        self._scale_down()
         self._replenish()
+
+    def _scale_down(self) -> None:
+        """Stop ready desktops above pool_min that idled for idle_stop_s: the burst that needed
+        them is over, and each idle desktop holds ~100-200 MB."""
+        spare = self._count(READY) - self.settings.pool_min - self._pending_waiters()
+        cutoff = time.time() - self.settings.idle_stop_s
+        for d in sorted((d for d in self._desktops.values() if d.state == READY), key=lambda d: d.since):
+            if spare <= 0 or d.since > cutoff:
+                break
+            spare -= 1
+            log.info("stopping idle desktop desktop=%s idle_s=%.0f", d.id, time.time() - d.since)
+            self._set(d, STOPPING)  # now, so no lease can take it before _remove runs
+            self._spawn(self._remove(d))
 
     async def _check(self, d: _Desktop) -> tuple[DesktopHandle, str | None, bool]:
         """(handle checked, failure reason or None, whether it only counts as a strike)."""
