@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from osfarm.evaluators.metrics import apps, docs, general, slides, table
+from osfarm.evaluators.metrics import apps, docs, general, media, slides, table
 
 __all__ = ["METRICS"]
 
@@ -24,4 +24,4 @@ def _merge(*modules: object) -> dict[str, Callable[..., float]]:
     return merged
 
 
-METRICS: dict[str, Callable[..., float]] = _merge(general, table, docs, slides, apps)
+METRICS: dict[str, Callable[..., float]] = _merge(general, table, docs, slides, apps, media)
