@@ -92,3 +92,37 @@ async def test_chromium_page_widgets_in_accessibility_tree(guest: httpx.AsyncCli
                           "--disable-gpu", "file:///home/user/page.html"], "chromium")
     root = await _tree_until(guest, lambda t: bool(_named(t, "push-button", "Press me")))
     assert _named(root, "link", "Read the terms"), "the page's link is missing"
+
+
+async def test_google_chrome_answers_devtools_as_osworld_sets_it_up(guest: httpx.AsyncClient) -> None:
+    # OSWorld's chrome tasks: launch google-chrome on 1337, then socat exposes it on 9222.
+    await _launch(guest, ["google-chrome", "--remote-debugging-port=1337", "about:blank"], "chrom")
+    r = await guest.post("/setup/launch", json={"command": ["socat", "tcp-listen:9222,fork", "tcp:localhost:1337"]})
+    assert r.status_code == 200, r.text
+    probe = "for i in $(seq 100); do curl -sf localhost:9222/json/version && exit 0; sleep 0.1; done; exit 1"
+    r = await guest.post("/execute", json={"command": probe, "shell": True})
+    assert r.status_code == 200 and r.json()["returncode"] == 0, r.text
+    assert '"Browser"' in r.json()["output"]
+    # The profile lives where OSWorld's getters read it.
+    r = await guest.post("/execute", json={"command": ["ls", "/home/user/.config/google-chrome"]})
+    assert "Default" in r.json()["output"] or "Local State" in r.json()["output"], r.text
+
+
+async def test_vlc_http_interface_with_osworld_password(guest: httpx.AsyncClient) -> None:
+    r = await guest.post("/setup/launch", json={"command": ["vlc"]})
+    assert r.status_code == 200, r.text
+    probe = ("for i in $(seq 150); do curl -sf -u :password localhost:8080/requests/status.xml && exit 0; "
+             "sleep 0.1; done; exit 1")
+    r = await guest.post("/execute", json={"command": probe, "shell": True})
+    assert r.status_code == 200 and r.json()["returncode"] == 0, r.text
+    assert "<state>" in r.json()["output"]
+
+
+async def test_open_file_of_text_opens_an_editor_window(guest: httpx.AsyncClient) -> None:
+    r = await guest.post("/setup/upload", data={"file_path": "/home/user/notes.txt"},
+                         files={"file_data": ("notes.txt", b"hello\n")})
+    assert r.status_code == 200, r.text
+    r = await guest.post("/setup/open_file", json={"path": "/home/user/notes.txt"})
+    assert r.status_code == 200, r.text
+    windows = (await guest.get("/v1/observation", params={"screenshot": "false"})).json()["windows"]
+    assert any("notes.txt" in w["title"] for w in windows), windows

@@ -41,6 +41,17 @@ from pathlib import Path
 from typing import Any
 
 ASSETS = Path(__file__).resolve().parent / "assets"
+# Settings from OSWorld's VM image: VLC's HTTP interface on 8080 with password "password"
+# (its getters read /requests/status.xml), and a graphical default for text files so that
+# /setup/open_file of a .txt opens a window named after the file.
+HOME_FILES = {
+    ".config/vlc/vlcrc": "[core]\nextraintf=http\nhttp-port=8080\n[lua]\nhttp-password=password\n",
+    ".config/mimeapps.list": (
+        "[Default Applications]\ntext/plain=org.xfce.mousepad.desktop\n"
+        # text/csv is a kind of text/plain: without this line gio would hand it to the editor.
+        "text/csv=libreoffice-calc.desktop\ntext/tab-separated-values=libreoffice-calc.desktop\n"
+    ),
+}
 PR_SET_CHILD_SUBREAPER = 36
 
 # Environment every app of the desktop gets (accessibility on for GTK, Qt and LibreOffice).
@@ -432,6 +443,20 @@ class Session:
         with os.fdopen(fd, "w") as f:
             f.write(f"{self.procs['xvfb'].pid:>10}\n")
 
+    def prepare_home(self) -> None:
+        """App settings OSWorld's VM image has and its tasks rely on, written only where the
+        home lacks them (a fresh sandbox home always does)."""
+        home = Path(self.args.home)
+        for rel, text in HOME_FILES.items():
+            path = home / rel
+            if path.exists():
+                continue
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+            except OSError as e:
+                log(f"cannot write {path}: {e.strerror}")
+
     def build_env(self) -> None:
         env = dict(os.environ)
         env.update(A11Y_ENV)
@@ -441,6 +466,11 @@ class Session:
         env["XDG_RUNTIME_DIR"] = str(self.run_dir)
         env.pop("OSFARM_GUEST_TOKEN", None)  # apps must not see the guest's secret
         env.pop("WAYLAND_DISPLAY", None)
+        # OSWorld's guest is Ubuntu GNOME: with this set, xdg-open and xdg-mime go through gio
+        # and type files as it does (a .csv opens in Calc, not in the text editor).
+        env.setdefault("XDG_CURRENT_DESKTOP", "GNOME")
+        # OSWorld's names for our apps (google-chrome -> chromium) come first on PATH.
+        env["PATH"] = f"{ASSETS / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
         self.env = env
         # The guest runs its subprocesses with os.environ, so make this process's env the
         # desktop env too.
@@ -804,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
 
             session.wait_xvfb()
             session.build_env()
+            session.prepare_home()
             session.start_desktop()
             # serve() hands SIGTERM/SIGINT to the asyncio loop once it runs; until then
             # early_stop stays in charge.

@@ -40,7 +40,7 @@ from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Pro
 log = logging.getLogger("osfarm.providers.sandbox")
 
 # Bump when the template's content changes so old templates are not reused.
-TEMPLATE_VERSION = 1
+TEMPLATE_VERSION = 2
 TEMPLATE_DIRS = (
     "Desktop",
     "Documents",
@@ -54,6 +54,10 @@ TEMPLATE_DIRS = (
     ".config",
     ".local/share",
 )
+USER_ARGS = ("--unshare-user", "--uid", "1000", "--gid", "1000")
+# /etc/passwd and /etc/group inside a box: the host's accounts stay hidden, "user" resolves.
+PASSWD = "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
+GROUP = "root:x:0:\nuser:x:1000:\n"
 USER_DIRS = """\
 XDG_DESKTOP_DIR="$HOME/Desktop"
 XDG_DOCUMENTS_DIR="$HOME/Documents"
@@ -157,7 +161,7 @@ class SandboxProvider:
     def _probe_bwrap(self) -> None:
         """Fail at construction, with the reason, when namespaces cannot be made here."""
         proc = subprocess.run(
-            [self.bwrap, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--ro-bind", "/", "/",
+            [self.bwrap, *USER_ARGS, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--ro-bind", "/", "/",
              "--dev", "/dev", "--proc", "/proc", "--", "true"],
             capture_output=True, text=True, timeout=30,
         )  # fmt: skip
@@ -168,7 +172,11 @@ class SandboxProvider:
             )
 
     def _build_template(self) -> None:
-        """Build the template home once; a rename makes it appear atomically."""
+        """Build the template home once (a rename makes it appear atomically), and the
+        passwd/group files every box sees."""
+        self.template.parent.mkdir(parents=True, exist_ok=True)
+        (self.template.parent / "passwd").write_text(PASSWD)
+        (self.template.parent / "group").write_text(GROUP)
         if self.template.is_dir():
             return
         tmp = self.template.with_name(f".{self.template.name}.{os.getpid()}")
@@ -226,6 +234,9 @@ class SandboxProvider:
         argv = [
             self.bwrap,
             "--die-with-parent",
+            # The desktop's processes run as OSWorld's user (uid 1000, "user") in their own user
+            # namespace; on the host they stay the farm's uid. Apps that refuse root (VLC) run.
+            *USER_ARGS,
             "--unshare-pid", "--unshare-ipc", "--unshare-uts",
             "--hostname", f"osfarm-{desktop_id}",
         ]  # fmt: skip
@@ -253,6 +264,8 @@ class SandboxProvider:
         argv += [
             "--bind", str(ddir / "run"), "/run/osfarm",
             "--bind", str(ddir / "home"), "/home/user",
+            "--ro-bind", str(self.template.parent / "passwd"), "/etc/passwd",
+            "--ro-bind", str(self.template.parent / "group"), "/etc/group",
             "--clearenv",
         ]  # fmt: skip
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
