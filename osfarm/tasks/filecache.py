@@ -1,0 +1,151 @@
+"""Offline-first lookup of the files a task downloads (``download`` steps, ``cloud_file`` getters).
+
+Where a URL's bytes are looked for, in order:
+
+1. OSWorld's cache layout under ``root``: ``<root>/<task_id>/<uuid5(url)>_<file name>`` (what
+   OSWorld's own runs leave behind) or ``<root>/<task_id>/<file name>``;
+2. the URL map (``url -> path``; a JSON or YAML file's relative paths are relative to that file,
+   a dict's relative paths to ``root``);
+3. ``file://`` URLs, and plain paths (relative ones against ``suite_dir``);
+4. http(s), downloaded once into the OSWorld layout above (never when ``offline``).
+
+A file that cannot be found raises :class:`AssetMissing`, whose message names the URL and every
+place that was looked at.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+import httpx
+
+
+class AssetMissing(FileNotFoundError):
+    """A task's file is in none of the places looked at (and may not be downloaded)."""
+
+    def __init__(self, url: str, looked: list[str], reason: str = "not available offline"):
+        self.url, self.looked, self.reason = url, list(looked), reason
+        where = "; ".join(self.looked) if self.looked else "nowhere"
+        super().__init__(f"asset {url} {reason}; looked in: {where}")
+
+
+def load_url_map(path: str | Path) -> dict[str, str]:
+    """Read a JSON or YAML ``{url: path}`` file; relative paths become relative to its folder."""
+    path = Path(path)
+    text = path.read_text()
+    if path.suffix.lower() in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise TypeError(f"{path}: expected a mapping of url -> path, got {type(data).__name__}")
+    out: dict[str, str] = {}
+    for url, p in data.items():
+        if not isinstance(url, str) or not isinstance(p, str):
+            raise TypeError(f"{path}: entry {url!r}: expected a string path, got {type(p).__name__}")
+        out[url] = str((path.parent / p).resolve()) if not os.path.isabs(p) else p
+    return out
+
+
+def cache_name(url: str, name: str) -> str:
+    """OSWorld's cache file name: ``<uuid5(NAMESPACE_URL, url)>_<name>``."""
+    return f"{uuid.uuid5(uuid.NAMESPACE_URL, url)}_{name}"
+
+
+class FileCache:
+    def __init__(self, root: Path, url_map: dict[str, str] | None = None, *, suite_dir: Path | None = None,
+                 offline: bool = False, timeout: float = 300.0):
+        self.root = Path(root)
+        self.suite_dir = Path(suite_dir) if suite_dir else None
+        self.offline = offline
+        self.timeout = timeout
+        self.url_map = {u: (p if os.path.isabs(p) else str(self.root / p)) for u, p in (url_map or {}).items()}
+
+    @classmethod
+    def with_map_file(cls, root: Path, map_file: str | Path, **kw: object) -> FileCache:
+        return cls(root, load_url_map(map_file), **kw)  # type: ignore[arg-type]
+
+    def task_dir(self, task_id: str) -> Path:
+        """``<root>/<task_id>``: where downloads and saved command output go (created)."""
+        if not task_id or "/" in task_id or task_id in (".", ".."):
+            raise ValueError(f"task_id: not a plain name: {task_id!r}")
+        d = self.root / task_id
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    @staticmethod
+    def file_name(url: str, name: str | None = None) -> str:
+        if name:
+            return os.path.basename(name.rstrip("/")) or "file"
+        return os.path.basename(unquote(urlparse(url).path).rstrip("/")) or "file"
+
+    def fetch(self, url: str, task_id: str, name: str | None = None, offline: bool | None = None) -> Path:
+        """Local path of ``url``'s bytes (``name``: the file name used in the cache)."""
+        offline = self.offline if offline is None else offline
+        fname = self.file_name(url, name)
+        looked: list[str] = []
+        tdir = self.root / task_id
+        for cand in (tdir / cache_name(url, fname), tdir / fname):
+            looked.append(str(cand))
+            if cand.is_file():
+                return cand
+        if url in self.url_map:
+            cand = Path(self.url_map[url])
+            looked.append(f"url map -> {cand}")
+            if cand.is_file():
+                return cand
+        else:
+            looked.append("url map (no entry)")
+        parsed = urlparse(url)
+        if parsed.scheme == "file":
+            cand = Path(unquote(parsed.path))
+            looked.append(str(cand))
+            if cand.is_file():
+                return cand
+            raise AssetMissing(url, looked, "does not exist")
+        if parsed.scheme not in ("http", "https"):  # a plain path
+            cand = Path(url)
+            if not cand.is_absolute():
+                if self.suite_dir is None:
+                    looked.append(f"{url} (no suite dir to resolve it against)")
+                    raise AssetMissing(url, looked, "does not exist")
+                cand = self.suite_dir / cand
+            looked.append(str(cand))
+            if cand.is_file():
+                return cand
+            raise AssetMissing(url, looked, "does not exist")
+        if offline:
+            raise AssetMissing(url, looked)
+        return self._download(url, self.task_dir(task_id) / cache_name(url, fname), looked)
+
+    def _download(self, url: str, dest: Path, looked: list[str]) -> Path:
+        fd, tmp = tempfile.mkstemp(prefix=".part-", dir=dest.parent)
+        try:
+            with os.fdopen(fd, "wb") as f, httpx.stream("GET", url, follow_redirects=True, timeout=self.timeout) as r:
+                if r.status_code != 200:
+                    raise AssetMissing(url, looked + [url], f"could not be downloaded (HTTP {r.status_code})")
+                expected = r.headers.get("content-length")
+                got = 0
+                for chunk in r.iter_bytes(1 << 20):
+                    f.write(chunk)
+                    got += len(chunk)
+                if expected is not None and expected.isdigit() and int(expected) != got and \
+                        not r.headers.get("content-encoding"):
+                    raise AssetMissing(url, looked + [url], f"download truncated ({got} of {expected} bytes)")
+            os.replace(tmp, dest)
+        except httpx.HTTPError as e:
+            raise AssetMissing(url, looked + [url], f"could not be downloaded ({type(e).__name__}: {e})") from e
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return dest
+
+
+__all__ = ["AssetMissing", "FileCache", "cache_name", "load_url_map"]
