@@ -1,0 +1,40 @@
+"""The ``env`` object OSWorld's getters receive: where to reach the desktop, where to save files.
+
+OSWorld passes its ``DesktopEnv``; our getters need only a few of its attributes, so the
+evaluator builds an :class:`EvalEnv` instead. ``controller`` is a
+:class:`osfarm.tasks.controller.GuestController` (sync), ``cache_dir`` is where fetched files
+are written (OSWorld's ``env.cache_dir``, ``cache/<task_id>``), ``offline_cache`` resolves the
+URLs of ``cloud_file`` getters to local files (an object with ``lookup(url) -> Path | None``),
+and ``clock`` is the "now" that relative-date rules are computed from (injectable for tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class OfflineCache(Protocol):
+    def lookup(self, url: str) -> Path | None: ...
+
+
+@dataclass
+class EvalEnv:
+    controller: Any
+    cache_dir: Path
+    task_id: str = ""
+    offline_cache: OfflineCache | None = None
+    screen: tuple[int, int] = (1920, 1080)
+    clock: Callable[[], datetime] = field(default=datetime.now)
+
+    def __post_init__(self) -> None:
+        self.cache_dir = Path(self.cache_dir)
+
+    def cache_path(self, name: str) -> Path:
+        """``cache_dir / name``, creating ``cache_dir`` (and sub-folders of ``name``) on demand."""
+        p = self.cache_dir / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        return p
