@@ -21,6 +21,7 @@ venv: system $(VENV)/.installed
 
 demo: venv
 	$(VENV)/bin/osfarm demo --out runs
+	$(VENV)/bin/osfarm eval --suite tasks/mini --agent replay --envs 2 --out runs/eval-mini
 
 test: venv
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from osfarm.config import ConfigError, FarmSettings, load_settings
 from osfarm.desktop.session import is_loopback_host
+from osfarm.runner.cli import eval_command
 from osfarm.tasks.cli import tasks_app
 
 app = typer.Typer(
@@ -45,6 +46,7 @@ desktop_app = typer.Typer(
 )
 app.add_typer(desktop_app, name="desktop")
 app.add_typer(tasks_app, name="tasks")
+app.command("eval")(eval_command)
 
 out = Console()
 err = Console(stderr=True)

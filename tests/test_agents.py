@@ -46,8 +46,6 @@ def test_unknown_action_space_is_rejected() -> None:
         NoopAgent(action_space="mouse_only")  # type: ignore[arg-type]
 
 
-def test_replay_is_not_built_yet_and_unknown_names_fail() -> None:
-    with pytest.raises(UnknownAgent, match="'replay'.*not built yet"):
-        make_agent("replay")
-    with pytest.raises(UnknownAgent, match="unknown agent 'gpt9'.*noop, fail"):
+def test_unknown_agent_names_list_the_available_ones() -> None:
+    with pytest.raises(UnknownAgent, match="unknown agent 'gpt9'.*noop, fail, replay"):
         make_agent("gpt9")

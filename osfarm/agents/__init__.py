@@ -14,16 +14,16 @@ from osfarm.agents.base import (
     special,
     special_action,
 )
+from osfarm.agents.replay import ReplayAgent
 from osfarm.agents.trivial import FailAgent, NoopAgent
 
 AGENTS: dict[str, Callable[..., Agent]] = {
     "noop": NoopAgent,
     "fail": FailAgent,
+    "replay": ReplayAgent,
 }
 # Names reserved for agents that are planned but not written yet.
-PLANNED: dict[str, str] = {
-    "replay": "replays a recorded trajectory's actions",
-}
+PLANNED: dict[str, str] = {}
 
 
 class UnknownAgent(ValueError):
@@ -48,6 +48,7 @@ __all__ = [
     "Agent",
     "FailAgent",
     "NoopAgent",
+    "ReplayAgent",
     "UnknownAgent",
     "make_agent",
     "special",

@@ -1,0 +1,52 @@
+"""``osfarm eval``: run an agent on a suite of OSWorld-format tasks (registered by osfarm/cli.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+
+def eval_command(
+    suite: Annotated[Path, typer.Option("--suite", help="folder of <domain>/<id>.json tasks (or OSWorld's evaluation_examples/)")],
+    agent: Annotated[str, typer.Option("--agent", help="agent name: replay, noop, fail")] = "replay",
+    index: Annotated[Path | None, typer.Option("--index", help="index file {domain: [ids]} (default: every task; OSWorld's test_all.json when present)", show_default=False)] = None,
+    envs: Annotated[int, typer.Option("--envs", min=1, help="episodes run at once (desktops)")] = 1,
+    max_steps: Annotated[int, typer.Option("--max-steps", min=1, help="agent steps per episode")] = 15,
+    out: Annotated[Path, typer.Option("--out", help="run directory")] = Path("results"),
+    resume: Annotated[bool, typer.Option("--resume", help="skip tasks whose result.txt exists in --out")] = False,
+    url: Annotated[str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)] = None,
+    token: Annotated[str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)] = None,
+    cache: Annotated[Path | None, typer.Option("--cache", help="offline file cache (default <suite>/cache)", show_default=False)] = None,
+    offline: Annotated[bool, typer.Option("--offline/--online", help="never download task files")] = True,
+    time_limit: Annotated[float, typer.Option("--time-limit", help="wall-clock seconds per episode")] = 600.0,
+    retries: Annotated[int, typer.Option("--retries", min=0, help="retries of an infra error per task")] = 2,
+    action_space: Annotated[str, typer.Option("--action-space", help="pyautogui or computer_13")] = "pyautogui",
+    width: Annotated[int | None, typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
+    height: Annotated[int | None, typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
+) -> None:
+    """Run AGENT on every task of SUITE; write OSWorld's per-task layout, results.json and report.html."""
+    from osfarm.agents import UnknownAgent
+    from osfarm.providers.base import ProviderError
+    from osfarm.runner.results import print_table
+    from osfarm.runner.run import RunOptions, run_eval
+    from osfarm.tasks.model import TaskError
+
+    err = Console(stderr=True)
+    overrides = {k: v for k, v in (("width", width), ("height", height)) if v is not None}
+    opts = RunOptions(suite=suite, agent=agent, out=out, index=index, envs=envs, max_steps=max_steps, resume=resume,
+                      url=url, token=token, cache=cache, offline=offline, time_limit_s=time_limit,
+                      infra_retries=retries, action_space=action_space, progress=progress, farm_overrides=overrides)
+    try:
+        summary = run_eval(opts, console=err)
+    except TaskError as e:
+        err.print(f"[bold red]error:[/] invalid suite:\n{e}", highlight=False)
+        raise typer.Exit(2) from None
+    except (UnknownAgent, ValueError, ProviderError, RuntimeError) as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        raise typer.Exit(1) from None
+    print_table(summary, Console())
+    Console().print(f"results: {out / 'results.json'}  report: {out / 'report.html'}", highlight=False)

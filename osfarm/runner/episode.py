@@ -1,0 +1,259 @@
+"""One episode: lease a fresh desktop, run the task's setup, let the agent act, evaluate.
+
+Statuses (DESIGN.md): ``success`` (score == 1.0), ``failure`` (any lower score, or the agent
+crashed), ``infra_error`` (the harness could not give the agent a fair try: no desktop, a setup
+step failed, the desktop died, a getter or metric crashed; the error text says which) and
+``timeout`` (the episode's wall-clock limit ran out). Only infra errors are retried, a bounded
+number of times; every attempt is counted in the result.
+
+The guest calls of setup and evaluation go through the farm's passthrough
+(``/v1/desktops/{lease}/guest``) with the synchronous :class:`GuestController`, run in worker
+threads so episodes on other desktops keep going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from osfarm.agents.base import Action, Agent, special_action
+from osfarm.client import AsyncFarm, FarmAPIError
+from osfarm.evaluators.getters import GETTERS
+from osfarm.evaluators.getters.env import EvalEnv
+from osfarm.evaluators.metrics import METRICS
+from osfarm.evaluators.scoring import score as score_fn
+from osfarm.tasks.controller import GuestController, GuestError
+from osfarm.tasks.filecache import AssetMissing, FileCache
+from osfarm.tasks.model import Task
+from osfarm.tasks.setup import SetupExecutor, SetupFailed
+
+SUCCESS, FAILURE, INFRA_ERROR, TIMEOUT = "success", "failure", "infra_error", "timeout"
+STATUSES = (SUCCESS, FAILURE, INFRA_ERROR, TIMEOUT)
+
+
+@dataclass
+class EpisodeConfig:
+    max_steps: int = 15
+    time_limit_s: float = 600.0  # wall clock for one attempt (setup + agent + evaluation)
+    infra_retries: int = 2  # extra attempts after an infra error
+    lease_wait_s: float = 120.0
+    lease_ttl_s: float = 120.0
+    offline: bool = True
+    code_timeout_s: float = 30.0
+    work_dir: Path = field(default_factory=lambda: Path("cache"))  # per-episode getter caches go below
+
+
+@dataclass
+class StepRecord:
+    index: int  # 1-based, as OSWorld's step_num
+    screenshot: bytes  # the observation the agent acted on
+    a11y: str | None
+    response: str
+    actions: list[Action]
+    action_error: str | None
+    t_model_ms: float
+    t_env_ms: float
+    timestamp: str  # OSWorld's %Y%m%d@%H%M%S%f, when the actions were sent
+    after_screenshot: bytes | None = None  # the observation after the actions (OSWorld saves this one)
+
+
+@dataclass
+class EpisodeResult:
+    task: Task
+    status: str
+    score: float
+    error: str | None
+    episode_id: str
+    attempt: int  # the attempt this result comes from (1-based)
+    infra_retries: int  # attempts that ended in an infra error and were retried
+    steps: list[StepRecord]
+    started_at: float
+    finished_at: float
+    agent: str
+    desktop: dict[str, Any] = field(default_factory=dict)
+    last_action: Any = None
+    errors: list[str] = field(default_factory=list)  # the errors of retried attempts
+
+
+class _Infra(Exception):
+    """The harness failed (not the agent): becomes status infra_error with this message."""
+
+
+class CacheLookup:
+    """``EvalEnv.offline_cache`` over a FileCache: ``lookup(url) -> Path | None``."""
+
+    def __init__(self, cache: FileCache, task_id: str, offline: bool):
+        self.cache, self.task_id, self.offline = cache, task_id, offline
+
+    def lookup(self, url: str) -> Path | None:
+        try:
+            return self.cache.fetch(url, self.task_id, offline=self.offline)
+        except AssetMissing:
+            return None
+
+
+def episode_id(run_id: str, task_id: str, attempt: int) -> str:
+    """Idempotent: the same (run, task, attempt) always names the same episode."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{run_id}:{task_id}:{attempt}"))
+
+
+def _ts() -> str:
+    from datetime import datetime
+
+    return datetime.now().strftime("%Y%m%d@%H%M%S%f")
+
+
+def _png(obs: Any) -> bytes:
+    return base64.b64decode(obs.screenshot) if obs is not None and obs.screenshot else b""
+
+
+def evaluate(task: Task, controller: Any, cache: FileCache, cache_dir: Path, screen: tuple[int, int],
+             last_action: Any, offline: bool) -> float:
+    """Run the evaluator's getters and score them (sync; raises _Infra on a crash)."""
+    ev = task.evaluator
+    evaluator = ev.to_json()
+    if ev.is_infeasible:
+        return score_fn(evaluator, [], [], last_action, METRICS)
+    env = EvalEnv(controller=controller, cache_dir=cache_dir, task_id=task.id,
+                  offline_cache=CacheLookup(cache, task.id, offline), screen=screen)
+
+    def get(spec: Any) -> Any:
+        if spec is None:
+            return None
+        cfg = spec if isinstance(spec, dict) else spec.to_json()
+        typ = cfg.get("type")
+        fn = GETTERS.get(typ)
+        if fn is None:
+            raise _Infra(f"evaluation: unknown getter {typ!r}")
+        try:
+            return fn(env, cfg)
+        except Exception as e:
+            raise _Infra(f"evaluation: getter {typ!r} crashed: {type(e).__name__}: {e}") from e
+
+    if isinstance(ev.func, list):
+        results = [get(x) for x in (ev.result or [])] if isinstance(ev.result, list) else []
+        expecteds = [get(x) for x in ev.expected] if isinstance(ev.expected, list) else []
+    else:
+        results = [get(ev.result)]
+        expecteds = [get(ev.expected)] if ev.expected is not None else []
+    try:
+        return float(score_fn(evaluator, results, expecteds, last_action, METRICS))
+    except Exception as e:
+        raise _Infra(f"evaluation: metric {ev.func!r} crashed: {type(e).__name__}: {e}") from e
+
+
+async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache: FileCache, cfg: EpisodeConfig,
+                   res: EpisodeResult) -> None:
+    """Fill ``res`` (status, score, error, steps); raises _Infra for harness failures."""
+    try:
+        desk = await farm.lease(ttl_s=cfg.lease_ttl_s, wait_s=cfg.lease_wait_s, heartbeat=True)
+    except FarmAPIError as e:
+        raise _Infra(f"lease: {e}") from e
+    res.desktop = {"provider": "sandbox", "image": None, "desktop_id": desk.info.desktop_id, "lease_id": desk.id}
+    controller = GuestController(base_url=f"{farm.url}/v1/desktops/{desk.id}/guest", token=token)
+    try:
+        screen = desk.screen
+        setup = SetupExecutor(controller, cache, task.id, screen, offline=cfg.offline)
+        try:
+            await asyncio.to_thread(setup.run, task.config)
+        except SetupFailed as e:
+            raise _Infra(str(e)) from e
+        try:
+            await asyncio.to_thread(agent.reset, task)
+        except Exception as e:  # noqa: BLE001 - the agent's failure, not retried
+            res.status, res.error = FAILURE, f"agent reset: {type(e).__name__}: {e}"
+            return
+        wants_a11y = bool(getattr(agent, "wants_a11y", False))
+        try:
+            obs = await desk.observe(a11y=wants_a11y, windows=False, cursor=False)
+        except FarmAPIError as e:
+            raise _Infra(f"observe: {e}") from e
+        instruction = task.instruction
+        last: Any = None
+        for i in range(1, cfg.max_steps + 1):
+            png = _png(obs)
+            o = {"screenshot": png, "accessibility_tree": obs.a11y, "terminal": None, "instruction": instruction}
+            t0 = time.perf_counter()
+            try:
+                response, actions = await asyncio.to_thread(agent.predict, instruction, o)
+            except Exception as e:  # noqa: BLE001
+                res.status, res.error = FAILURE, f"agent predict (step {i}): {type(e).__name__}: {e}"
+                return
+            t_model = (time.perf_counter() - t0) * 1000
+            actions = list(actions or [])
+            rec = StepRecord(index=i, screenshot=png, a11y=obs.a11y, response=str(response), actions=actions,
+                             action_error=None, t_model_ms=round(t_model, 1), t_env_ms=0.0, timestamp=_ts())
+            res.steps.append(rec)
+            t1 = time.perf_counter()
+            try:
+                sr = await desk.step(actions or ["WAIT"], observe={"a11y": wants_a11y, "windows": False,
+                                                                   "cursor": False}, code_timeout=cfg.code_timeout_s)
+            except FarmAPIError as e:
+                if e.status in (400, 422):  # the agent sent something the desktop rejects: its failure
+                    rec.action_error = f"{e.status}: {e.detail}"
+                    if actions:
+                        last = actions[-1]
+                    continue
+                raise _Infra(f"step {i}: {e}") from e
+            rec.t_env_ms = round((time.perf_counter() - t1) * 1000, 1)
+            bad = [r for r in sr.results if not r.ok]
+            if bad:
+                rec.action_error = f"action {bad[0].index}: {bad[0].error}"
+            if sr.observation is not None:
+                obs = sr.observation
+                rec.after_screenshot = _png(obs)
+            if actions:
+                last = actions[-1]
+            done = sr.done or next((special_action(a) for a in actions
+                                    if special_action(a) in ("DONE", "FAIL")), None)
+            if done:
+                last = {"action_type": done} if isinstance(last, dict) else done
+                break
+        res.last_action = last
+        try:
+            await asyncio.to_thread(setup.run, task.evaluator.postconfig)
+        except SetupFailed as e:
+            raise _Infra(f"postconfig: {e}") from e
+        cache_dir = cfg.work_dir / res.episode_id
+        res.score = await asyncio.to_thread(evaluate, task, controller, cache, cache_dir, screen, last, cfg.offline)
+        res.status = SUCCESS if res.score == 1.0 else FAILURE
+    except GuestError as e:
+        raise _Infra(f"desktop unreachable: {e}") from e
+    finally:
+        controller.close()
+        try:
+            await desk.close()
+        except FarmAPIError:
+            pass
+
+
+async def run_episode(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache: FileCache,
+                      cfg: EpisodeConfig, run_id: str) -> EpisodeResult:
+    """Run ``task`` to a final status, retrying infra errors up to ``cfg.infra_retries`` times."""
+    errors: list[str] = []
+    attempt = 0
+    while True:
+        attempt += 1
+        res = EpisodeResult(task=task, status=FAILURE, score=0.0, error=None,
+                            episode_id=episode_id(run_id, task.id, attempt), attempt=attempt,
+                            infra_retries=len(errors), steps=[], started_at=time.time(), finished_at=0.0,
+                            agent=getattr(agent, "name", type(agent).__name__), errors=list(errors))
+        try:
+            await asyncio.wait_for(_attempt(farm, token, task, agent, cache, cfg, res), cfg.time_limit_s)
+        except TimeoutError:
+            res.status, res.score, res.error = TIMEOUT, 0.0, f"episode exceeded its {cfg.time_limit_s:g} s limit"
+        except _Infra as e:
+            res.status, res.score, res.error = INFRA_ERROR, 0.0, str(e)
+        except Exception as e:  # noqa: BLE001 - a harness bug: still a listed infra error, never a crash
+            res.status, res.score = INFRA_ERROR, 0.0
+            res.error = f"harness error: {type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"
+        res.finished_at = time.time()
+        if res.status != INFRA_ERROR or attempt > cfg.infra_retries:
+            return res
+        errors.append(f"attempt {attempt}: {res.error}")

@@ -1,0 +1,299 @@
+"""What a run leaves on disk.
+
+Per task, OSWorld's layout ``<out>/<domain>/<task_id>/``: ``result.txt`` (the score; written
+only for a finished episode, so ``--resume`` re-runs infra errors), ``traj.jsonl`` (one line per
+step), ``step_N_<timestamp>.png`` (the screen after step N) and ``episode.json`` (status, score,
+error: what ``--resume`` reads back). Per run: ``episodes.jsonl`` (one ``osfarm.episode/1``
+record per finished episode, screenshots as content-addressed blobs under ``blobs/``),
+``results.json`` (every task in the denominator), ``report.html``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import os
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from osfarm.runner.episode import INFRA_ERROR, SUCCESS, TIMEOUT, EpisodeResult
+
+SCHEMA = "osfarm.episode/1"
+SCHEMA_MAJOR = "osfarm.episode/1"
+RESULTS_SCHEMA = "osfarm.results/1"
+GROUPS: dict[str, tuple[str, ...]] = {
+    "Office": ("calc", "impress", "writer"),
+    "Daily": ("vlc", "thunderbird", "chrome"),
+    "Professional": ("gimp", "vs_code"),
+}
+
+
+class SchemaError(ValueError):
+    pass
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, tz=UTC).isoformat(timespec="milliseconds")
+
+
+def task_dir(out: Path, domain: str, task_id: str) -> Path:
+    return out / (domain or "_") / task_id
+
+
+class BlobStore:
+    """Content-addressed files: ``blobs/<sha[:2]>/<sha>.<ext>``; refs are relative to the run dir."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def put(self, data: bytes, ext: str, media_type: str) -> dict[str, Any]:
+        digest = hashlib.sha256(data).hexdigest()
+        rel = f"blobs/{digest[:2]}/{digest}.{ext}"
+        p = self.out / rel
+        if not p.exists():
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(data)
+            tmp.replace(p)
+        return {"sha256": digest, "path": rel, "media_type": media_type, "size": len(data)}
+
+
+def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[str, Any]:
+    steps = []
+    for s in res.steps:
+        shot = blobs.put(s.screenshot, "png", "image/png") if s.screenshot else None
+        a11y = blobs.put(s.a11y.encode(), "xml", "application/xml") if s.a11y else None
+        steps.append({
+            "index": s.index,
+            "observation": {"screenshot": shot, "a11y": a11y},
+            "model": {"request": None, "response_text": s.response, "response_token_ids": None,
+                      "response_logprobs": None, "policy_version": None},
+            "actions": s.actions,
+            "action_error": s.action_error,
+            "t_model_ms": s.t_model_ms,
+            "t_env_ms": s.t_env_ms,
+        })
+    return {
+        "schema": SCHEMA,
+        "episode_id": res.episode_id,
+        "run_id": run_id,
+        "task_id": res.task.id,
+        "domain": res.task.domain,
+        "group_id": res.task.id,
+        "attempt": res.attempt,
+        "agent": res.agent,
+        "policy": {"name": res.agent, "version_start": None, "version_end": None},
+        "desktop": {"provider": res.desktop.get("provider", "sandbox"), "image": res.desktop.get("image")},
+        "status": res.status,
+        "score": res.score,
+        "error": res.error,
+        "infra_retries": res.infra_retries,
+        "started_at": _iso(res.started_at),
+        "finished_at": _iso(res.finished_at),
+        "steps": steps,
+    }
+
+
+def check_record(rec: Any) -> dict[str, Any]:
+    """Validate an ``osfarm.episode/1`` record; unknown major versions are refused clearly."""
+    if not isinstance(rec, dict):
+        raise SchemaError("an episode record must be a JSON object")
+    schema = rec.get("schema")
+    if not isinstance(schema, str) or not schema.startswith("osfarm.episode/"):
+        raise SchemaError(f"not an osfarm episode record (schema {schema!r})")
+    if schema.split(".")[1].split("/")[1].split(".")[0] != "1":
+        raise SchemaError(f"unsupported episode schema {schema!r}; this reader knows {SCHEMA}")
+    need = ["episode_id", "run_id", "task_id", "domain", "group_id", "attempt", "agent", "policy", "desktop",
+            "status", "score", "error", "started_at", "finished_at", "steps"]
+    missing = [k for k in need if k not in rec]
+    if missing:
+        raise SchemaError(f"episode {rec.get('episode_id')}: missing fields {missing}")
+    if rec["status"] not in ("success", "failure", "infra_error", "timeout"):
+        raise SchemaError(f"episode {rec['episode_id']}: bad status {rec['status']!r}")
+    for s in rec["steps"]:
+        for k in ("index", "observation", "model", "actions", "action_error", "t_model_ms", "t_env_ms"):
+            if k not in s:
+                raise SchemaError(f"episode {rec['episode_id']}: step {s.get('index')} lacks {k!r}")
+    return rec
+
+
+def read_episodes(path: Path) -> list[dict[str, Any]]:
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(check_record(json.loads(line)))
+            except SchemaError as e:
+                raise SchemaError(f"{path}:{n}: {e}") from None
+    return out
+
+
+def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[str, Any]:
+    """Write one finished task's files; returns its row for results.json."""
+    d = task_dir(out, res.task.domain, res.task.id)
+    d.mkdir(parents=True, exist_ok=True)
+    for old in list(d.glob("step_*.png")) + [d / "traj.jsonl", d / "result.txt"]:
+        old.unlink(missing_ok=True)  # a re-run (resume after an infra error) starts clean
+    with (d / "traj.jsonl").open("w") as f:
+        for s in res.steps:
+            shot = f"step_{s.index}_{s.timestamp}.png"
+            png = s.after_screenshot or s.screenshot
+            if png:
+                (d / shot).write_bytes(png)
+            f.write(json.dumps({"step_num": s.index, "action_timestamp": s.timestamp,
+                                "action": s.actions[0] if len(s.actions) == 1 else s.actions,
+                                "actions": s.actions, "response": s.response, "action_error": s.action_error,
+                                "screenshot_file": shot if png else None}, ensure_ascii=False) + "\n")
+    if res.status != INFRA_ERROR:  # infra errors get no result.txt: --resume runs them again
+        (d / "result.txt").write_text(f"{res.score}\n")
+    if res.error:
+        (d / "error.txt").write_text(res.error + "\n")
+    else:
+        (d / "error.txt").unlink(missing_ok=True)
+    row = {"task_id": res.task.id, "domain": res.task.domain, "status": res.status, "score": res.score,
+           "error": res.error, "steps": len(res.steps), "attempts": res.attempt,
+           "seconds": round(res.finished_at - res.started_at, 2), "episode_id": res.episode_id}
+    (d / "episode.json").write_text(json.dumps(row, indent=2))
+    rec = episode_record(res, run_id, blobs)
+    with (out / "episodes.jsonl").open("a") as f:
+        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    return row
+
+
+def finished_row(out: Path, domain: str, task_id: str) -> dict[str, Any] | None:
+    """The row of a task finished by an earlier run (its result.txt exists), for --resume."""
+    d = task_dir(out, domain, task_id)
+    rt = d / "result.txt"
+    if not rt.is_file():
+        return None
+    try:
+        sc = float(rt.read_text().strip())
+    except ValueError:
+        return None
+    row: dict[str, Any] = {}
+    try:
+        row = json.loads((d / "episode.json").read_text())
+    except (OSError, ValueError):
+        row = {"status": "success" if sc == 1.0 else "failure", "error": None}
+    row.update(task_id=task_id, domain=domain, score=sc, resumed=True)
+    return row
+
+
+def summarize(rows: list[dict[str, Any]], run_id: str, agent: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    n = len(rows)
+    ok = sum(1 for r in rows if r["status"] == SUCCESS)
+    by_domain: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        d = by_domain.setdefault(r["domain"], {"n": 0, "success": 0, "score_sum": 0.0, "infra_errors": 0})
+        d["n"] += 1
+        d["success"] += r["status"] == SUCCESS
+        d["score_sum"] += float(r["score"] or 0.0)
+        d["infra_errors"] += r["status"] == INFRA_ERROR
+    for d in by_domain.values():
+        d["success_rate"] = d["success"] / d["n"]
+        d["mean_score"] = d.pop("score_sum") / d["n"]
+    by_group = {}
+    for g, doms in GROUPS.items():
+        members = [r for r in rows if r["domain"] in doms]
+        if members:
+            by_group[g] = {"n": len(members), "success_rate": sum(r["status"] == SUCCESS for r in members) / len(members)}
+    return {
+        "schema": RESULTS_SCHEMA,
+        "run_id": run_id,
+        "agent": agent,
+        "n_tasks": n,
+        "n_success": ok,
+        "success_rate": ok / n if n else 0.0,
+        "mean_score": sum(float(r["score"] or 0.0) for r in rows) / n if n else 0.0,
+        "infra_errors": sum(1 for r in rows if r["status"] == INFRA_ERROR),
+        "timeouts": sum(1 for r in rows if r["status"] == TIMEOUT),
+        "infra_retries": sum(max(0, int(r.get("attempts", 1)) - 1) for r in rows if not r.get("resumed")),
+        "by_domain": by_domain,
+        "by_group": by_group,
+        "tasks": rows,
+        **(extra or {}),
+    }
+
+
+def results_table(summary: dict[str, Any]) -> Table:
+    t = Table(title=f"osfarm eval: {summary['agent']} ({summary['run_id']})")
+    for c in ("group", "domain", "tasks", "success", "rate", "infra errors"):
+        t.add_column(c, justify="right" if c not in ("group", "domain") else "left")
+    bd = summary["by_domain"]
+    placed: set[str] = set()
+    for g, doms in GROUPS.items():
+        for dom in doms:
+            if dom in bd:
+                d = bd[dom]
+                t.add_row(g, dom, str(d["n"]), str(d["success"]), f"{d['success_rate']:.1%}", str(d["infra_errors"]))
+                placed.add(dom)
+        if g in summary["by_group"]:
+            gg = summary["by_group"][g]
+            t.add_row(f"[bold]{g}[/]", "[bold]all[/]", str(gg["n"]), "", f"[bold]{gg['success_rate']:.1%}[/]", "",
+                      end_section=True)
+    for dom, d in bd.items():
+        if dom not in placed:
+            t.add_row("", dom, str(d["n"]), str(d["success"]), f"{d['success_rate']:.1%}", str(d["infra_errors"]))
+    t.add_section()
+    t.add_row("[bold]total[/]", "", str(summary["n_tasks"]), str(summary["n_success"]),
+              f"[bold]{summary['success_rate']:.1%}[/]", str(summary["infra_errors"]))
+    return t
+
+
+def print_table(summary: dict[str, Any], console: Console | None = None) -> None:
+    (console or Console()).print(results_table(summary))
+
+
+def write_results(out: Path, summary: dict[str, Any]) -> Path:
+    p = out / "results.json"
+    tmp = p.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, ensure_ascii=False))
+    tmp.replace(p)
+    return p
+
+
+_CSS = """body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse}td,th{border:1px solid #ccc;
+padding:3px 8px}.success{color:#070}.failure{color:#a00}.infra_error,.timeout{color:#b60}details{margin:.6em 0}
+.step{display:inline-block;vertical-align:top;margin:4px;max-width:340px}.step img{width:320px;border:1px solid #999}
+pre{white-space:pre-wrap;font-size:12px;margin:2px 0}"""
+
+
+def write_report(out: Path, summary: dict[str, Any]) -> Path:
+    """A static page: every task with score, status, steps (screenshot + actions); links are relative."""
+    e = html.escape
+    parts = [f"<!doctype html><meta charset=utf-8><title>osfarm eval {e(summary['run_id'])}</title><style>{_CSS}</style>",
+             f"<h1>osfarm eval: {e(summary['agent'])}</h1>",
+             (f"<p>run {e(summary['run_id'])}: {summary['n_success']}/{summary['n_tasks']} tasks succeeded "
+              f"({summary['success_rate']:.1%}), {summary['infra_errors']} infra errors.</p>"),
+             "<table><tr><th>domain</th><th>tasks</th><th>success rate</th></tr>"]
+    for dom, d in summary["by_domain"].items():
+        parts.append(f"<tr><td>{e(dom)}</td><td>{d['n']}</td><td>{d['success_rate']:.1%}</td></tr>")
+    parts.append("</table><h2>Tasks</h2>")
+    for r in summary["tasks"]:
+        d = task_dir(out, r["domain"], r["task_id"])
+        rel = d.relative_to(out).as_posix()
+        head = (f"<summary><b>{e(r['domain'])}/{e(r['task_id'])}</b> — <span class='{e(r['status'])}'>"
+                f"{e(r['status'])}</span>, score {float(r['score'] or 0):g}</summary>")
+        body = []
+        if r.get("error"):
+            body.append(f"<pre class=infra_error>{e(str(r['error']))}</pre>")
+        traj = d / "traj.jsonl"
+        if traj.is_file():
+            for line in traj.read_text().splitlines():
+                try:
+                    s = json.loads(line)
+                except ValueError:
+                    continue
+                img = f"<img src='{e(rel)}/{e(s['screenshot_file'])}' loading=lazy>" if s.get("screenshot_file") else ""
+                acts = e(json.dumps(s.get("actions", s.get("action")), ensure_ascii=False, indent=1))
+                err = f"<pre class=failure>{e(s['action_error'])}</pre>" if s.get("action_error") else ""
+                body.append(f"<div class=step><div>step {s['step_num']}</div>{img}<pre>{acts}</pre>{err}</div>")
+        parts.append(f"<details>{head}{''.join(body) or '<p>no steps</p>'}</details>")
+    p = out / "report.html"
+    p.write_text("\n".join(parts))
+    return p

@@ -1,0 +1,179 @@
+"""`osfarm eval` end to end: a real farm, real sandbox desktops, the tiny suite in tasks/mini."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from osfarm.agents import make_agent
+from osfarm.agents.replay import ReplayError
+from osfarm.config import FarmSettings
+from osfarm.farm.api import FarmServer
+from osfarm.runner.cli import eval_command
+from osfarm.runner.results import SCHEMA, SchemaError, check_record, read_episodes
+from osfarm.tasks.model import load_task
+from osfarm.tasks.suite import load_suite
+
+SUITE = Path(__file__).resolve().parent.parent / "tasks" / "mini"
+HELLO, MKDIR, INFEASIBLE = (f"5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a0{i}" for i in (1, 2, 3))
+MISSING_URL = "https://osfarm.invalid/suite_mini/missing-input.xlsx"
+
+app = typer.Typer()
+app.command()(eval_command)
+app.command("unused")(lambda: None)  # two commands: typer keeps "eval-command" as a sub-command name
+
+
+@pytest.fixture(scope="module")
+def farm() -> Iterator[FarmServer]:
+    with tempfile.TemporaryDirectory(prefix="osfr") as d:
+        settings = FarmSettings(pool_min=2, pool_max=2, width=1024, height=768, state_dir=d, token="runner-token",
+                                private_network=True, lease_ttl_s=120)  # fmt: skip
+        server = FarmServer(settings)
+        server.start(timeout=120)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def run_eval(out: Path, *args: str, farm: FarmServer | None = None, suite: Path = SUITE) -> dict:
+    argv = ["eval-command", "--suite", str(suite), "--out", str(out), "--envs", "2", "--max-steps", "15",
+            "--no-progress", *args]
+    if farm is not None:
+        argv += ["--url", farm.url, "--token", farm.token]
+    r = CliRunner().invoke(app, argv, catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    return json.loads((out / "results.json").read_text())
+
+
+def by_id(results: dict) -> dict[str, dict]:
+    return {t["task_id"]: t for t in results["tasks"]}
+
+
+def test_replay_solves_every_task_with_the_full_record(farm: FarmServer, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run_eval(out, "--agent", "replay", farm=farm)
+    assert res["agent"] == "replay" and res["run_id"]
+    assert res["n_tasks"] == 3 and res["success_rate"] == 1.0 and res["infra_errors"] == 0
+    assert res["by_domain"] == {"os": pytest.approx(res["by_domain"]["os"])} and res["by_domain"]["os"]["n"] == 3
+    assert res["by_domain"]["os"]["success_rate"] == 1.0
+    assert [t["task_id"] for t in res["tasks"]] == [HELLO, MKDIR, INFEASIBLE]  # the index's order
+    assert all(t["status"] == "success" and t["score"] == 1.0 and t["domain"] == "os" for t in res["tasks"])
+
+    # OSWorld's per-task layout
+    for tid, n_steps in ((HELLO, 2), (MKDIR, 2), (INFEASIBLE, 1)):
+        d = out / "os" / tid
+        assert float((d / "result.txt").read_text()) == 1.0
+        lines = [json.loads(x) for x in (d / "traj.jsonl").read_text().splitlines()]
+        assert [x["step_num"] for x in lines] == list(range(1, n_steps + 1))
+        for x in lines:
+            assert re.fullmatch(rf"step_{x['step_num']}_\d{{8}}@\d{{12}}\.png", x["screenshot_file"])
+            assert (d / x["screenshot_file"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    hello_traj = [json.loads(x) for x in (out / "os" / HELLO / "traj.jsonl").read_text().splitlines()]
+    assert hello_traj[0]["actions"][0]["action_type"] == "TYPING" and hello_traj[0]["response"]
+
+    # osfarm.episode/1 records, screenshots as content-addressed blobs
+    recs = read_episodes(out / "episodes.jsonl")
+    assert sorted(r["task_id"] for r in recs) == sorted([HELLO, MKDIR, INFEASIBLE])
+    for r in recs:
+        assert r["schema"] == SCHEMA and r["run_id"] == res["run_id"] and r["status"] == "success"
+        assert r["attempt"] == 1 and r["agent"] == "replay" and r["policy"]["name"] == "replay"
+        for s in r["steps"]:
+            ref = s["observation"]["screenshot"]
+            blob = out / ref["path"]
+            import hashlib
+
+            assert hashlib.sha256(blob.read_bytes()).hexdigest() == ref["sha256"] == blob.stem
+            assert s["model"]["response_text"] and isinstance(s["actions"], list)
+    mk = next(r for r in recs if r["task_id"] == MKDIR)
+    assert mk["steps"][0]["actions"][1] == "pyautogui.press('enter')" and mk["steps"][0]["action_error"] is None
+
+    # the static report: every task, with relative image links that resolve
+    html = (out / "report.html").read_text()
+    for tid in (HELLO, MKDIR, INFEASIBLE):
+        assert tid in html
+    imgs = re.findall(r"<img src='([^']+)'", html)
+    assert len(imgs) == 5 and all((out / p).is_file() for p in imgs)
+
+
+def test_noop_scores_zero_on_fresh_desktops(farm: FarmServer, tmp_path: Path) -> None:
+    # The replay test ran first on the same two desktops: a lease must come back reset.
+    res = run_eval(tmp_path / "run", "--agent", "noop", farm=farm)
+    assert res["n_tasks"] == 3 and res["success_rate"] == 0.0 and res["infra_errors"] == 0
+    assert {t["status"] for t in res["tasks"]} == {"failure"}
+
+
+def test_fail_solves_exactly_the_infeasible_task_and_resume_skips(farm: FarmServer, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    res = run_eval(out, "--agent", "fail", farm=farm)
+    assert {k: v["status"] for k, v in by_id(res).items()} == {
+        HELLO: "failure", MKDIR: "failure", INFEASIBLE: "success"}
+    assert res["success_rate"] == pytest.approx(1 / 3)
+    assert len(read_episodes(out / "episodes.jsonl")) == 3
+
+    (out / "os" / MKDIR / "result.txt").unlink()  # as if the run had been killed before this task
+    res2 = run_eval(out, "--agent", "fail", "--resume", farm=farm)
+    assert res2["resumed"] == 2 and res2["ran"] == 1
+    recs = read_episodes(out / "episodes.jsonl")
+    assert len(recs) == 4 and recs[-1]["task_id"] == MKDIR and recs[-1]["run_id"] == res2["run_id"]
+    assert {k: v["status"] for k, v in by_id(res2).items()} == {
+        HELLO: "failure", MKDIR: "failure", INFEASIBLE: "success"}
+
+
+def test_missing_offline_asset_is_a_counted_infra_error(farm: FarmServer, tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    shutil.copytree(SUITE, suite)
+    bad = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0aff"
+    (suite / "os" / f"{bad}.json").write_text(json.dumps({
+        "id": bad, "snapshot": "os", "instruction": "Sum column A.", "source": "test", "trajectory": "",
+        "config": [{"type": "download", "parameters": {"files": [{"url": MISSING_URL, "path": "/home/user/in.xlsx"}]}}],
+        "evaluator": {"func": "exact_match", "result": {"type": "vm_command_line", "command": "true"},
+                      "expected": {"type": "rule", "rules": {"expected": "x"}}}}))
+    (suite / "test_all.json").write_text(json.dumps({"os": [HELLO, MKDIR, INFEASIBLE, bad]}))
+    out = tmp_path / "run"
+    res = run_eval(out, "--agent", "replay", "--retries", "1", farm=farm, suite=suite)
+    assert res["n_tasks"] == 4 and res["infra_errors"] == 1 and res["infra_retries"] == 1
+    assert res["success_rate"] == 0.75  # the crashed task stays in the denominator
+    row = by_id(res)[bad]
+    assert row["status"] == "infra_error" and row["score"] == 0.0 and row["attempts"] == 2
+    assert MISSING_URL in row["error"] and "setup step 0 (download)" in row["error"]
+    assert not (out / "os" / bad / "result.txt").exists()  # --resume will try it again
+    assert MISSING_URL in (out / "os" / bad / "error.txt").read_text()
+    rec = [r for r in read_episodes(out / "episodes.jsonl") if r["task_id"] == bad]
+    assert len(rec) == 1 and rec[0]["status"] == "infra_error" and rec[0]["attempt"] == 2
+    assert res["by_domain"]["os"]["infra_errors"] == 1 and res["by_domain"]["os"]["success_rate"] == 0.75
+    assert "infra_error" in (out / "report.html").read_text()
+
+
+def test_in_process_farm_when_no_url_is_given(tmp_path: Path) -> None:
+    idx = tmp_path / "one.json"
+    idx.write_text(json.dumps({"os": [INFEASIBLE]}))
+    res = run_eval(tmp_path / "run", "--agent", "fail", "--index", str(idx), "--width", "1024", "--height", "768")
+    assert res["n_tasks"] == 1 and res["success_rate"] == 1.0 and res["envs"] == 2
+
+
+def test_replay_agent_and_record_schema_errors(tmp_path: Path) -> None:
+    t = load_task(SUITE / "os" / f"{MKDIR}.json")
+    a = make_agent("replay")
+    a.reset(t)
+    assert a.predict("", {})[1] == ["pyautogui.write('mkdir -p ~/projects/osfarm', interval=0.01)",
+                                     "pyautogui.press('enter')"]
+    assert a.predict("", {})[1] == ["DONE"] and a.predict("", {})[1] == ["DONE"]  # ran out: DONE
+    t2 = t.model_copy()
+    t2.trajectory = "solutions/nope.json"
+    t2._path = t.path
+    with pytest.raises(ReplayError, match="nope.json"):
+        make_agent("replay").reset(t2)
+    assert len(load_suite(SUITE)) == 3  # the suite's own test_all.json / os/solutions do not confuse it
+    with pytest.raises(SchemaError, match="unsupported episode schema"):
+        check_record({"schema": "osfarm.episode/2"})
+    with pytest.raises(SchemaError, match="missing fields"):
+        check_record({"schema": SCHEMA, "episode_id": "x"})
