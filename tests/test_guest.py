@@ -333,6 +333,28 @@ def test_step_click_and_typing_into_a_terminal(guest: Guest, terminal: dict) -> 
     assert guest.c.get("/cursor_position").json() == [cx, cy]
 
 
+def test_step_observation_waits_for_the_screen_to_settle(guest: Guest, terminal: dict) -> None:
+    import base64
+    import io
+
+    from PIL import Image, ImageChops
+
+    before = Image.open(io.BytesIO(guest.c.get("/v1/screenshot", params={"cursor": "false"}).content)).convert("RGB")
+    cx, cy = terminal["x"] + terminal["width"] // 2, terminal["y"] + terminal["height"] // 2
+    r = guest.c.post("/v1/step", json={
+        "actions": [{"action_type": "CLICK", "parameters": {"x": cx, "y": cy}},
+                    {"action_type": "TYPING", "parameters": {"text": "echo settled-" + "x" * 40}}],
+        "observe": {"format": "png", "settle_s": 3, "cursor": False, "windows": False},
+    })
+    assert r.status_code == 200, r.text
+    after = Image.open(io.BytesIO(base64.b64decode(r.json()["observation"]["screenshot"]))).convert("RGB")
+    # The typed text is on the returned screenshot: it was taken after the terminal repainted.
+    box = ImageChops.difference(before, after).getbbox()
+    assert box is not None, "the observation does not show the typed text"
+    assert box[2] - box[0] > 100, f"only a sliver changed ({box}): captured before the repaint"
+    guest.c.post("/v1/step", json={"actions": [{"action_type": "HOTKEY", "parameters": {"keys": ["ctrl", "c"]}}]})
+
+
 def test_step_code_done_and_first_error(guest: Guest) -> None:
     r = guest.c.post("/v1/step", json={"actions": [
         "pyautogui.moveTo(33, 44)", {"action_type": "MOVE_TO", "parameters": {"x": 50, "y": 60}},

@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -99,6 +100,22 @@ class ScreenCapture:
             if cursor and self._has_xfixes:
                 self._blend_cursor(frame)
             return frame
+
+    def wait_still(self, timeout: float, quiet: float = 0.1, interval: float = 0.03) -> bool:
+        """Block until two grabs ``quiet`` seconds apart are identical, or ``timeout`` passes.
+        Returns whether the screen settled. The cursor is left out: a blinking caret is not."""
+        deadline = time.monotonic() + timeout
+        last = self.grab_frame(cursor=False).bgrx
+        still_since = time.monotonic()
+        while time.monotonic() < deadline:
+            time.sleep(interval)
+            frame = self.grab_frame(cursor=False).bgrx
+            now = time.monotonic()
+            if frame != last:  # memcmp of two frames: a few ms at 1920x1080
+                last, still_since = frame, now
+            elif now - still_since >= quiet:
+                return True
+        return False
 
     def _blend_cursor(self, frame: Frame) -> None:
         assert self._x is not None

@@ -42,6 +42,11 @@ class ObserveOptions(BaseModel):
     a11y: bool = False
     windows: bool = True
     cursor: bool = True
+    settle_s: float = Field(
+        default=0.0, ge=0.0, le=10.0,
+        description="wait up to this long for the screen to stop changing before capturing "
+        "(apps repaint a few ms after input arrives); 0 captures at once",
+    )
 
 
 class Window(BaseModel):

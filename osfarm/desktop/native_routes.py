@@ -60,6 +60,8 @@ def add_native_routes(app: FastAPI, desk: Desktop) -> None:
         from osfarm.desktop.capture import encode_frame
 
         t0 = time.perf_counter()
+        if opts.settle_s > 0:
+            desk.capture.wait_still(opts.settle_s)
         w, h = desk.screen_size()
         obs = Observation(screen=ScreenSize(width=w, height=h))
         with ThreadPoolExecutor(max_workers=3) as pool:

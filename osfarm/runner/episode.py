@@ -35,6 +35,9 @@ from osfarm.tasks.setup import SetupExecutor, SetupFailed
 
 SUCCESS, FAILURE, INFRA_ERROR, TIMEOUT = "success", "failure", "infra_error", "timeout"
 STATUSES = (SUCCESS, FAILURE, INFRA_ERROR, TIMEOUT)
+# The agent should see the screen after the app has drawn the effect of its input: wait for
+# the screen to stop changing (at most this long) instead of OSWorld's fixed 2 s pause.
+SETTLE_S = 1.0
 
 
 @dataclass
@@ -171,7 +174,7 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
             return
         wants_a11y = bool(getattr(agent, "wants_a11y", False))
         try:
-            obs = await desk.observe(a11y=wants_a11y, windows=False, cursor=False)
+            obs = await desk.observe(a11y=wants_a11y, windows=False, cursor=False, settle_s=SETTLE_S)
         except FarmAPIError as e:
             raise _Infra(f"observe: {e}") from e
         instruction = task.instruction
@@ -193,6 +196,7 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
             t1 = time.perf_counter()
             try:
                 sr = await desk.step(actions or ["WAIT"], observe={"a11y": wants_a11y, "windows": False,
+                                                                   "settle_s": SETTLE_S,
                                                                    "cursor": False}, code_timeout=cfg.code_timeout_s)
             except FarmAPIError as e:
                 if e.status in (400, 422):  # the agent sent something the desktop rejects: its failure
