@@ -153,7 +153,9 @@ def test_missing_offline_asset_is_a_counted_infra_error(farm: FarmServer, tmp_pa
     assert "infra_error" in (out / "report.html").read_text()
 
 
-def test_in_process_farm_when_no_url_is_given(tmp_path: Path) -> None:
+def test_in_process_farm_when_no_url_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its own state dir: the in-process farm takes the state dir's lock, like `osfarm serve`.
+    monkeypatch.setenv("OSFARM_STATE_DIR", tempfile.mkdtemp(prefix="ofr", dir="/tmp"))
     idx = tmp_path / "one.json"
     idx.write_text(json.dumps({"os": [INFEASIBLE]}))
     res = run_eval(tmp_path / "run", "--agent", "fail", "--index", str(idx), "--width", "1024", "--height", "768")

@@ -448,6 +448,11 @@ def create_app(settings: FarmSettings, provider: Any = None) -> FastAPI:
             response_class=Response, responses=DESKTOP_ERRORS, include_in_schema=method in ("GET", "POST"),
         )  # fmt: skip
 
+    # Imported late: task_routes imports this module.
+    from osfarm.farm.task_routes import add_task_routes
+
+    add_task_routes(app, state, settings)
+
     return app
 
 

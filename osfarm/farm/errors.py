@@ -29,6 +29,18 @@ class ForeignLease(FarmError):
     status = 403
 
 
+class Busy(FarmError):
+    """The desktop is in the middle of an operation that excludes this one (409)."""
+
+    status = 409
+
+
+class ResetFailed(FarmError):
+    """The provider could not reset the desktop; the lease has ended (502)."""
+
+    status = 502
+
+
 class CapacityError(FarmError):
     """No desktop can be handed out: 429 when every desktop is leased (retry later),
     503 when desktops cannot be started (provider failing)."""

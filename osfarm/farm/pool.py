@@ -32,7 +32,7 @@ import httpx
 
 from osfarm.config import FarmSettings
 from osfarm.farm import metrics
-from osfarm.farm.errors import CapacityError, ForeignLease, LeaseGone, UnknownDesktop
+from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, ResetFailed, UnknownDesktop
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider
 
 log = logging.getLogger("osfarm.farm.pool")
@@ -256,6 +256,49 @@ class LeasePool:
         if ttl_s:
             lease.ttl_s = float(ttl_s)
         lease.expires_at = time.time() + lease.ttl_s
+        return lease
+
+    async def reset_lease(self, lease_id: str) -> Lease:
+        """Give the lease a fresh desktop in place (a provider reset), for a new task.
+
+        While it runs the desktop is ``resetting``: the health loop skips it and a release or
+        expiry does not recycle it twice. Raises Busy when a reset of this lease is running,
+        LeaseGone when the lease ended meanwhile, ResetFailed (lease ended) when the reset fails.
+        """
+        lease = self.get(lease_id)
+        d = self._desktops.get(lease.desktop_id)
+        if d is None or d.handle is None or d.lease_id != lease.id:
+            raise LeaseGone(f"lease {lease.id} has no desktop any more; lease a new desktop")
+        if d.state != LEASED:
+            raise Busy(f"desktop {d.id} is {d.state}: a reset of this lease is already running")
+        old = d.handle
+        self._drop_client(d.id)
+        self._set(d, RESETTING)
+        t0 = time.monotonic()
+        try:
+            handle = await self.provider.reset(old)
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                await self.provider.stop(old)
+            why = f"{type(e).__name__}: {e}" if isinstance(e, Exception) else "cancelled"
+            if lease.id in self._leases:
+                self._end_lease(lease, f"desktop {d.id} could not be reset ({why}); lease a new desktop")
+            if d.id in self._desktops:
+                self._box_failed(d, e if isinstance(e, Exception) else RuntimeError("reset cancelled"), "reset_failed")
+            if not isinstance(e, Exception):
+                raise
+            raise ResetFailed(f"desktop reset failed ({why}); the lease has ended, lease a new desktop") from None
+        metrics.RESET_SECONDS.observe(time.monotonic() - t0)
+        log.info("leased desktop reset desktop=%s reset_s=%.3f", d.id, time.monotonic() - t0)
+        if lease.id not in self._leases or d.lease_id != lease.id:
+            self._box_ready(d, handle)  # released or expired meanwhile: back to the pool
+            self.get(lease.id)  # raises LeaseGone with the pool's own message
+            raise LeaseGone(f"lease {lease.id} ended during the reset; lease a new desktop")
+        d.handle, d.misses = handle, 0
+        lease.endpoint = handle.endpoint
+        lease.screen = (handle.spec.width, handle.spec.height)
+        self._set(d, LEASED)
+        self._replenish()
         return lease
 
     def get(self, lease_id: str, owner: str | None = None) -> Lease:

@@ -84,7 +84,7 @@ class EpisodeResult:
     errors: list[str] = field(default_factory=list)  # the errors of retried attempts
 
 
-class _Infra(Exception):
+class HarnessError(Exception):
     """The harness failed (not the agent): becomes status infra_error with this message."""
 
 
@@ -118,7 +118,7 @@ def _png(obs: Any) -> bytes:
 
 def evaluate(task: Task, controller: Any, cache: FileCache, cache_dir: Path, screen: tuple[int, int],
              last_action: Any, offline: bool) -> float:
-    """Run the evaluator's getters and score them (sync; raises _Infra on a crash)."""
+    """Run the evaluator's getters and score them (sync; raises HarnessError on a crash)."""
     ev = task.evaluator
     evaluator = ev.to_json()
     if ev.is_infeasible:
@@ -133,11 +133,11 @@ def evaluate(task: Task, controller: Any, cache: FileCache, cache_dir: Path, scr
         typ = cfg.get("type")
         fn = GETTERS.get(typ)
         if fn is None:
-            raise _Infra(f"evaluation: unknown getter {typ!r}")
+            raise HarnessError(f"evaluation: unknown getter {typ!r}")
         try:
             return fn(env, cfg)
         except Exception as e:
-            raise _Infra(f"evaluation: getter {typ!r} crashed: {type(e).__name__}: {e}") from e
+            raise HarnessError(f"evaluation: getter {typ!r} crashed: {type(e).__name__}: {e}") from e
 
     if isinstance(ev.func, list):
         results = [get(x) for x in (ev.result or [])] if isinstance(ev.result, list) else []
@@ -148,16 +148,16 @@ def evaluate(task: Task, controller: Any, cache: FileCache, cache_dir: Path, scr
     try:
         return float(score_fn(evaluator, results, expecteds, last_action, METRICS))
     except Exception as e:
-        raise _Infra(f"evaluation: metric {ev.func!r} crashed: {type(e).__name__}: {e}") from e
+        raise HarnessError(f"evaluation: metric {ev.func!r} crashed: {type(e).__name__}: {e}") from e
 
 
 async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache: FileCache, cfg: EpisodeConfig,
                    res: EpisodeResult) -> None:
-    """Fill ``res`` (status, score, error, steps); raises _Infra for harness failures."""
+    """Fill ``res`` (status, score, error, steps); raises HarnessError for harness failures."""
     try:
         desk = await farm.lease(ttl_s=cfg.lease_ttl_s, wait_s=cfg.lease_wait_s, heartbeat=True)
     except FarmAPIError as e:
-        raise _Infra(f"lease: {e}") from e
+        raise HarnessError(f"lease: {e}") from e
     res.desktop = {"provider": "sandbox", "image": None, "desktop_id": desk.info.desktop_id, "lease_id": desk.id}
     controller = GuestController(base_url=f"{farm.url}/v1/desktops/{desk.id}/guest", token=token)
     try:
@@ -166,7 +166,7 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
         try:
             await asyncio.to_thread(setup.run, task.config)
         except SetupFailed as e:
-            raise _Infra(str(e)) from e
+            raise HarnessError(str(e)) from e
         try:
             await asyncio.to_thread(agent.reset, task)
         except Exception as e:  # noqa: BLE001 - the agent's failure, not retried
@@ -176,7 +176,7 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
         try:
             obs = await desk.observe(a11y=wants_a11y, windows=False, cursor=False, settle_s=SETTLE_S)
         except FarmAPIError as e:
-            raise _Infra(f"observe: {e}") from e
+            raise HarnessError(f"observe: {e}") from e
         instruction = task.instruction
         last: Any = None
         for i in range(1, cfg.max_steps + 1):
@@ -204,7 +204,7 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
                     if actions:
                         last = actions[-1]
                     continue
-                raise _Infra(f"step {i}: {e}") from e
+                raise HarnessError(f"step {i}: {e}") from e
             rec.t_env_ms = round((time.perf_counter() - t1) * 1000, 1)
             bad = [r for r in sr.results if not r.ok]
             if bad:
@@ -223,12 +223,12 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
         try:
             await asyncio.to_thread(setup.run, task.evaluator.postconfig)
         except SetupFailed as e:
-            raise _Infra(f"postconfig: {e}") from e
+            raise HarnessError(f"postconfig: {e}") from e
         cache_dir = cfg.work_dir / res.episode_id
         res.score = await asyncio.to_thread(evaluate, task, controller, cache, cache_dir, screen, last, cfg.offline)
         res.status = SUCCESS if res.score == 1.0 else FAILURE
     except GuestError as e:
-        raise _Infra(f"desktop unreachable: {e}") from e
+        raise HarnessError(f"desktop unreachable: {e}") from e
     finally:
         controller.close()
         try:
@@ -252,7 +252,7 @@ async def run_episode(farm: AsyncFarm, token: str, task: Task, agent: Agent, cac
             await asyncio.wait_for(_attempt(farm, token, task, agent, cache, cfg, res), cfg.time_limit_s)
         except TimeoutError:
             res.status, res.score, res.error = TIMEOUT, 0.0, f"episode exceeded its {cfg.time_limit_s:g} s limit"
-        except _Infra as e:
+        except HarnessError as e:
             res.status, res.score, res.error = INFRA_ERROR, 0.0, str(e)
         except Exception as e:  # noqa: BLE001 - a harness bug: still a listed infra error, never a crash
             res.status, res.score = INFRA_ERROR, 0.0
