@@ -26,8 +26,9 @@ from osfarm.runner.episode import INFRA_ERROR, SUCCESS, TIMEOUT, EpisodeResult
 SCHEMA = "osfarm.episode/1"
 SCHEMA_MAJOR = "osfarm.episode/1"
 RESULTS_SCHEMA = "osfarm.results/1"
+# OSWorld's folders are named libreoffice_calc etc.; its paper calls them calc etc.: both count.
 GROUPS: dict[str, tuple[str, ...]] = {
-    "Office": ("calc", "impress", "writer"),
+    "Office": ("calc", "impress", "writer", "libreoffice_calc", "libreoffice_impress", "libreoffice_writer"),
     "Daily": ("vlc", "thunderbird", "chrome"),
     "Professional": ("gimp", "vs_code"),
 }
