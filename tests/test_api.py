@@ -121,8 +121,8 @@ def test_docs_and_openapi(api: httpx.Client) -> None:
     schemas = spec["components"]["schemas"]
     for name in ("LeaseRequest", "LeaseInfo", "StepRequest", "StepResult", "Observation", "PoolStatus", "ErrorBody"):
         assert name in schemas, name
-    # no reset/evaluate routes yet
-    assert not any(p.endswith(("/reset", "/evaluate")) for p in paths)
+    # OSWorld task routes (tests/test_task_routes.py exercises them)
+    assert "/v1/desktops/{lease_id}/reset" in paths and "/v1/desktops/{lease_id}/evaluate" in paths
 
 
 def test_pool_status(api: httpx.Client) -> None:
