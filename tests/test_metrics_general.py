@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from osfarm.evaluators.errors import UnsupportedOption
 from osfarm.evaluators.metrics import METRICS
 from osfarm.evaluators.metrics import general as g
 
@@ -47,7 +48,7 @@ def test_literal_match() -> None:
     assert g.literal_match(["A", 1], ["a", "1"], type="list", ignore_case=True) == 1.0
     assert g.literal_match(["A", 1], ["A"], type="list") == 0.0
     assert g.literal_match("A", ["A"], type="list") == 0.0
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(UnsupportedOption):
         g.literal_match("a", "a", type="set")
 
 

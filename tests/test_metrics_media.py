@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
+from osfarm.evaluators.errors import UnsupportedOption
 from osfarm.evaluators.metrics import media as m
 
 FFMPEG = shutil.which("ffmpeg")  # a system package (scripts/system-packages.txt): never skipped
@@ -274,7 +275,7 @@ def test_is_vlc_playing(tmp_path: Path) -> None:
     assert m.is_vlc_playing(None, rule) == 0.0
     (tmp_path / "bad.xml").write_text("<root><state>")
     assert m.is_vlc_playing(str(tmp_path / "bad.xml"), rule) == 0.0
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(UnsupportedOption):
         m.is_vlc_playing(status("playing", "song.mp3"), {"type": "nonsense"})
 
 
@@ -504,7 +505,7 @@ def test_compare_archive(tmp_path: Path) -> None:
     assert m.compare_archive(None, gold) == 0.0
     (tmp_path / "bad.zip").write_bytes(b"PK not really")
     assert m.compare_archive(str(tmp_path / "bad.zip"), gold) == 0.0
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(UnsupportedOption):
         m.compare_archive(same, gold, file_type="hologram")
 
 

@@ -11,6 +11,7 @@ import shutil
 from datetime import datetime
 from typing import Any
 
+from osfarm.evaluators.errors import UnsupportedOption
 from osfarm.evaluators.getters.env import EvalEnv
 
 log = logging.getLogger(__name__)
@@ -114,4 +115,4 @@ def get_content_from_vm_file(env: EvalEnv, config: dict[str, Any]) -> Any:
         if df.empty:
             return None
         return df.iloc[-1].astype(str).tolist()
-    raise NotImplementedError(f"content_from_vm_file: file_type={file_type!r} file_content={content!r}")
+    raise UnsupportedOption(f"content_from_vm_file: file_type={file_type!r} file_content={content!r}")

@@ -32,6 +32,8 @@ from typing import Any
 import yaml
 from rapidfuzz import fuzz
 
+from osfarm.evaluators.errors import UnsupportedOption
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["METRICS"]
@@ -94,7 +96,7 @@ def _match_value_to_rule(value: Any, rule: Mapping[str, Any]) -> bool:
     if method in {"str_list_eq", "str_set_eq"}:
         container = getattr(builtins, method[4:-3])  # list or set
         return container(str(value).strip("\"'").split(",")) == container(ref)
-    raise NotImplementedError(f"unknown rule method {method!r}")
+    raise UnsupportedOption(f"unknown rule method {method!r}")
 
 
 def _match_record(pattern: Mapping[str, Any], record: Mapping[str, Any]) -> bool:
@@ -143,7 +145,7 @@ def literal_match(result: Any, expected: Any, **options: Any) -> float:
         if len(result) != len(expected):
             return 0.0
         return float([fold(s) for s in result] == [fold(s) for s in expected])
-    raise NotImplementedError(f"literal_match type {literal_type!r} not supported")
+    raise UnsupportedOption(f"literal_match type {literal_type!r} not supported")
 
 
 def check_include_exclude(result: Any, rules: Mapping[str, Any]) -> float:

@@ -48,6 +48,7 @@ import numpy as np
 from PIL import Image, ImageChops, ImageStat, UnidentifiedImageError
 from rapidfuzz import fuzz
 
+from osfarm.evaluators.errors import UnsupportedOption
 from osfarm.evaluators.metrics.general import _match_value_to_rule
 
 logger = logging.getLogger(__name__)
@@ -421,7 +422,7 @@ def is_vlc_playing(actual_status_path: Any, rule: Mapping[str, Any]) -> float:
             got = urlparse(info)
             return float(parsed.netloc == got.netloc and parsed.path in got.path)
         return 0.0
-    raise NotImplementedError(f"is_vlc_playing: unknown rule type {kind!r}")
+    raise UnsupportedOption(f"is_vlc_playing: unknown rule type {kind!r}")
 
 
 @_safe
@@ -502,7 +503,7 @@ def check_qt_slider_colours(actual_config_path: Any, rule: Mapping[str, Any]) ->
         values = [int(x) for x in value.split(";")]
         triples = list(zip(values[0::3], values[1::3], values[2::3]))
         return float(all(all(v < 100 for v in rgb) for rgb in triples))
-    raise NotImplementedError(f"check_qt_slider_colours: unknown rule type {kind!r}")
+    raise UnsupportedOption(f"check_qt_slider_colours: unknown rule type {kind!r}")
 
 
 # --------------------------------------------------------------------------- audio / video
@@ -725,7 +726,7 @@ def _zip_compare_function(file_type: str) -> Callable[..., float]:
         "video": compare_videos,
     }
     if file_type not in functions:
-        raise NotImplementedError(f"compare_archive: unsupported file_type {file_type!r}")
+        raise UnsupportedOption(f"compare_archive: unsupported file_type {file_type!r}")
     return functions[file_type]
 
 

@@ -26,6 +26,8 @@ from openpyxl.utils.datetime import to_excel
 from openpyxl.worksheet.cell_range import MultiCellRange
 from openpyxl.worksheet.worksheet import Worksheet
 
+from osfarm.evaluators.errors import UnsupportedOption
+
 logger = logging.getLogger("osfarm.evaluators.metrics.table")
 
 _ENCODINGS = ("utf-8-sig", "utf-8", "latin-1")
@@ -88,7 +90,7 @@ def _match_value_to_rule(value: Any, rule: Mapping[str, Any]) -> bool:
         val = value if isinstance(value, MultiCellRange) else MultiCellRange(str(value))
         lower, upper = MultiCellRange(ref[0]), MultiCellRange(ref[1])
         return all(r in val for r in lower) and all(r in upper for r in val)
-    raise NotImplementedError(method)
+    raise UnsupportedOption(method)
 
 
 def _cell_value(value: Any) -> Any:
@@ -137,7 +139,7 @@ def _read_cell_style(name: str, cell: Any) -> Any:
         return (cell.hyperlink or "") if has_value else None
     if name == "merge":
         return isinstance(cell, MergedCell)
-    raise NotImplementedError(f"unsupported style {name}")
+    raise UnsupportedOption(f"unsupported style {name}")
 
 
 def _lcs_ratio(a: str, b: str) -> float:
@@ -266,7 +268,7 @@ def _rule_sheet_fuzzy(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bo
                 elif kind == "exact_match":
                     ok = v1 == v2
                 else:
-                    raise NotImplementedError(kind)
+                    raise UnsupportedOption(kind)
                 if not ok:
                     return False
     return True
