@@ -6,7 +6,6 @@ and never raises: a missing, None or unreadable document scores 0.0.
 
 from __future__ import annotations
 
-import functools
 import io
 import logging
 import os
@@ -19,22 +18,11 @@ from docx import Document
 from docx.enum.text import WD_PARAGRAPH_ALIGNMENT
 from lxml import etree
 
+from osfarm.evaluators.metrics.contract import never_raises
+
 logger = logging.getLogger("osfarm.evaluators.metrics.docs")
 
 
-def _never_raises(fn: Callable[..., float]) -> Callable[..., float]:
-    """Metric contract: an unexpected document shape (odd table grid, missing part) scores
-    0.0 instead of aborting the whole evaluation."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> float:
-        try:
-            return float(fn(*args, **kwargs))
-        except Exception as exc:  # noqa: BLE001 - metrics never raise; any failure scores 0.0
-            logger.info("%s failed: %s", fn.__name__, exc)
-            return 0.0
-
-    return wrapper
 
 _W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
 _ODF_TEXT = "urn:oasis:names:tc:opendocument:xmlns:text:1.0"
@@ -89,7 +77,7 @@ def _squash(paragraphs: list[str]) -> str:
     return re.sub(r"\s+", " ", "\n".join(paragraphs)).strip()
 
 
-@_never_raises
+@never_raises
 def compare_docx_files(file1: str | None, file2: str | None, **options: Any) -> float:
     """Text comparison of two .docx (or two .odt) documents.
 
@@ -138,13 +126,13 @@ def compare_docx_files(file1: str | None, file2: str | None, **options: Any) -> 
     return 1.0 if p1 == p2 else 0.0
 
 
-@_never_raises
+@never_raises
 def compare_docx_files_and_ignore_new_lines(file1: str | None, file2: str | None, **options: Any) -> float:
     """Like compare_docx_files but blank paragraphs are dropped before comparing."""
     return compare_docx_files(file1, file2, **{**options, "delete_empty_lines": True})
 
 
-@_never_raises
+@never_raises
 def compare_docx_tables(docx_file1: str | None, docx_file2: str | None) -> float:
     """1.0 iff both documents have the same tables, cell texts equal after strip."""
     d1, d2 = _open(docx_file1), _open(docx_file2)
@@ -160,7 +148,7 @@ def compare_docx_tables(docx_file1: str | None, docx_file2: str | None) -> float
     return 1.0
 
 
-@_never_raises
+@never_raises
 def compare_line_spacing(docx_file1: str | None, docx_file2: str | None) -> float:
     """1.0 iff the texts match (compare_docx_files) and every paragraph's line spacing is equal."""
     if not compare_docx_files(docx_file1, docx_file2):
@@ -174,7 +162,7 @@ def compare_line_spacing(docx_file1: str | None, docx_file2: str | None) -> floa
     return 1.0
 
 
-@_never_raises
+@never_raises
 def contains_page_break(docx_file: str | None, rules: dict[str, Any] | None = None) -> float:
     """1.0 iff the body has at least one ``<w:br w:type="page"/>`` in a run, and exactly
     ``rules["page_break_count"]`` of them when that is given."""
@@ -191,7 +179,7 @@ def contains_page_break(docx_file: str | None, rules: dict[str, Any] | None = No
     return 1.0 if count > 0 else 0.0
 
 
-@_never_raises
+@never_raises
 def is_first_line_centered(docx_file: str | None) -> float:
     doc = _open(docx_file)
     if doc is None or not doc.paragraphs:
@@ -199,7 +187,7 @@ def is_first_line_centered(docx_file: str | None) -> float:
     return 1.0 if doc.paragraphs[0].paragraph_format.alignment == WD_PARAGRAPH_ALIGNMENT.CENTER else 0.0
 
 
-@_never_raises
+@never_raises
 def compare_font_names(docx_file: str | None, rules: dict[str, Any]) -> float:
     """1.0 iff every run of every body paragraph has font ``rules["font_name"]``."""
     doc = _open(docx_file)
@@ -209,7 +197,7 @@ def compare_font_names(docx_file: str | None, rules: dict[str, Any]) -> float:
     return 0.0 if any(r.font.name != want for p in doc.paragraphs for r in p.runs) else 1.0
 
 
-@_never_raises
+@never_raises
 def check_italic_font_size_14(path1: str | None, path2: str | None) -> float:
     """1.0 iff the texts match and every italic run is 14 pt."""
     if not compare_docx_files(path1, path2):
@@ -224,7 +212,7 @@ def check_italic_font_size_14(path1: str | None, path2: str | None) -> float:
     return 1.0
 
 
-@_never_raises
+@never_raises
 def evaluate_strike_through_last_paragraph(file_path1: str | None, file_path2: str | None) -> float:
     """1.0 iff the texts match and every run of the last paragraph is struck through."""
     if not compare_docx_files(file_path1, file_path2):
@@ -235,7 +223,7 @@ def evaluate_strike_through_last_paragraph(file_path1: str | None, file_path2: s
     return 1.0 if all(r.font.strike for r in doc.paragraphs[-1].runs) else 0.0
 
 
-@_never_raises
+@never_raises
 def compare_subscript_contains(docx_file1: str | None, docx_file2: str | None) -> float:
     """1.0 iff some aligned pair of runs is subscript in both documents."""
     d1, d2 = _open(docx_file1), _open(docx_file2)
@@ -248,7 +236,7 @@ def compare_subscript_contains(docx_file1: str | None, docx_file2: str | None) -
     return 0.0
 
 
-@_never_raises
+@never_raises
 def has_page_numbers_in_footers(docx_file: str | None) -> float:
     """1.0 iff every section's footer's first paragraph contains a digit.
 
@@ -268,7 +256,7 @@ def _image_blobs(doc: Any) -> list[bytes]:
     return [rel.target_part.blob for rel in doc.part.rels.values() if "image" in rel.reltype]
 
 
-@_never_raises
+@never_raises
 def compare_docx_images(docx_file1: str | None, docx_file2: str | None) -> float:
     """1.0 iff both documents embed the same number of images with identical pixels."""
     from PIL import Image
@@ -289,7 +277,7 @@ def compare_docx_images(docx_file1: str | None, docx_file2: str | None) -> float
     return 1.0
 
 
-@_never_raises
+@never_raises
 def compare_contains_image(docx_file1: str | None, docx_file2: str | None) -> float:
     """1.0 iff aligned runs agree on whether they hold a drawing."""
     d1, d2 = _open(docx_file1), _open(docx_file2)

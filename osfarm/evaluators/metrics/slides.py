@@ -7,7 +7,6 @@ metrics are pure functions over file paths and never raise: unreadable input sco
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import xml.etree.ElementTree as ET
@@ -19,22 +18,11 @@ from pptx.enum.shapes import MSO_SHAPE_TYPE
 from pptx.enum.text import PP_ALIGN
 from pptx.util import Inches
 
+from osfarm.evaluators.metrics.contract import never_raises
+
 logger = logging.getLogger("osfarm.evaluators.metrics.slides")
 
 
-def _never_raises(fn: Callable[..., float]) -> Callable[..., float]:
-    """Metric contract: an unexpected document shape (odd table grid, missing part) scores
-    0.0 instead of aborting the whole evaluation."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> float:
-        try:
-            return float(fn(*args, **kwargs))
-        except Exception as exc:  # noqa: BLE001 - metrics never raise; any failure scores 0.0
-            logger.info("%s failed: %s", fn.__name__, exc)
-            return 0.0
-
-    return wrapper
 
 _A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
 
@@ -249,7 +237,7 @@ def _compare_decks(prs1: Any, prs2: Any, opt: dict[str, Any], tol: float) -> Non
             _check(_bullets(s1) == _bullets(s2), f"{where}: bullets")
 
 
-@_never_raises
+@never_raises
 def compare_pptx_files(file1_path: str | None, file2_path: str | None, **options: Any) -> float:
     """1.0 iff the two decks agree on everything the ``examine_*`` options ask about.
 
@@ -271,7 +259,7 @@ def compare_pptx_files(file1_path: str | None, file2_path: str | None, **options
     return 1.0
 
 
-@_never_raises
+@never_raises
 def check_image_stretch_and_center(modified_ppt: str | None, original_ppt: str | None) -> float:
     """1.0 iff the first picture of slide 1 now fills the slide and is centred (0.5 in slack)."""
     mod, orig = _open(modified_ppt), _open(original_ppt)
@@ -301,7 +289,7 @@ def check_image_stretch_and_center(modified_ppt: str | None, original_ppt: str |
         return 0.0
 
 
-@_never_raises
+@never_raises
 def check_slide_orientation_Portrait(pptx_path: str | None) -> float:
     prs = _open(pptx_path)
     if prs is None:
@@ -317,7 +305,7 @@ def _iter_runs(prs: Any) -> Iterator[Any]:
                     yield from p.runs
 
 
-@_never_raises
+@never_raises
 def check_strikethrough(pptx_path: str | None, rules: dict[str, Any]) -> float:
     """1.0 iff the listed paragraphs (first run) of the listed shapes are struck through.
 
@@ -341,7 +329,7 @@ def check_strikethrough(pptx_path: str | None, rules: dict[str, Any]) -> float:
         return 0.0
 
 
-@_never_raises
+@never_raises
 def check_transition(pptx_file: str | None, rules: dict[str, Any]) -> float:
     """1.0 iff slide ``rules["slide_idx"]`` has a ``<p:transition>`` whose child is
     ``<p:{rules["transition_type"]}>`` (e.g. "dissolve")."""
