@@ -51,6 +51,21 @@ HOME_FILES = {
         # text/csv is a kind of text/plain: without this line gio would hand it to the editor.
         "text/csv=libreoffice-calc.desktop\ntext/tab-separated-values=libreoffice-calc.desktop\n"
     ),
+    # LibreOffice as a used profile: no Tip of the Day dialog and no "what's new" bar over the
+    # first document, which would cover the screen an agent (or a reference solution) sees.
+    ".config/libreoffice/4/user/registrymodifications.xcu": (
+        '<?xml version="1.0" encoding="UTF-8"?>\n'
+        '<oor:items xmlns:oor="http://openoffice.org/2001/registry" '
+        'xmlns:xs="http://www.w3.org/2001/XMLSchema" '
+        'xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance">\n'
+        '<item oor:path="/org.openoffice.Office.Common/Misc"><prop oor:name="ShowTipOfTheDay" '
+        'oor:op="fuse"><value>false</value></prop></item>\n'
+        '<item oor:path="/org.openoffice.Office.Common/Misc"><prop oor:name="FirstRun" '
+        'oor:op="fuse"><value>false</value></prop></item>\n'
+        '<item oor:path="/org.openoffice.Setup/Product"><prop oor:name="ooSetupLastVersion" '
+        'oor:op="fuse"><value>7.4</value></prop></item>\n'
+        '</oor:items>\n'
+    ),
 }
 PR_SET_CHILD_SUBREAPER = 36
 
