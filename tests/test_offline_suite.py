@@ -4,6 +4,8 @@ of them through the GUI on real desktops (the suite's acceptance run)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,6 +29,12 @@ def test_suite_loads_and_has_infeasible_tasks() -> None:
     assert funcs.count("infeasible") >= 3
     for t in tasks:
         assert t.trajectory, f"{t.id} has no reference solution"
+
+
+def test_committed_suite_matches_its_generator() -> None:
+    """The task JSONs, solutions and index are what domains/*.py build, and every input exists."""
+    r = subprocess.run([sys.executable, str(SUITE / "build_suite.py"), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 def test_replay_solves_every_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

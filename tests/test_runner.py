@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -60,7 +61,7 @@ def by_id(results: dict) -> dict[str, dict]:
 
 def test_replay_solves_every_task_with_the_full_record(farm: FarmServer, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    res = run_eval(out, "--agent", "replay", farm=farm)
+    res = run_eval(out, "--agent", "replay", "--record", farm=farm)
     assert res["agent"] == "replay" and res["run_id"]
     assert res["n_tasks"] == 3 and res["success_rate"] == 1.0 and res["infra_errors"] == 0
     assert res["by_domain"] == {"os": pytest.approx(res["by_domain"]["os"])} and res["by_domain"]["os"]["n"] == 3
@@ -77,6 +78,9 @@ def test_replay_solves_every_task_with_the_full_record(farm: FarmServer, tmp_pat
         for x in lines:
             assert re.fullmatch(rf"step_{x['step_num']}_\d{{8}}@\d{{12}}\.png", x["screenshot_file"])
             assert (d / x["screenshot_file"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        probe = subprocess.run(["ffprobe", "-v", "error", "-show_entries", "stream=codec_type,width",
+                                "-of", "csv=p=0", str(d / "recording.mp4")], capture_output=True, text=True)
+        assert probe.returncode == 0 and "video,1024" in probe.stdout, probe.stderr
     hello_traj = [json.loads(x) for x in (out / "os" / HELLO / "traj.jsonl").read_text().splitlines()]
     assert hello_traj[0]["actions"][0]["action_type"] == "TYPING" and hello_traj[0]["response"]
 

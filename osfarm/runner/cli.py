@@ -27,6 +27,7 @@ def eval_command(
     width: Annotated[int | None, typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
     height: Annotated[int | None, typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
+    record: Annotated[bool, typer.Option("--record/--no-record", help="save each episode's screen as recording.mp4")] = False,
 ) -> None:
     """Run AGENT on every task of SUITE; write OSWorld's per-task layout, results.json and report.html."""
     from osfarm.agents import UnknownAgent
@@ -39,7 +40,8 @@ def eval_command(
     overrides = {k: v for k, v in (("width", width), ("height", height)) if v is not None}
     opts = RunOptions(suite=suite, agent=agent, out=out, index=index, envs=envs, max_steps=max_steps, resume=resume,
                       url=url, token=token, cache=cache, offline=offline, time_limit_s=time_limit,
-                      infra_retries=retries, action_space=action_space, progress=progress, farm_overrides=overrides)
+                      infra_retries=retries, action_space=action_space, progress=progress, record=record,
+                      farm_overrides=overrides)
     try:
         summary = run_eval(opts, console=err)
     except TaskError as e:

@@ -50,6 +50,7 @@ class EpisodeConfig:
     offline: bool = True
     code_timeout_s: float = 30.0
     work_dir: Path = field(default_factory=lambda: Path("cache"))  # per-episode getter caches go below
+    record: bool = False  # an mp4 of the agent's part of the episode (OSWorld's recording.mp4)
 
 
 @dataclass
@@ -82,6 +83,10 @@ class EpisodeResult:
     desktop: dict[str, Any] = field(default_factory=dict)
     last_action: Any = None
     errors: list[str] = field(default_factory=list)  # the errors of retried attempts
+    recording: bytes | None = None
+    # seconds per phase of the final attempt: lease, setup, agent (model + actions), evaluate
+    timings: dict[str, float] = field(default_factory=dict)
+    recording_error: str | None = None  # a failed recording is noted, never the episode's failure
 
 
 class HarnessError(Exception):
@@ -151,14 +156,30 @@ def evaluate(task: Task, controller: Any, cache: FileCache, cache_dir: Path, scr
         raise HarnessError(f"evaluation: metric {ev.func!r} crashed: {type(e).__name__}: {e}") from e
 
 
+class _PhaseClock:
+    """Writes the seconds since the previous lap into ``into[name]`` (the harness overhead bench
+    reads these from each episode record)."""
+
+    def __init__(self, into: dict[str, float]):
+        self.into = into
+        self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.into[name] = round(now - self.t, 3)
+        self.t = now
+
+
 async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache: FileCache, cfg: EpisodeConfig,
                    res: EpisodeResult) -> None:
     """Fill ``res`` (status, score, error, steps); raises HarnessError for harness failures."""
+    clock = _PhaseClock(res.timings)
     try:
         desk = await farm.lease(ttl_s=cfg.lease_ttl_s, wait_s=cfg.lease_wait_s, heartbeat=True)
     except FarmAPIError as e:
         raise HarnessError(f"lease: {e}") from e
     res.desktop = {"provider": "sandbox", "image": None, "desktop_id": desk.info.desktop_id, "lease_id": desk.id}
+    clock.lap("lease")
     controller = GuestController(base_url=f"{farm.url}/v1/desktops/{desk.id}/guest", token=token)
     try:
         screen = desk.screen
@@ -167,12 +188,18 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
             await asyncio.to_thread(setup.run, task.config)
         except SetupFailed as e:
             raise HarnessError(str(e)) from e
+        clock.lap("setup")
         try:
             await asyncio.to_thread(agent.reset, task)
         except Exception as e:  # noqa: BLE001 - the agent's failure, not retried
             res.status, res.error = FAILURE, f"agent reset: {type(e).__name__}: {e}"
             return
         wants_a11y = bool(getattr(agent, "wants_a11y", False))
+        if cfg.record:
+            try:
+                await asyncio.to_thread(controller.start_recording)
+            except GuestError as e:
+                res.recording_error = f"start_recording: {e}"
         try:
             obs = await desk.observe(a11y=wants_a11y, windows=False, cursor=False, settle_s=SETTLE_S)
         except FarmAPIError as e:
@@ -220,6 +247,12 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
                 last = {"action_type": done} if isinstance(last, dict) else done
                 break
         res.last_action = last
+        clock.lap("agent")
+        if cfg.record and res.recording_error is None:
+            try:
+                res.recording = await asyncio.to_thread(controller.end_recording)
+            except GuestError as e:
+                res.recording_error = f"end_recording: {e}"
         try:
             await asyncio.to_thread(setup.run, task.evaluator.postconfig)
         except SetupFailed as e:
@@ -227,6 +260,7 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
         cache_dir = cfg.work_dir / res.episode_id
         res.score = await asyncio.to_thread(evaluate, task, controller, cache, cache_dir, screen, last, cfg.offline)
         res.status = SUCCESS if res.score == 1.0 else FAILURE
+        clock.lap("evaluate")
     except GuestError as e:
         raise HarnessError(f"desktop unreachable: {e}") from e
     finally:

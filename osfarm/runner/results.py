@@ -94,6 +94,7 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "score": res.score,
         "error": res.error,
         "infra_retries": res.infra_retries,
+        "timings": res.timings,
         "started_at": _iso(res.started_at),
         "finished_at": _iso(res.finished_at),
         "steps": steps,
@@ -138,7 +139,7 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore) -> 
     """Write one finished task's files; returns its row for results.json."""
     d = task_dir(out, res.task.domain, res.task.id)
     d.mkdir(parents=True, exist_ok=True)
-    for old in list(d.glob("step_*.png")) + [d / "traj.jsonl", d / "result.txt"]:
+    for old in list(d.glob("step_*.png")) + [d / "traj.jsonl", d / "result.txt", d / "recording.mp4"]:
         old.unlink(missing_ok=True)  # a re-run (resume after an infra error) starts clean
     with (d / "traj.jsonl").open("w") as f:
         for s in res.steps:
@@ -150,6 +151,8 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore) -> 
                                 "action": s.actions[0] if len(s.actions) == 1 else s.actions,
                                 "actions": s.actions, "response": s.response, "action_error": s.action_error,
                                 "screenshot_file": shot if png else None}, ensure_ascii=False) + "\n")
+    if res.recording:
+        (d / "recording.mp4").write_bytes(res.recording)
     if res.status != INFRA_ERROR:  # infra errors get no result.txt: --resume runs them again
         (d / "result.txt").write_text(f"{res.score}\n")
     if res.error:
@@ -159,6 +162,10 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore) -> 
     row = {"task_id": res.task.id, "domain": res.task.domain, "status": res.status, "score": res.score,
            "error": res.error, "steps": len(res.steps), "attempts": res.attempt,
            "seconds": round(res.finished_at - res.started_at, 2), "episode_id": res.episode_id}
+    if res.timings:
+        row["timings"] = res.timings
+    if res.recording_error:
+        row["recording_error"] = res.recording_error
     (d / "episode.json").write_text(json.dumps(row, indent=2))
     rec = episode_record(res, run_id, blobs)
     with (out / "episodes.jsonl").open("a") as f:

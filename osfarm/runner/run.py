@@ -60,6 +60,7 @@ class RunOptions:
     infra_retries: int = 2
     action_space: str = "pyautogui"
     progress: bool = True
+    record: bool = False
     farm_overrides: dict[str, Any] = field(default_factory=dict)  # FarmSettings for the in-process farm
 
 
@@ -92,7 +93,7 @@ async def run_async(opts: RunOptions, url: str, token: str, console: Console | N
     cache = make_cache(suite, Path(opts.suite), opts.cache, out, opts.offline)
     run_id = datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     cfg = EpisodeConfig(max_steps=opts.max_steps, time_limit_s=opts.time_limit_s, infra_retries=opts.infra_retries,
-                        offline=opts.offline, work_dir=out / ".work")
+                        offline=opts.offline, work_dir=out / ".work", record=opts.record)
     blobs = BlobStore(out)
     rows: dict[str, dict[str, Any]] = {}
     todo = []

@@ -183,6 +183,16 @@ class GuestController:
         r = self._request("POST", "/window_size", data={"app_class_name": app_class_name}, ok_missing=True)
         return None if r is None else r.json()
 
+    def start_recording(self) -> None:
+        """POST /start_recording: the guest starts an mp4 screen recording."""
+        self._request("POST", "/start_recording")
+
+    def end_recording(self, timeout: float = 60.0) -> bytes:
+        """POST /end_recording: stops the recording and returns the mp4."""
+        r = self._request("POST", "/end_recording", timeout=timeout)
+        assert r is not None
+        return r.content
+
     # ------------------------------------------------------------------ observations
 
     def screenshot(self) -> bytes:

@@ -9,12 +9,35 @@ evaluator steps tasks share.  Nothing is ever downloaded: every URL of the suite
 from __future__ import annotations
 
 import json
+import re
+import zipfile
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import openpyxl
 
 URL = "https://osfarm.invalid/offline/{}/{}"
+
+
+FIXED_TIME = datetime(2024, 1, 1)
+
+
+def _freeze_zip(path: Path) -> None:
+    """Rewrite a zip-based document (xlsx, docx, pptx, ...) with fixed entry times, so that a
+    rebuild of the suite gives the same bytes and git sees no change."""
+    with zipfile.ZipFile(path) as z:
+        entries = [(i, z.read(i)) for i in z.infolist()]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with zipfile.ZipFile(tmp, "w") as out:
+        for info, data in entries:
+            if info.filename == "docProps/core.xml":  # the writers stamp the save time here
+                data = re.sub(rb"(<dcterms:(?:created|modified)[^>]*>)[^<]*", rb"\g<1>2024-01-01T00:00:00Z", data)
+            fixed = zipfile.ZipInfo(info.filename, date_time=FIXED_TIME.timetuple()[:6])
+            fixed.compress_type = zipfile.ZIP_DEFLATED
+            fixed.external_attr = info.external_attr
+            out.writestr(fixed, data)
+    tmp.replace(path)
 
 
 class SuiteKit:
@@ -67,6 +90,9 @@ class SuiteKit:
                   "osfarm-offline (infeasible)")
 
     def write(self) -> None:
+        for p in sorted(self.cache.rglob("*")):
+            if p.is_file() and zipfile.is_zipfile(p):
+                _freeze_zip(p)
         for path, data in self.files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(data)

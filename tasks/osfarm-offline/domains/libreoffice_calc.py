@@ -1,5 +1,5 @@
 """libreoffice_calc: formulas typed into an xlsx through the Name Box, saved in xlsx format."""
-from suitekit import DONE, SAVE_KEEP_FORMAT, gold, office_doc, saved_after_mark, type_text, vm_file
+from suitekit import DONE, hotkey, SAVE_KEEP_FORMAT, gold, office_doc, saved_after_mark, type_text, vm_file
 
 SUM = "0f5d2a10-0000-4000-8000-000000000101"
 PRODUCT = "0f5d2a10-0000-4000-8000-000000000102"
@@ -12,7 +12,8 @@ NAME_BOX = ["pyautogui.click(66, 142)"]  # LibreOffice Calc's Name Box at 1920x1
 
 
 def goto(cell: str) -> list[list[str]]:
-    return [NAME_BOX, type_text(f"{cell}\n")]
+    # Ctrl+A: a click into the Name Box does not always select its old text (seen under load)
+    return [NAME_BOX, hotkey("ctrl", "a") + type_text(f"{cell}\n")]
 
 
 def calc_task(kit, tid: str, name: str, instruction: str, steps: list, gold_extra=None, gold_rows=None) -> None:

@@ -1,0 +1,120 @@
+"""Harness overhead per task and episodes/hour of the replay agent, in one run.
+
+For a slice of an OSWorld-format suite (the first K tasks of every domain, infeasible ones
+excluded), runs ``osfarm eval --agent replay`` on an in-process farm at --envs 1, 2 and 4 and
+reads the phase timings of every episode record:
+
+* overhead = lease (a reset desktop from the pool) + setup (the task's config: downloads, app
+  start, window waits) + evaluate (postconfig, getters, metric): everything but the agent;
+* agent = the replay agent's steps (actions and the settled observation after each).
+
+The comparison row is OSWorld's harness floor from ../shared/reference/osworld.md: 60 s fixed
+sleep after reset + 20 s before evaluating + 2 s after every step — waits alone, before its
+VM snapshot revert; not measured here.
+
+Usage: python bench/task_overhead.py [--suite DIR] [--per-domain K] [--envs 1,2,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from datetime import datetime
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from osfarm.runner.results import read_episodes
+from osfarm.runner.run import RunOptions, run_eval
+from osfarm.tasks.suite import load_suite
+
+ROOT = Path(__file__).resolve().parent.parent
+OSWORLD_FIXED_S = 60.0 + 20.0
+OSWORLD_PER_STEP_S = 2.0
+OFFICE = ("libreoffice_calc", "libreoffice_writer", "libreoffice_impress")
+
+
+def slice_index(suite_dir: Path, per_domain: int) -> dict[str, list[str]]:
+    index: dict[str, list[str]] = {}
+    for t in load_suite(suite_dir):
+        if t.evaluator.func == "infeasible":
+            continue
+        ids = index.setdefault(t.domain, [])
+        if len(ids) < per_domain:
+            ids.append(t.id)
+    return index
+
+
+def _ts(s: str) -> float:
+    return datetime.fromisoformat(s).timestamp()
+
+
+def run_once(suite: Path, index_file: Path, envs: int, out: Path) -> list[dict]:
+    os.environ["OSFARM_STATE_DIR"] = tempfile.mkdtemp(prefix="oto", dir="/tmp")
+    res = run_eval(RunOptions(suite=suite, agent="replay", out=out, index=index_file, envs=envs, progress=False))
+    if res["success_rate"] != 1.0:
+        bad = [t["task_id"] for t in res["tasks"] if t["status"] != "success"]
+        Console(stderr=True).print(f"[yellow]envs={envs}: replay did not solve {bad} (still timed)")
+    return read_episodes(out / "episodes.jsonl")
+
+
+def overhead(rec: dict) -> float:
+    t = rec["timings"]
+    return t.get("lease", 0.0) + t.get("setup", 0.0) + t.get("evaluate", 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--suite", type=Path, default=ROOT / "tasks" / "osfarm-offline")
+    ap.add_argument("--per-domain", type=int, default=2)
+    ap.add_argument("--envs", default="1,2,4")
+    args = ap.parse_args()
+    envs_list = [int(x) for x in args.envs.split(",")]
+    console = Console(width=150)
+    work = Path(tempfile.mkdtemp(prefix="osfarm-bench-overhead-"))
+    index = slice_index(args.suite, args.per_domain)
+    (work / "index.json").write_text(json.dumps(index))
+    n_tasks = sum(len(v) for v in index.values())
+    console.print(f"{n_tasks} tasks ({args.per_domain} per domain), replay agent, envs {envs_list}; work dir {work}")
+
+    runs: dict[int, list[dict]] = {}
+    for n in envs_list:
+        runs[n] = run_once(args.suite, work / "index.json", n, work / f"envs{n}")
+
+    # per-domain overhead: the least contended run (fewest envs) is the harness's own cost
+    base = runs[min(envs_list)]
+    tab = Table(title=f"harness overhead per task (replay, envs={min(envs_list)}), median seconds")
+    for c in ("domain", "tasks", "lease", "setup", "evaluate", "overhead", "agent", "OSWorld waits", "ratio"):
+        tab.add_column(c, justify="left" if c == "domain" else "right")
+    domains = sorted({r["domain"] for r in base})
+    for dom in domains + ["office docs", "all"]:
+        recs = [r for r in base if r["status"] != "infra_error" and (
+            dom == "all" or r["domain"] == dom or (dom == "office docs" and r["domain"] in OFFICE))]
+        if not recs:
+            continue
+        med = {k: statistics.median(r["timings"].get(k, 0.0) for r in recs) for k in ("lease", "setup", "evaluate", "agent")}
+        ov = statistics.median(overhead(r) for r in recs)
+        osw = statistics.median(OSWORLD_FIXED_S + OSWORLD_PER_STEP_S * len(r["steps"]) for r in recs)
+        tab.add_row(dom, str(len(recs)), f"{med['lease']:.2f}", f"{med['setup']:.2f}", f"{med['evaluate']:.2f}",
+                    f"{ov:.2f}", f"{med['agent']:.2f}", f"{osw:.0f}", f"{osw / ov:.1f}x")
+    console.print(tab)
+
+    thr = Table(title="replay throughput")
+    for c in ("envs", "episodes", "wall s", "episodes/hour", "vs envs=1"):
+        thr.add_column(c, justify="right")
+    first = None
+    for n, recs in runs.items():
+        span = max(_ts(r["finished_at"]) for r in recs) - min(_ts(r["started_at"]) for r in recs)
+        eph = len(recs) / span * 3600
+        first = first or eph
+        thr.add_row(str(n), str(len(recs)), f"{span:.1f}", f"{eph:.0f}", f"{eph / first:.2f}x")
+    console.print(thr)
+    console.print(f"(this machine: {os.cpu_count()} cores; desktops and the harness share them)")
+
+
+if __name__ == "__main__":
+    main()
