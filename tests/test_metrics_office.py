@@ -208,7 +208,7 @@ def test_compare_csv(tmp_path: Path) -> None:
 
 
 def test_table_metrics_registry() -> None:
-    assert set(table_m.METRICS) == {"compare_table", "compare_csv"}
+    assert set(table_m.METRICS) == {"compare_table", "compare_csv", "compare_conference_city_in_order"}
 
 
 # ------------------------------------------------------------------------------------------

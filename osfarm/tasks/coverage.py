@@ -34,7 +34,8 @@ KINDS: tuple[Kind, ...] = ("setup", "getter", "metric")
 Status = Literal["implemented", "unsupported", "missing"]
 
 # Things no offline farm can do, whatever we build. Keys are setup types, getter types (without
-# ``get_``) or metric names; they do not collide across kinds in OSWorld.
+# ``get_``) or metric names; they do not collide across kinds in OSWorld. A name here is reported
+# unsupported even when registered: its function only raises UnsupportedOption with the reason.
 UNSUPPORTED: dict[str, str] = {
     # setup
     "googledrive": "unsupported, because it needs a Google account and the Google Drive API (network, credentials)",
@@ -44,6 +45,9 @@ UNSUPPORTED: dict[str, str] = {
     "info_from_website": "unsupported, because it reads a live website whose content changes over time",
     "gotoRecreationPage_and_get_html_content": "unsupported, because it browses the live www.recreation.gov site",
     "pdf_from_url": "unsupported, because it downloads a PDF from a live URL at evaluation time",
+    # metrics
+    "compare_image_text": "unsupported, because its expected texts are EasyOCR readings and EasyOCR's "
+                          "model weights (and PyTorch) are not available offline",
 }
 
 _REGISTRIES: dict[Kind, tuple[str, str]] = {
@@ -137,11 +141,11 @@ def _build(source: str, per_task: list[TaskNeeds], live_web: int, notes: list[st
             tasks.update(set(names))
         have = implemented(kind)
         for name, count in sorted(uses.items(), key=lambda kv: (-kv[1], kv[0])):
-            if name in have:
-                status: Status = "implemented"
-                reason = None
-            elif name in UNSUPPORTED:
-                status, reason = "unsupported", UNSUPPORTED[name]
+            if name in UNSUPPORTED:
+                status: Status = "unsupported"
+                reason = UNSUPPORTED[name]
+            elif name in have:
+                status, reason = "implemented", None
             else:
                 status, reason = "missing", None
             needs.append(Need(kind, name, count, tasks[name], status, reason))

@@ -172,6 +172,17 @@ def is_expected_search_query(active_tab_info: Any, rules: Mapping[str, Any]) -> 
 
 
 @_never_raises
+def is_added_to_steam_cart(active_tab_info: Any, rule: Mapping[str, Any]) -> float:
+    """Every name in ``rule["items"]`` appears in the page's HTML (``page_info`` of the cart)."""
+    if not isinstance(active_tab_info, Mapping):
+        return 0.0
+    content = active_tab_info.get("content")
+    if not isinstance(content, str):
+        return 0.0
+    return float(all(item in content for item in rule["items"]))
+
+
+@_never_raises
 def is_expected_installed_extensions(installed_extensions: Any, expected: Mapping[str, Any]) -> float:
     """Every name in ``expected["expected"]`` is among the installed extensions."""
     if not installed_extensions or isinstance(installed_extensions, (str, bytes)):
@@ -836,6 +847,7 @@ METRICS: dict[str, Callable[..., float]] = {
         # chrome.py
         is_expected_active_tab, is_expected_active_tab_approximate, is_expected_url_pattern_match,
         is_expected_search_query, is_expected_installed_extensions, is_expected_tabs,
+        is_added_to_steam_cart,
         is_expected_bookmarks, is_cookie_deleted, check_history_deleted, is_shortcut_on_desktop,
         check_font_size, check_enabled_experiments,
         # vscode.py, gimp.py

@@ -1,7 +1,9 @@
 """Word-processor metrics compatible with OSWorld's ``metrics/docs.py``.
 
 Names, signatures and scoring follow upstream; every metric is a pure function over file paths
-and never raises: a missing, None or unreadable document scores 0.0.
+and never raises: a missing, None or unreadable document scores 0.0. The exception is
+``compare_image_text``, which needs an OCR model osfarm lacks offline: it raises
+:class:`~osfarm.evaluators.errors.UnsupportedOption` instead of guessing a score.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from docx import Document
 from docx.enum.text import WD_PARAGRAPH_ALIGNMENT
 from lxml import etree
 
+from osfarm.evaluators.errors import UnsupportedOption
 from osfarm.evaluators.metrics.contract import never_raises
 
 logger = logging.getLogger("osfarm.evaluators.metrics.docs")
@@ -290,7 +293,24 @@ def compare_contains_image(docx_file1: str | None, docx_file2: str | None) -> fl
     return 1.0
 
 
+# OSWorld's rule texts are what EasyOCR reads (the ``ls`` task expects " Ls"); another engine
+# reads the same screenshot differently (tesseract: "1s"), so its verdicts would not be OSWorld's.
+OCR_UNSUPPORTED = (
+    "compare_image_text is unsupported: OSWorld's expected texts are EasyOCR's readings, and "
+    "EasyOCR needs PyTorch and model weights that are not available offline; another OCR engine "
+    "reads the same image differently, so its scores would not be OSWorld's"
+)
+
+
+def compare_image_text(image_path: str | None, rule: dict[str, Any]) -> float:
+    """OSWorld: 1.0 iff ``rule["text"]`` is a substring of EasyOCR's text of the image. Always
+    raises :class:`UnsupportedOption` (see ``OCR_UNSUPPORTED``): an error, not a 0, because the
+    agent may have done the task."""
+    raise UnsupportedOption(OCR_UNSUPPORTED)
+
+
 METRICS: dict[str, Callable[..., float]] = {
+    "compare_image_text": compare_image_text,
     "compare_docx_files": compare_docx_files,
     "compare_docx_files_and_ignore_new_lines": compare_docx_files_and_ignore_new_lines,
     "compare_docx_tables": compare_docx_tables,

@@ -17,7 +17,8 @@ OSWorld's heavy dependencies are replaced by small numpy equivalents:
   approximation of the same) and scores ``exp(-distance / path_length)``.
 * ``compare_videos`` decodes with ffmpeg and compares 64-bit DCT perceptual hashes per frame
   (imagehash's ``phash``).
-* ``compare_pdfs`` extracts text with pypdf instead of PyMuPDF.
+* ``compare_pdfs`` extracts text with pypdf instead of PyMuPDF; ``compare_pdf_images`` renders
+  pages with poppler's ``pdftoppm`` instead of PyMuPDF.
 
 Deliberate differences from OSWorld, all where OSWorld has a plain bug:
 
@@ -376,6 +377,16 @@ def check_triangle_position(tgt_path: Any) -> float:
     return float(np.all(np.abs(centroid - shape / 2) < 0.05 * shape))
 
 
+@_safe
+def check_textbox_on_leftside(src_path: Any) -> float:
+    """1 iff the leftmost dark pixel (grey < 128: the text) lies in the left 5% of the image."""
+    gray = np.asarray(_open_image(src_path).convert("L"))
+    dark_columns = np.flatnonzero(np.any(gray < 128, axis=0))
+    if dark_columns.size == 0:
+        return 0.0
+    return float(dark_columns[0] < gray.shape[1] * 0.05)
+
+
 # --------------------------------------------------------------------------- VLC (vlc.py)
 
 
@@ -711,6 +722,41 @@ def check_pdf_pages(pdf_file: Any, rules: Mapping[str, Any]) -> float:
     return float(getattr(operator, rules["relation"])(pages, rules["ref_value"]))
 
 
+def _render_pdf(pdftoppm: str, path: str, out_dir: str) -> list[bytes]:
+    """Each page rendered at 72 dpi (PyMuPDF's default, which OSWorld uses) as raw RGB bytes
+    prefixed by its size, in page order."""
+    prefix = os.path.join(out_dir, "page")
+    subprocess.run([pdftoppm, "-r", "72", "-png", path, prefix], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
+    pages = sorted((f for f in os.listdir(out_dir) if f.startswith("page-")),
+                   key=lambda f: int(f[len("page-"):].split(".")[0]))
+    out = []
+    for name in pages:
+        with Image.open(os.path.join(out_dir, name)) as img:
+            rgb = img.convert("RGB")
+            out.append(f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes())
+    return out
+
+
+@_safe
+def compare_pdf_images(pdf1_path: Any, pdf2_path: Any, **kwargs: Any) -> float:
+    """1 iff both PDFs have the same number of pages and every page renders to the same pixels.
+
+    Pages are rendered with poppler's ``pdftoppm`` (OSWorld uses PyMuPDF; both files go through
+    the same renderer, so equal pages stay equal). Without ``pdftoppm`` this raises
+    :class:`UnsupportedOption`: a score would be a guess.
+    """
+    if not _is_file(pdf1_path) or not _is_file(pdf2_path):
+        return 0.0
+    pdftoppm = shutil.which("pdftoppm")
+    if pdftoppm is None:
+        raise UnsupportedOption("compare_pdf_images needs poppler's pdftoppm (Debian package poppler-utils)")
+    with tempfile.TemporaryDirectory() as d1, tempfile.TemporaryDirectory() as d2:
+        pages1 = _render_pdf(pdftoppm, str(pdf1_path), d1)
+        pages2 = _render_pdf(pdftoppm, str(pdf2_path), d2)
+    return float(len(pages1) == len(pages2) and pages1 == pages2)
+
+
 def _zip_compare_function(file_type: str) -> Callable[..., float]:
     from osfarm.evaluators.metrics import docs, general, slides, table
 
@@ -855,6 +901,7 @@ METRICS: dict[str, Callable[..., float]] = {
         check_green_background,
         check_file_exists_and_structure_sim,
         check_triangle_position,
+        check_textbox_on_leftside,
         # VLC / audio / video
         is_vlc_playing,
         is_vlc_fullscreen,
@@ -871,6 +918,7 @@ METRICS: dict[str, Callable[..., float]] = {
         check_mp3_meta,
         # files
         compare_pdfs,
+        compare_pdf_images,
         check_pdf_pages,
         compare_archive,
         compare_zip_files,

@@ -8,8 +8,10 @@ metrics are pure functions over file paths and never raise: unreadable input sco
 from __future__ import annotations
 
 import logging
+import math
 import os
 import xml.etree.ElementTree as ET
+import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -348,7 +350,134 @@ def check_transition(pptx_file: str | None, rules: dict[str, Any]) -> float:
     return 0.0
 
 
+# --- LibreOffice settings (registrymodifications.xcu) and the Impress UI -----------------------
+
+_OOR = "{http://openoffice.org/2001/registry}"
+
+
+def _registry_value(config_file: str | None, item_path: str, prop_name: str) -> str | None:
+    """The text of ``<value>`` of ``prop_name`` under the last ``<item oor:path=item_path>``
+    (LibreOffice appends changed settings; the last entry is the one in force)."""
+    if not config_file or not os.path.isfile(config_file):
+        return None
+    found = None
+    for item in ET.parse(config_file).getroot().iter("item"):
+        if item.get(f"{_OOR}path") != item_path:
+            continue
+        for prop in item.iter("prop"):
+            if prop.get(f"{_OOR}name") == prop_name:
+                value = prop.find("value")
+                found = value.text if value is not None else None
+    return found
+
+
+@never_raises
+def check_presenter_console_disable(config_file_path: str | None) -> float:
+    """1.0 iff the LibreOffice user profile turns Impress's presenter console off
+    (``/org.openoffice.Office.Impress/Misc/Start`` ``EnablePresenterScreen`` = false)."""
+    value = _registry_value(config_file_path, "/org.openoffice.Office.Impress/Misc/Start", "EnablePresenterScreen")
+    return 1.0 if value is not None and value.strip().lower() == "false" else 0.0
+
+
+@never_raises
+def check_auto_saving_time(pptx_file: str | None, rules: dict[str, Any]) -> float:
+    """1.0 iff the profile's AutoRecovery interval is ``rules["minutes"]``. Despite the name,
+    ``pptx_file`` is ``registrymodifications.xcu`` (as in OSWorld's task)."""
+    value = _registry_value(pptx_file, "/org.openoffice.Office.Common/Save/Document", "AutoSaveTimeIntervall")
+    if value is None:
+        return 0.0
+    return 1.0 if int(value.strip()) == int(rules["minutes"]) else 0.0
+
+
+@never_raises
+def check_left_panel(accessibility_tree: str | None) -> float:
+    """1.0 iff Impress's slide pane is open: the a11y tree has a ``document-frame`` named
+    "Slides View" (the pane's document; it leaves the tree when the pane is closed)."""
+    if not accessibility_tree:
+        return 0.0
+    root = ET.fromstring(accessibility_tree)
+    return 1.0 if any(el.get("name") == "Slides View" for el in root.iter("document-frame")) else 0.0
+
+
+def _fill_rgb(fill: Any) -> Any:
+    """The solid RGB of a fill; None for theme colours and other fill types."""
+    try:
+        return fill.fore_color.rgb
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _slide_fill_distance(slide: Any, rgb: tuple[int, int, int], original: Any) -> float:
+    """Normalised RGB distance of the slide's solid background to ``rgb``; 1.0 (the worst) when
+    the background is not a solid colour or is still ``original``."""
+    fill = slide.background.fill
+    if fill.type == 5:  # no background of its own: the master's counts
+        fill = slide.slide_layout.slide_master.background.fill
+    if fill.type != 1:
+        return 1.0
+    got = _fill_rgb(fill)
+    if got is None:
+        return 1.0
+    if original is not None and tuple(got) == tuple(original):
+        return 1.0
+    return math.dist(tuple(got), tuple(rgb)) / math.dist((0, 0, 0), (255, 255, 255))
+
+
+@never_raises
+def evaluate_presentation_fill_to_rgb_distance(pptx_file: str | None, rules: dict[str, Any]) -> float:
+    """1 - the mean over slides of the background's distance to ``rules["rgb"]`` (a graded
+    score, as OSWorld's); ``rules["original_rgb"]``, if given, counts as the worst distance."""
+    prs = _open(pptx_file)
+    if prs is None or not len(prs.slides):
+        return 0.0
+    rgb = tuple(rules["rgb"])
+    original = rules.get("original_rgb")
+    total = sum(_slide_fill_distance(slide, rgb, original) for slide in prs.slides)
+    return max(0.0, 1.0 - total / len(prs.slides))
+
+
+def _rgb_hex(value: str) -> tuple[int, int, int]:
+    v = value.lstrip("#")
+    return int(v[0:2], 16), int(v[2:4], 16), int(v[4:6], 16)
+
+
+_COLOR_TESTS: dict[str, Callable[[int, int, int], bool]] = {
+    # a channel dominates the other two by more than 50 (OSWorld's thresholds)
+    "red": lambda r, g, b: r > g + 50 and r > b + 50,
+    "green": lambda r, g, b: g > r + 50 and g > b + 50,
+    "blue": lambda r, g, b: b > r + 50 and b > g + 50,
+    "black": lambda r, g, b: r < 50 and g < 50 and b < 50,
+}
+
+
+@never_raises
+def check_page_number_colors(pptx_file: str | None, rules: dict[str, Any]) -> float:
+    """1.0 iff the slide number colour of the first slide master is ``rules["color"]`` (red,
+    green, blue or black; another name always passes, as in OSWorld).
+
+    The colour read is the second-to-last ``a:srgbClr`` of a solid fill in
+    ``slideMaster1.xml``, OSWorld's rule: LibreOffice writes the slide-number placeholder last,
+    and in it the ``slidenum`` field's run colour comes right before the paragraph-end colour.
+    Unlike OSWorld, the hex value is parsed from its first character (OSWorld skips one, as
+    if it began with "#").
+    """
+    if not pptx_file or not os.path.isfile(pptx_file):
+        return 0.0
+    with zipfile.ZipFile(pptx_file) as zf:
+        root = ET.fromstring(zf.read("ppt/slideMasters/slideMaster1.xml"))
+    colors = [c.get("val") for fill in root.iter(f"{_A}solidFill") for c in fill.iter(f"{_A}srgbClr")]
+    if len(colors) < 2 or not colors[-2]:
+        return 0.0
+    test = _COLOR_TESTS.get(rules["color"])
+    return 1.0 if test is None or test(*_rgb_hex(colors[-2])) else 0.0
+
+
 METRICS: dict[str, Callable[..., float]] = {
+    "check_presenter_console_disable": check_presenter_console_disable,
+    "check_auto_saving_time": check_auto_saving_time,
+    "check_left_panel": check_left_panel,
+    "evaluate_presentation_fill_to_rgb_distance": evaluate_presentation_fill_to_rgb_distance,
+    "check_page_number_colors": check_page_number_colors,
     "check_transition": check_transition,
     "compare_pptx_files": compare_pptx_files,
     "check_image_stretch_and_center": check_image_stretch_and_center,

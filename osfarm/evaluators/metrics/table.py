@@ -2,7 +2,9 @@
 
 Names, signatures and scoring follow upstream: ``compare_table(result, expected, **options)``
 walks ``options["rules"]`` in order and scores 1.0 only if every rule holds; ``compare_csv``
-compares files line by line. Every metric is a pure function over file paths and never raises:
+compares files line by line; ``compare_conference_city_in_order`` checks a column of cities
+(matched without case or accents, where OSWorld's first version matched exactly). Every
+metric is a pure function over file paths and never raises:
 a missing/unreadable file, or an unknown rule, scores 0.0.
 """
 
@@ -14,6 +16,7 @@ import logging
 import operator
 import os
 import re
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import reduce
 from numbers import Number
@@ -27,6 +30,7 @@ from openpyxl.worksheet.cell_range import MultiCellRange
 from openpyxl.worksheet.worksheet import Worksheet
 
 from osfarm.evaluators.errors import UnsupportedOption
+from osfarm.evaluators.metrics.contract import never_raises
 
 logger = logging.getLogger("osfarm.evaluators.metrics.table")
 
@@ -513,7 +517,37 @@ def compare_csv(result: str | None, expected: str | Sequence[str] | None, **opti
     return 0.0
 
 
+def _city_key(value: Any) -> str:
+    """Lower case, accents and punctuation dropped: "Montréal" and "montreal" read the same."""
+    text = unicodedata.normalize("NFKD", "" if value is None else str(value))
+    text = "".join(ch for ch in text if not unicodedata.combining(ch))
+    return re.sub(r"[^a-z0-9]+", " ", text.lower()).strip()
+
+
+@never_raises
+def compare_conference_city_in_order(actual_city_list_path: str | None, expected_city: Mapping[str, Any]) -> float:
+    """1.0 iff every cell of C2:C22 on the active sheet contains its expected city, in order.
+
+    ``expected_city["expected"][i]`` is a city or a list of accepted spellings; a cell matches
+    when one of them is a substring of it, compared without case, accents or punctuation.
+    """
+    if not actual_city_list_path or not os.path.isfile(actual_city_list_path):
+        return 0.0
+    wanted = expected_city["expected"]
+    sheet = openpyxl.load_workbook(actual_city_list_path).active
+    cells = [cell.value for row in sheet["C2:C22"] for cell in row]
+    if len(wanted) < len(cells):
+        return 0.0
+    for got, want in zip(cells, wanted):
+        options = [want] if isinstance(want, str) else list(want)
+        key = _city_key(got)
+        if not any(_city_key(o) and _city_key(o) in key for o in options):
+            return 0.0
+    return 1.0
+
+
 METRICS: dict[str, Callable[..., float]] = {
     "compare_table": compare_table,
     "compare_csv": compare_csv,
+    "compare_conference_city_in_order": compare_conference_city_in_order,
 }
