@@ -8,8 +8,10 @@ the AT-SPI bus and the toolkit variables; nothing here does it by hand).
 from __future__ import annotations
 
 import asyncio
+import io
 import tempfile
 import time
+import wave
 import xml.etree.ElementTree as ET
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -106,6 +108,11 @@ async def test_google_chrome_answers_devtools_as_osworld_sets_it_up(guest: httpx
     # The profile lives where OSWorld's getters read it.
     r = await guest.post("/execute", json={"command": ["ls", "/home/user/.config/google-chrome"]})
     assert "Default" in r.json()["output"] or "Local State" in r.json()["output"], r.text
+    # OSWorld's evaluators restart the browser with `pkill chrome` (a process-name match), which
+    # must reach Chromium too.
+    stop = "pkill chrome; for i in $(seq 100); do pgrep -x chromium >/dev/null || exit 0; sleep 0.1; done; exit 1"
+    r = await guest.post("/execute", json={"command": stop, "shell": True})
+    assert r.status_code == 200 and r.json()["returncode"] == 0, r.text
 
 
 async def test_vlc_http_interface_with_osworld_password(guest: httpx.AsyncClient) -> None:
@@ -116,6 +123,24 @@ async def test_vlc_http_interface_with_osworld_password(guest: httpx.AsyncClient
     r = await guest.post("/execute", json={"command": probe, "shell": True})
     assert r.status_code == 200 and r.json()["returncode"] == 0, r.text
     assert "<state>" in r.json()["output"]
+    # Playing sound in a box without a sound card raises neither VLC's first-run privacy dialog
+    # nor its "audio output failed" error window (the home's vlcrc and .asoundrc).
+    tone = io.BytesIO()
+    with wave.open(tone, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(8000)
+        w.writeframes(b"\x00\x10\x00\xf0" * 8000)
+    r = await guest.post("/setup/upload", data={"file_path": "/home/user/tone.wav"},
+                         files={"file_data": ("tone.wav", tone.getvalue())})
+    assert r.status_code == 200, r.text
+    play = ("curl -sf -u :password 'localhost:8080/requests/status.xml?command=in_play&input=/home/user/tone.wav'"
+            " >/dev/null; for i in $(seq 50); do curl -sf -u :password localhost:8080/requests/status.xml"
+            " | grep -q '<state>playing' && exit 0; sleep 0.1; done; exit 1")
+    r = await guest.post("/execute", json={"command": play, "shell": True})
+    assert r.status_code == 200 and r.json()["returncode"] == 0, r.text
+    await asyncio.sleep(1)  # an audio error dialog would map within this second
+    windows = (await guest.get("/v1/observation", params={"screenshot": "false"})).json()["windows"]
+    titles = [w["title"] for w in windows]
+    assert not [t for t in titles if "Privacy" in t or t == "Errors"], titles
 
 
 async def test_open_file_of_text_opens_an_editor_window(guest: httpx.AsyncClient) -> None:

@@ -355,6 +355,39 @@ def test_step_observation_waits_for_the_screen_to_settle(guest: Guest, terminal:
     guest.c.post("/v1/step", json={"actions": [{"action_type": "HOTKEY", "parameters": {"keys": ["ctrl", "c"]}}]})
 
 
+def test_settled_observation_waits_while_a_desktop_app_is_busy(guest: Guest) -> None:
+    # A busy app whose screen does not change (LibreOffice loading, under load) must not pass
+    # for settled: its queued input is not handled yet.
+    r = guest.c.post("/setup/launch", json={"command": "timeout 1.5 sh -c 'while :; do :; done'", "shell": True})
+    assert r.status_code == 200
+    t0 = time.monotonic()
+    r = guest.c.post("/v1/step", json={"actions": ["WAIT"], "observe": {"settle_s": 8, "windows": False}})
+    waited = time.monotonic() - t0
+    assert r.status_code == 200, r.text
+    assert waited > 1.0, f"the observation came after {waited:.2f} s, while the busy loop still ran"
+
+
+def test_osfarm_settle_waits_for_a_painted_window_and_reports_a_missing_one(guest: Guest, terminal: dict) -> None:
+    r = guest.c.post("/execute", json={"command": f"osfarm-settle --window '{TERM_TITLE}' --timeout 30", "shell": True})
+    assert r.json()["returncode"] == 0, r.json()
+    r = guest.c.post("/execute", json={"command": "osfarm-settle --window 'no such window' --timeout 1", "shell": True})
+    out = r.json()
+    assert out["returncode"] == 1 and "no window titled *no such window*" in out["error"] + out["output"], out
+
+
+def test_painted_tells_a_blank_window_from_a_drawn_one() -> None:
+    import numpy as np
+
+    from osfarm.desktop.settle import painted
+
+    blank = np.full((200, 300, 4), 240, dtype=np.uint8)
+    assert not painted(blank)
+    drawn = blank.copy()
+    drawn[::10, :, :3] = 0  # grid lines: a tenth of the rows
+    drawn[:, ::10, :3] = 0
+    assert painted(drawn)
+
+
 def test_step_code_done_and_first_error(guest: Guest) -> None:
     r = guest.c.post("/v1/step", json={"actions": [
         "pyautogui.moveTo(33, 44)", {"action_type": "MOVE_TO", "parameters": {"x": 50, "y": 60}},
@@ -499,6 +532,10 @@ def test_pyautogui_route(guest: Guest) -> None:
     assert guest.c.get("/cursor_position").json() == [70, 80]
     body = guest.c.post("/v1/pyautogui", json={"code": "1/0"}).json()
     assert not body["ok"] and "ZeroDivisionError" in body["error"]
+    # agent code often reads the screen through pyautogui (scrot underneath on Linux)
+    body = guest.c.post("/v1/pyautogui", json={"code": "print(pyautogui.screenshot().size, len(pyautogui.pixel(5, 5)))"}).json()
+    assert body["ok"], body
+    assert body["output"].strip() == f"({W}, {H}) 3", body
     r = guest.c.post("/v1/pyautogui", json={"code": ""})
     assert r.status_code == 422 and detail(r).startswith("code: ")
     r = guest.c.post("/v1/pyautogui", json={"cod": "x"})

@@ -20,6 +20,7 @@ import io
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -101,20 +102,36 @@ class ScreenCapture:
                 self._blend_cursor(frame)
             return frame
 
-    def wait_still(self, timeout: float, quiet: float = 0.1, interval: float = 0.03) -> bool:
+    def wait_still(self, timeout: float, quiet: float = 0.1, interval: float = 0.03,
+                   cpu: Callable[[], float] | None = None, idle_share: float = 0.15,
+                   cpu_window: float = 0.25) -> bool:
         """Block until two grabs ``quiet`` seconds apart are identical, or ``timeout`` passes.
-        Returns whether the screen settled. The cursor is left out: a blinking caret is not."""
+        Returns whether the screen settled. The cursor is left out: a blinking caret is not.
+
+        With ``cpu`` (cumulative CPU seconds of the desktop's apps) the screen must also stay
+        unchanged while the apps use under ``idle_share`` of a core for ``cpu_window`` seconds:
+        a CPU-starved app can show a still screen while it has not yet handled the input (and
+        LibreOffice then even applies queued shortcuts after text typed later)."""
         deadline = time.monotonic() + timeout
         last = self.grab_frame(cursor=False).bgrx
         still_since = time.monotonic()
+        mark: tuple[float, float] | None = None  # (time, cpu seconds) when the idle check began
         while time.monotonic() < deadline:
             time.sleep(interval)
             frame = self.grab_frame(cursor=False).bgrx
             now = time.monotonic()
             if frame != last:  # memcmp of two frames: a few ms at 1920x1080
-                last, still_since = frame, now
+                last, still_since, mark = frame, now, None
             elif now - still_since >= quiet:
-                return True
+                if cpu is None:
+                    return True
+                if mark is None:
+                    mark = (now, cpu())
+                elif now - mark[0] >= cpu_window:
+                    used = cpu()
+                    if (used - mark[1]) / (now - mark[0]) < idle_share:
+                        return True
+                    mark = (now, used)
         return False
 
     def _blend_cursor(self, frame: Frame) -> None:

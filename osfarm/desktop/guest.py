@@ -290,6 +290,21 @@ class Desktop:
         self._a11y_checked = 0.0
         self._a11y_refreshing = False
 
+    def apps_cpu_seconds(self) -> float:
+        """CPU seconds used so far by the desktop's processes (the X server, the window manager,
+        the apps): this process's descendants. The guest itself is left out, screen grabs and
+        all; processes that exited meanwhile drop out, which only makes the desktop look idler."""
+        import psutil
+
+        total = 0.0
+        for p in psutil.Process().children(recursive=True):
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["DISPLAY"] = self.display

@@ -44,8 +44,9 @@ class ObserveOptions(BaseModel):
     cursor: bool = True
     settle_s: float = Field(
         default=0.0, ge=0.0, le=10.0,
-        description="wait up to this long for the screen to stop changing before capturing "
-        "(apps repaint a few ms after input arrives); 0 captures at once",
+        description="wait up to this long for the screen to stop changing and the desktop's apps "
+        "to go idle before capturing (apps handle input and repaint after it arrives; a busy one "
+        "can show a still but stale screen); 0 captures at once",
     )
 
 

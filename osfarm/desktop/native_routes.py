@@ -61,7 +61,7 @@ def add_native_routes(app: FastAPI, desk: Desktop) -> None:
 
         t0 = time.perf_counter()
         if opts.settle_s > 0:
-            desk.capture.wait_still(opts.settle_s)
+            desk.capture.wait_still(opts.settle_s, cpu=desk.apps_cpu_seconds)
         w, h = desk.screen_size()
         obs = Observation(screen=ScreenSize(width=w, height=h))
         with ThreadPoolExecutor(max_workers=3) as pool:

@@ -42,10 +42,15 @@ from typing import Any
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 # Settings from OSWorld's VM image: VLC's HTTP interface on 8080 with password "password"
-# (its getters read /requests/status.xml), and a graphical default for text files so that
-# /setup/open_file of a .txt opens a window named after the file.
+# (its getters read /requests/status.xml) and no first-run privacy dialog over the player, and
+# a graphical default for text files so that /setup/open_file of a .txt opens a window named
+# after the file.
 HOME_FILES = {
-    ".config/vlc/vlcrc": "[core]\nextraintf=http\nhttp-port=8080\n[lua]\nhttp-password=password\n",
+    ".config/vlc/vlcrc": ("[qt]\nqt-privacy-ask=0\n[core]\nextraintf=http\nhttp-port=8080\n"
+                          "[lua]\nhttp-password=password\n"),
+    # The box has no sound card: ALSA's default device is a sink that discards the samples, so
+    # players run at normal speed instead of failing with an "audio output failed" dialog.
+    ".asoundrc": "pcm.!default {\n    type null\n}\n",
     ".config/mimeapps.list": (
         "[Default Applications]\ntext/plain=org.xfce.mousepad.desktop\n"
         # text/csv is a kind of text/plain: without this line gio would hand it to the editor.
@@ -484,8 +489,11 @@ class Session:
         # OSWorld's guest is Ubuntu GNOME: with this set, xdg-open and xdg-mime go through gio
         # and type files as it does (a .csv opens in Calc, not in the text editor).
         env.setdefault("XDG_CURRENT_DESKTOP", "GNOME")
+        # An X11 session, said the way apps check it (pyautogui.screenshot() needs it to use scrot).
+        env["XDG_SESSION_TYPE"] = "x11"
         # OSWorld's names for our apps (google-chrome -> chromium) come first on PATH.
         env["PATH"] = f"{ASSETS / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
+        env["OSFARM_PYTHON"] = sys.executable  # for assets/bin/osfarm-settle
         self.env = env
         # The guest runs its subprocesses with os.environ, so make this process's env the
         # desktop env too.
