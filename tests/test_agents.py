@@ -49,3 +49,25 @@ def test_unknown_action_space_is_rejected() -> None:
 def test_unknown_agent_names_list_the_available_ones() -> None:
     with pytest.raises(UnknownAgent, match="unknown agent 'gpt9'.*noop, fail, replay"):
         make_agent("gpt9")
+
+
+def test_replay_reads_a_solutions_folder_by_task_id(tmp_path) -> None:
+    # OSWorld's task files name a trajectory folder ("trajectories/"); the solution lives elsewhere.
+    from types import SimpleNamespace
+
+    from osfarm.agents.replay import ReplayError
+    from osfarm.runner.run import RunOptions
+
+    (tmp_path / "sol").mkdir()
+    (tmp_path / "sol" / "t-1.json").write_text('[["pyautogui.press(\'f2\')"], ["DONE"]]')
+    task = SimpleNamespace(id="t-1", trajectory="trajectories/", path=tmp_path / "os" / "t-1.json")
+    agent = make_agent("replay", solutions=tmp_path / "sol")
+    agent.reset(task)
+    assert agent.predict("", OBS)[1] == ["pyautogui.press('f2')"] and agent.predict("", OBS)[1] == ["DONE"]
+    with pytest.raises(ReplayError, match="t-2.json"):
+        agent.reset(SimpleNamespace(id="t-2", trajectory="trajectories/", path=None))
+    with pytest.raises(ReplayError, match="does not exist"):
+        make_agent("replay", solutions=tmp_path / "absent")
+    opts = RunOptions(suite=tmp_path, agent="noop", out=tmp_path, solutions=tmp_path / "sol")
+    with pytest.raises(ValueError, match="replay agent"):
+        opts.agent_options()

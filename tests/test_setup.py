@@ -216,6 +216,11 @@ def test_execute_placeholders_stdout_and_until(guest: GuestController, cache: Fi
     assert (cache.root / "ex" / "out.txt").read_text() == "1024x768 512 384 pw=s3cret\n"
     assert (cache.root / "ex" / "err.txt").read_text() == "1024\n"
     assert "after 3 tries" in reports[2].detail and guest.get_file("/home/user/count") == b"3\n"
+    # An episode saves stdout files where its cache_file getters read them (OSWorld's env.cache_dir).
+    getters_dir = cache.root.parent / "episode-1"
+    executor(guest, cache, "ex2", output_dir=getters_dir).run(
+        [{"type": "execute", "parameters": {"command": ["echo", "listed"], "stdout": "ls.txt"}}])
+    assert (getters_dir / "ls.txt").read_text() == "listed\n" and not (cache.root / "ex2" / "ls.txt").exists()
     with pytest.raises(SetupFailed, match="not met after 3 tries"):
         executor(guest, cache, until_tries=3, until_interval=0.01).run(
             [{"type": "execute", "parameters": {"command": ["false"], "until": {"returncode": 0}}}])

@@ -1,9 +1,12 @@
 """``replay``: plays back a task's reference solution (its ``trajectory`` file).
 
 The ``trajectory`` field of a task is a path relative to the folder of the task file (e.g.
-``solutions/<id>.json``; the suite root is tried next) or absolute. The file is a JSON list of steps; each step is a list of
-actions (pyautogui code strings or computer_13 dicts, including WAIT/DONE/FAIL) or a single
-action. ``predict`` returns one step per call, then DONE once the steps run out.
+``solutions/<id>.json``; the suite root is tried next) or absolute. With a ``solutions`` folder
+the solution is ``<solutions>/<task id>.json`` instead: OSWorld's own task files name a
+trajectory folder that is not theirs to fill, and are read in place, never edited. The file is a
+JSON list of steps; each step is a list of actions (pyautogui code strings or computer_13 dicts,
+including WAIT/DONE/FAIL) or a single action. ``predict`` returns one step per call, then DONE
+once the steps run out.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ class ReplayError(ValueError):
     """The task has no usable reference solution."""
 
 
-def solution_path(task: Any) -> Path:
+def solution_path(task: Any, solutions: Path | None = None) -> Path:
+    if solutions is not None:
+        return Path(solutions) / f"{getattr(task, 'id', '?')}.json"
     ref = getattr(task, "trajectory", "") or ""
     if not ref:
         raise ReplayError(f"task {getattr(task, 'id', '?')}: no 'trajectory' (reference solution) to replay")
@@ -54,16 +59,22 @@ def load_solution(path: Path) -> list[list[Action]]:
 
 class ReplayAgent:
     name = "replay"
+    # It acts at machine speed, blind to the screen: let each step's observation wait longer for
+    # the apps to go idle than a model's think time would (see runner.episode.SETTLE_S).
+    settle_s = 5.0
 
-    def __init__(self, action_space: ActionSpace = "pyautogui") -> None:
+    def __init__(self, action_space: ActionSpace = "pyautogui", solutions: str | Path | None = None) -> None:
         self.action_space: ActionSpace = action_space
         special("DONE", action_space)
+        self.solutions = Path(solutions) if solutions is not None else None
+        if self.solutions is not None and not self.solutions.is_dir():
+            raise ReplayError(f"solutions folder {self.solutions} does not exist")
         self.steps: list[list[Action]] = []
         self.cursor = 0
 
     def reset(self, task: Any = None) -> None:
         self.cursor = 0
-        self.steps = [] if task is None else load_solution(solution_path(task))
+        self.steps = [] if task is None else load_solution(solution_path(task, self.solutions))
 
     def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
         if self.cursor >= len(self.steps):

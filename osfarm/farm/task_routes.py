@@ -36,6 +36,7 @@ from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import AssetMissing, FileCache
 from osfarm.tasks.model import Task, TaskError, parse_task
 from osfarm.tasks.setup import (
+    POSTCONFIG_WINDOW_S,
     SETUP_TYPES,
     UNSUPPORTED_TYPES,
     SetupExecutor,
@@ -166,8 +167,10 @@ def add_task_routes(app: FastAPI, state: FarmState, settings: FarmSettings) -> N
         controller = GuestController.from_endpoint(lease.endpoint)
         try:
             if task.evaluator.postconfig:
-                setup = SetupExecutor(controller, cache.cache, task.id, lease.screen, offline=req.offline)
+                setup = SetupExecutor(controller, cache.cache, task.id, lease.screen, offline=req.offline,
+                                      output_dir=work)
                 try:
+                    setup.window_timeout = POSTCONFIG_WINDOW_S
                     await asyncio.to_thread(setup.run, task.evaluator.postconfig)
                 except SetupFailed as e:
                     raise setup_error(e, "postconfig") from None

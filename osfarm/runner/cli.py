@@ -28,6 +28,7 @@ def eval_command(
     height: Annotated[int | None, typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
     record: Annotated[bool, typer.Option("--record/--no-record", help="save each episode's screen as recording.mp4")] = False,
+    solutions: Annotated[Path | None, typer.Option("--solutions", help="replay: folder of <task id>.json solutions (instead of each task's trajectory)", show_default=False)] = None,
 ) -> None:
     """Run AGENT on every task of SUITE; write OSWorld's per-task layout, results.json and report.html."""
     from osfarm.agents import UnknownAgent
@@ -41,7 +42,7 @@ def eval_command(
     opts = RunOptions(suite=suite, agent=agent, out=out, index=index, envs=envs, max_steps=max_steps, resume=resume,
                       url=url, token=token, cache=cache, offline=offline, time_limit_s=time_limit,
                       infra_retries=retries, action_space=action_space, progress=progress, record=record,
-                      farm_overrides=overrides)
+                      solutions=solutions, farm_overrides=overrides)
     try:
         summary = run_eval(opts, console=err)
     except TaskError as e:

@@ -31,12 +31,13 @@ from osfarm.evaluators.scoring import score as score_fn
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import AssetMissing, FileCache
 from osfarm.tasks.model import Task
-from osfarm.tasks.setup import SetupExecutor, SetupFailed
+from osfarm.tasks.setup import POSTCONFIG_WINDOW_S, SetupExecutor, SetupFailed
 
 SUCCESS, FAILURE, INFRA_ERROR, TIMEOUT = "success", "failure", "infra_error", "timeout"
 STATUSES = (SUCCESS, FAILURE, INFRA_ERROR, TIMEOUT)
 # The agent should see the screen after the app has drawn the effect of its input: wait for
-# the screen to stop changing (at most this long) instead of OSWorld's fixed 2 s pause.
+# the screen to stop changing and the apps to go idle (at most this long; an agent's
+# ``settle_s`` overrides it) instead of OSWorld's fixed 2 s pause.
 SETTLE_S = 1.0
 
 
@@ -183,7 +184,8 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
     controller = GuestController(base_url=f"{farm.url}/v1/desktops/{desk.id}/guest", token=token)
     try:
         screen = desk.screen
-        setup = SetupExecutor(controller, cache, task.id, screen, offline=cfg.offline)
+        cache_dir = cfg.work_dir / res.episode_id  # the getters' dir; execute steps' stdout files go there too
+        setup = SetupExecutor(controller, cache, task.id, screen, offline=cfg.offline, output_dir=cache_dir)
         try:
             await asyncio.to_thread(setup.run, task.config)
         except SetupFailed as e:
@@ -195,13 +197,14 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
             res.status, res.error = FAILURE, f"agent reset: {type(e).__name__}: {e}"
             return
         wants_a11y = bool(getattr(agent, "wants_a11y", False))
+        settle_s = float(getattr(agent, "settle_s", SETTLE_S))
         if cfg.record:
             try:
                 await asyncio.to_thread(controller.start_recording)
             except GuestError as e:
                 res.recording_error = f"start_recording: {e}"
         try:
-            obs = await desk.observe(a11y=wants_a11y, windows=False, cursor=False, settle_s=SETTLE_S)
+            obs = await desk.observe(a11y=wants_a11y, windows=False, cursor=False, settle_s=settle_s)
         except FarmAPIError as e:
             raise HarnessError(f"observe: {e}") from e
         instruction = task.instruction
@@ -223,7 +226,7 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
             t1 = time.perf_counter()
             try:
                 sr = await desk.step(actions or ["WAIT"], observe={"a11y": wants_a11y, "windows": False,
-                                                                   "settle_s": SETTLE_S,
+                                                                   "settle_s": settle_s,
                                                                    "cursor": False}, code_timeout=cfg.code_timeout_s)
             except FarmAPIError as e:
                 if e.status in (400, 422):  # the agent sent something the desktop rejects: its failure
@@ -254,10 +257,10 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
             except GuestError as e:
                 res.recording_error = f"end_recording: {e}"
         try:
+            setup.window_timeout = POSTCONFIG_WINDOW_S
             await asyncio.to_thread(setup.run, task.evaluator.postconfig)
         except SetupFailed as e:
             raise HarnessError(f"postconfig: {e}") from e
-        cache_dir = cfg.work_dir / res.episode_id
         res.score = await asyncio.to_thread(evaluate, task, controller, cache, cache_dir, screen, last, cfg.offline)
         res.status = SUCCESS if res.score == 1.0 else FAILURE
         clock.lap("evaluate")

@@ -62,6 +62,15 @@ class RunOptions:
     progress: bool = True
     record: bool = False
     farm_overrides: dict[str, Any] = field(default_factory=dict)  # FarmSettings for the in-process farm
+    solutions: Path | None = None  # replay: <solutions>/<task id>.json instead of each task's trajectory
+
+    def agent_options(self) -> dict[str, Any]:
+        if self.solutions is not None and self.agent != "replay":
+            raise ValueError(f"--solutions is for the replay agent, not {self.agent!r}")
+        kw: dict[str, Any] = {"action_space": self.action_space}
+        if self.solutions is not None:
+            kw["solutions"] = self.solutions
+        return kw
 
 
 def make_cache(suite: Suite, suite_dir: Path, cache: Path | None, out: Path, offline: bool) -> FileCache:
@@ -89,7 +98,7 @@ async def run_async(opts: RunOptions, url: str, token: str, console: Console | N
     suite = load_suite(opts.suite, index)
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
-    make_agent(opts.agent, action_space=opts.action_space)  # an unknown agent fails before any lease
+    make_agent(opts.agent, **opts.agent_options())  # an unknown agent fails before any lease
     cache = make_cache(suite, Path(opts.suite), opts.cache, out, opts.offline)
     run_id = datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     cfg = EpisodeConfig(max_steps=opts.max_steps, time_limit_s=opts.time_limit_s, infra_retries=opts.infra_retries,
@@ -116,7 +125,7 @@ async def run_async(opts: RunOptions, url: str, token: str, console: Console | N
         async with AsyncFarm(url, token) as farm:
             async def one(task: Any) -> None:
                 async with sem:
-                    agent = make_agent(opts.agent, action_space=opts.action_space)
+                    agent = make_agent(opts.agent, **opts.agent_options())
                     res = await run_episode(farm, token, task, agent, cache, cfg, run_id)
                 rows[task.id] = write_task(out, res, run_id, blobs)
                 counts[res.status] += 1

@@ -5,7 +5,8 @@ without re-sending steps that may already have run:
 
 * ``open`` waits on the guest until the file's window is there (no sleep); ``activate_window``
   first waits (bounded) for a window with that title/class, because a preceding ``launch``
-  returns before the app has mapped its window.
+  returns before the app has mapped its window. In a postconfig (:data:`POSTCONFIG_WINDOW_S`)
+  the apps are long up: a window that is not there is not waited for.
 * ``execute``/``command`` with ``until`` re-run the command a bounded number of times
   (OSWorld loops forever when the condition is never met).
 * ``chrome_open_tabs``/``chrome_close_tabs`` talk to Chromium's DevTools HTTP endpoints on
@@ -30,6 +31,7 @@ import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from osfarm.tasks.controller import GuestController, GuestError
@@ -39,6 +41,11 @@ from osfarm.tasks.model import ConfigStep
 DEFAULT_PROFILE = "/home/user/.config/google-chrome"
 CDP_PORT = 9222
 
+
+# activate_window's wait in an evaluator's postconfig: the task's apps started long before, and
+# OSWorld's own step returns at once when no window matches (e.g. GIMP 2.10's image window is
+# not titled "GNU Image Manipulation Program", which a GIMP postconfig names).
+POSTCONFIG_WINDOW_S = 2.0
 
 class SetupFailed(RuntimeError):
     def __init__(self, index: int, type: str, reason: str):
@@ -160,7 +167,8 @@ class SetupExecutor:
     def __init__(self, controller: GuestController, cache: FileCache, task_id: str, screen: tuple[int, int],
                  client_password: str = "password", *, open_timeout: float = 120.0, window_timeout: float = 20.0,
                  until_tries: int = 30, until_interval: float = 0.3, cdp_wait: float = 30.0,
-                 chrome_profile: str = DEFAULT_PROFILE, offline: bool | None = None):
+                 chrome_profile: str = DEFAULT_PROFILE, offline: bool | None = None,
+                 output_dir: str | os.PathLike[str] | None = None):
         self.c = controller
         self.cache = cache
         self.task_id = task_id
@@ -173,6 +181,9 @@ class SetupExecutor:
         self.cdp_wait = cdp_wait
         self.chrome_profile = chrome_profile
         self.offline = offline
+        # Where ``stdout``/``stderr`` of execute steps are saved. OSWorld saves them in the dir its
+        # ``cache_file`` getters read (env.cache_dir), so an episode passes its getters' dir here.
+        self.output_dir = output_dir
         self.handlers: dict[str, Callable[[dict[str, Any]], str]] = {
             "download": self._download,
             "launch": self._launch,
@@ -232,6 +243,13 @@ class SetupExecutor:
             return [self.substitute(x) for x in value]
         return value
 
+    def _outputs(self) -> Path:
+        if self.output_dir is None:
+            return self.cache.task_dir(self.task_id)
+        out = Path(self.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        return out
+
     def _run_checked(self, argv: list[str], what: str, timeout: float = 120.0) -> str:
         r = self.c.execute(argv, timeout=timeout)
         if r.get("status") != "success" or r.get("returncode") != 0:
@@ -281,9 +299,9 @@ class SetupExecutor:
             result = self.c.execute(command, shell=shell)
             output, error = result.get("output") or "", result.get("error") or ""
             if p.get("stdout"):
-                (self.cache.task_dir(self.task_id) / os.path.basename(p["stdout"])).write_text(output)
+                (self._outputs() / os.path.basename(p["stdout"])).write_text(output)
             if p.get("stderr"):
-                (self.cache.task_dir(self.task_id) / os.path.basename(p["stderr"])).write_text(error)
+                (self._outputs() / os.path.basename(p["stderr"])).write_text(error)
             if not until:
                 break
             if ("returncode" in until and result.get("returncode") == until["returncode"]) or \
