@@ -1,5 +1,6 @@
-"""The offline suite tasks/osfarm-offline: every task validates, and the replay agent solves all
-of them through the GUI on real desktops (the suite's acceptance run)."""
+"""The offline suite tasks/osfarm-offline, its acceptance runs on real desktops: every task
+validates, the replay agent solves all of them through the GUI, noop solves none, and fail
+solves exactly the infeasible ones."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ pytestmark = pytest.mark.slow
 def test_suite_loads_and_has_infeasible_tasks() -> None:
     suite = load_suite(SUITE)
     tasks = list(suite.tasks)
-    assert len(tasks) >= 17
     funcs = [t.evaluator.func for t in tasks]
-    assert funcs.count("infeasible") >= 3
+    assert len(tasks) - funcs.count("infeasible") >= 40 and funcs.count("infeasible") >= 3
+    domains = {t.domain for t in tasks}
+    assert {"os", "libreoffice_calc", "libreoffice_writer", "libreoffice_impress", "chrome", "gimp", "vlc",
+            "thunderbird", "multi_apps"} <= domains
     for t in tasks:
         assert t.trajectory, f"{t.id} has no reference solution"
 
@@ -37,15 +40,29 @@ def test_committed_suite_matches_its_generator() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_replay_solves_every_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def run_suite(agent: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     monkeypatch.setenv("OSFARM_STATE_DIR", tempfile.mkdtemp(prefix="ofo", dir="/tmp"))
     app = typer.Typer()
     app.command()(eval_command)
-    out = tmp_path / "run"
-    res = CliRunner().invoke(app, ["--suite", str(SUITE), "--agent", "replay", "--envs", "2",
+    res = CliRunner().invoke(app, ["--suite", str(SUITE), "--agent", agent, "--envs", "2",
                                    "--out", str(out), "--no-progress"])
     assert res.exit_code == 0, res.output
-    results = json.loads((out / "results.json").read_text())
+    return json.loads((out / "results.json").read_text())
+
+
+def test_replay_solves_every_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    results = run_suite("replay", tmp_path / "run", monkeypatch)
     failed = [t for t in results["tasks"] if t["status"] != "success"]
     assert not failed, f"replay did not solve: {failed}"
     assert results["infra_errors"] == 0 and results["success_rate"] == 1.0
+
+
+def test_noop_solves_nothing_and_fail_solves_exactly_the_infeasible_tasks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    infeasible = {t.id for t in load_suite(SUITE).tasks if t.evaluator.func == "infeasible"}
+    noop = run_suite("noop", tmp_path / "noop", monkeypatch)
+    assert noop["infra_errors"] == 0
+    assert [t["task_id"] for t in noop["tasks"] if t["status"] == "success"] == []
+    fail = run_suite("fail", tmp_path / "fail", monkeypatch)
+    assert fail["infra_errors"] == 0
+    assert {t["task_id"] for t in fail["tasks"] if t["status"] == "success"} == infeasible

@@ -59,13 +59,24 @@ def check() -> int:
     return 0
 
 
+def rebuild() -> SuiteKit:
+    """Build into a scratch folder first, so a domain module that fails leaves the suite intact;
+    then overwrite in place and drop only stale files (a run reading the suite meanwhile never
+    sees a task without its files)."""
+    build(Path(tempfile.mkdtemp(prefix="suite-build-")))
+    kit = build(HERE)
+    keep = set(kit.files) | {p for p in (HERE / "cache").rglob("*") if p in kit.assets}
+    for d in [HERE / "cache"] + [d for d in HERE.iterdir() if d.is_dir() and (d / "solutions").is_dir()]:
+        for p in sorted(d.rglob("*"), reverse=True):
+            if p.is_file() and p not in keep:
+                p.unlink()
+            elif p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+    return kit
+
+
 if __name__ == "__main__":
     if "--check" in sys.argv:
         sys.exit(check())
-    for name in ("cache",):
-        shutil.rmtree(HERE / name, ignore_errors=True)
-    for d in HERE.iterdir():
-        if d.is_dir() and (d / "solutions").is_dir():
-            shutil.rmtree(d)
-    kit = build(HERE)
+    kit = rebuild()
     print({k: len(v) for k, v in kit.index.items()})

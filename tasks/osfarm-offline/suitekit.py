@@ -48,6 +48,7 @@ class SuiteKit:
         self.cache = root / "cache"
         self.index: dict[str, list[str]] = {}
         self.files: dict[Path, bytes] = {}
+        self.assets: set[Path] = set()
 
     # -- files under cache/<task_id>/ ----------------------------------------------------------
 
@@ -55,6 +56,7 @@ class SuiteKit:
         """Where an asset lives; a module that builds a file itself (docx, pptx, png) saves here."""
         p = self.cache / task_id / name
         p.parent.mkdir(parents=True, exist_ok=True)
+        self.assets.add(p)
         return p
 
     def text(self, task_id: str, name: str, body: str) -> None:
@@ -151,15 +153,21 @@ def office_doc(tid: str, name: str, path: str | None = None) -> list[dict]:
     folder, base = path.rsplit("/", 1)
     return [dl(tid, name, path), mark(tid),
             {"type": "open", "parameters": {"path": path}},
-            execute(poll(f"[ -e '{folder}/.~lock.{base}#' ]", 200) + "sleep 0.5"),
+            # the lock file appears when loading starts; then wait until the document window is
+            # painted and idle (osfarm-settle), or keys typed into it are lost
+            execute(poll(f"[ -e '{folder}/.~lock.{base}#' ]", 200)
+                    + f"osfarm-settle --window '{base} - LibreOffice' --process soffice.bin --timeout 60"),
             activate(base)]
 
 
 def chrome(*urls: str) -> list[dict]:
-    """Setup steps: start google-chrome (Chromium) with CDP reachable on 9222 as OSWorld does."""
+    """Setup steps: start google-chrome (Chromium) with CDP reachable on 9222 as OSWorld does,
+    and wait until its first tab has a title and the window is painted: before that the window
+    is mapped but typing into it is lost."""
     return [launch("google-chrome", "--remote-debugging-port=1337", *urls),
             launch("socat", "tcp-listen:9222,fork", "tcp:localhost:1337"),
-            wait_window("chrom")]
+            execute(poll("wmctrl -l | grep -i -- ' - chromium$' | grep -qv Untitled", 300)
+                    + "osfarm-settle --window ' - Chromium' --process chromium --timeout 60")]
 
 
 # -- evaluator results ---------------------------------------------------------------------------
@@ -199,5 +207,80 @@ def type_text(text: str) -> list[str]:
     return [f"pyautogui.write({text!r}, interval=0.01)"]
 
 
-SAVE_KEEP_FORMAT = [hotkey("ctrl", "s"), press("enter")]  # Enter = "Use <format>!" in LibreOffice
+def wait_window_code(title: str, timeout_s: float = 20.0) -> str:
+    """A solution step's code that waits until a window titled ``title`` is up, as an agent
+    looking at the screen would before typing into a dialog that is slow to appear."""
+    return ("import subprocess\n"
+            f"for _ in range({int(timeout_s * 5)}):\n"
+            f"    if {title!r} in subprocess.run(['wmctrl', '-l'], capture_output=True, text=True).stdout:\n"
+            "        break\n"
+            "    time.sleep(0.2)\n")
+
+
+# Ctrl+S, then Enter = "Use <format> Format!" once LibreOffice's "Confirm File Format" dialog is up
+SAVE_KEEP_FORMAT = [hotkey("ctrl", "s") + [wait_window_code("Confirm File Format")], press("enter")]
 DONE = ["DONE"]
+
+
+def await_window(pattern: str, present: bool = True, n: int = 100) -> list[str]:
+    """One step: poll (up to n/10 s) until a window whose title matches grep -i pattern is
+    mapped, or with present=False gone; an app maps a dialog a while after the key that asks."""
+    cond = f"wmctrl -l | grep -qi -- {pattern!r}"
+    if not present:
+        cond = f"! {{ {cond}; }}"
+    code = ("import subprocess\n"
+            f"for _ in range({n}):\n"
+            f"    if subprocess.run({cond!r}, shell=True).returncode == 0:\n"
+            "        break\n"
+            "    time.sleep(0.1)")
+    return [code]
+
+
+def pause(seconds: float = 0.4) -> list[str]:
+    """A short pause inside a step: a menu posts its popup a moment after the key that opens
+    it, and keys sent before that are lost."""
+    return [f"time.sleep({seconds})"]
+
+
+# Run by the system python3 of the desktop (it has PyGObject's Atspi): exit 0 as soon as a
+# LibreOffice widget is named or reads argv[1] (its window's status bar "Slide 2 of 4", a view's
+# "PresentationNotes" page object), 1 after argv[2] seconds.  Document contents are not walked.
+_OFFICE_A11Y_WAIT = r'''
+import sys, time
+import gi
+gi.require_version("Atspi", "2.0")
+from gi.repository import Atspi
+want, deadline = sys.argv[1], time.monotonic() + float(sys.argv[2])
+def shows(node, depth):
+    try:
+        role = node.get_role()
+        if want in (node.get_name() or ""):
+            return True
+        if role == Atspi.Role.LABEL and want in (Atspi.Text.get_text(node, 0, -1) or ""):
+            return True
+        if depth > 10 or role in (Atspi.Role.MENU_BAR, Atspi.Role.TOOL_BAR):
+            return False
+        kids = [node.get_child_at_index(i) for i in range(min(node.get_child_count(), 60))]
+        if role.value_nick.startswith("document"):
+            return any(want in (k.get_name() or "") for k in kids)
+        return any(shows(k, depth + 1) for k in kids)
+    except Exception:
+        return False
+while time.monotonic() < deadline:
+    desk = Atspi.get_desktop(0)
+    apps = [desk.get_child_at_index(i) for i in range(desk.get_child_count())]
+    if any(a is not None and a.get_name() == "soffice" and shows(a, 0) for a in apps):
+        sys.exit(0)
+    time.sleep(0.2)
+sys.exit(1)
+'''
+
+
+def await_office(text: str, timeout_s: float = 30.0) -> list[str]:
+    """One step: wait until LibreOffice shows ``text`` in its widgets (status bar, view objects),
+    as read from its accessibility tree. LibreOffice runs shortcuts, menu items and Enter on a
+    selected shape asynchronously, so a later click or typed key can overtake them; a step that
+    needs their result (the next slide, the notes view) waits for it first."""
+    return ["import subprocess\n"
+            f"subprocess.run(['python3', '-c', {_OFFICE_A11Y_WAIT!r}, {text!r}, '{timeout_s:g}'], "
+            f"timeout={timeout_s + 10:g})"]

@@ -1,19 +1,22 @@
-"""libreoffice_calc: formulas typed into an xlsx through the Name Box, saved in xlsx format."""
-from suitekit import DONE, hotkey, SAVE_KEEP_FORMAT, gold, office_doc, saved_after_mark, type_text, vm_file
+"""libreoffice_calc: formulas typed into an xlsx, a sort through the Sort dialog; saved as xlsx."""
+from suitekit import DONE, hotkey, press, wait_window_code, SAVE_KEEP_FORMAT, gold, office_doc, saved_after_mark, type_text, vm_file
 
 SUM = "0f5d2a10-0000-4000-8000-000000000101"
 PRODUCT = "0f5d2a10-0000-4000-8000-000000000102"
 AVG = "0f5d2a10-0000-4000-8000-000000000103"
 MAX = "0f5d2a10-0000-4000-8000-000000000104"
+SORT = "0f5d2a10-0000-4000-8000-000000000105"
 
 SALES = [("Region", "Units", "Price"), ("North", 12, 3.5), ("South", 7, 4.0), ("East", 20, 2.25),
          ("West", 15, 5.0), ("Central", 9, 6.5)]
-NAME_BOX = ["pyautogui.click(66, 142)"]  # LibreOffice Calc's Name Box at 1920x1080
-
-
 def goto(cell: str) -> list[list[str]]:
-    # Ctrl+A: a click into the Name Box does not always select its old text (seen under load)
-    return [NAME_BOX, hotkey("ctrl", "a") + type_text(f"{cell}\n")]
+    """Steps that put the cell cursor on ``cell`` from the keyboard (Ctrl+Home, then arrows):
+    unlike a click into the Name Box, this cannot land in the wrong widget under load."""
+    col = ord(cell[0].upper()) - ord("A")
+    row = int(cell[1:]) - 1
+    moves = ([f"pyautogui.press('right', presses={col})"] if col else []) + \
+            ([f"pyautogui.press('down', presses={row})"] if row else [])
+    return [hotkey("ctrl", "home") + moves]
 
 
 def calc_task(kit, tid: str, name: str, instruction: str, steps: list, gold_extra=None, gold_rows=None) -> None:
@@ -41,3 +44,9 @@ def build(kit) -> None:
     calc_task(kit, MAX, "units.xlsx",
               "In units.xlsx, put the largest value of the Units column into cell E1 and save the file as xlsx.",
               goto("E1") + [type_text("=MAX(B2:B6)\n")], {"E1": max(r[1] for r in SALES[1:])})
+    calc_task(kit, SORT, "regions.xlsx",
+              "Sort the table in regions.xlsx by Units, largest first (keep the header row on top), and save it as xlsx.",
+              # Data > Sort: the dialog opens on the current region with its header detected
+              goto("B2") + [hotkey("alt", "d"), ["pyautogui.press('s')"], [wait_window_code("Sort")],
+                            press("tab"), press("down"), press("enter")],
+              gold_rows=[SALES[0]] + sorted(SALES[1:], key=lambda r: -r[1]))

@@ -11,6 +11,7 @@ SORT = "0f5d2a10-0000-4000-8000-000000000006"
 MOUSEPAD = "0f5d2a10-0000-4000-8000-000000000007"
 SED = "0f5d2a10-0000-4000-8000-000000000008"
 LINK = "0f5d2a10-0000-4000-8000-000000000009"
+GREP = "0f5d2a10-0000-4000-8000-000000000010"
 H = "/home/user"
 
 
@@ -82,3 +83,14 @@ def build(kit) -> None:
              {"func": "exact_match", "result": cmdline(poll(f"[ -L {H}/latest.txt ]") + f"printf %s \"$(readlink -f {H}/latest.txt)\""),
               "expected": rule(expected=f"{H}/releases/v2.txt")},
              [typed("ln -s ~/releases/v2.txt ~/latest.txt"), DONE], ["terminal"])
+
+    logs = {"app.log": "INFO start\nINFO ready\n", "db.log": "INFO connect\nERROR disk quota exceeded\n",
+            "web.log": "INFO GET /\nWARN slow request\n", "mail.log": "ERROR relay refused\nINFO retry\n"}
+    for n, body in logs.items():
+        kit.text(GREP, n, body)
+    kit.task("os", GREP, "Some files in ~/logs contain the word ERROR. Write their names (file names only, one per "
+             "line, sorted) into ~/errors.txt.",
+             [dl(GREP, n, f"{H}/logs/{n}") for n in logs] + TERM,
+             {"func": "exact_match", "result": cmdline(poll(f"[ -s {H}/errors.txt ]") + f"tr '\\n' ' ' < {H}/errors.txt"),
+              "expected": rule(expected="db.log mail.log ")},
+             [typed("cd ~/logs && grep -l ERROR *.log | sort > ~/errors.txt"), DONE], ["terminal"])
