@@ -140,7 +140,7 @@ def mark(tid: str) -> dict:
     return execute(f"touch /tmp/.osfarm_t0_{tid}")
 
 
-def saved_after_mark(tid: str, path: str, n: int = 150) -> dict:
+def saved_after_mark(tid: str, path: str, n: int = 60) -> dict:
     """Evaluator postconfig: wait until the app has written path after setup (then 1 s more,
     because office apps write the file in several passes)."""
     return execute(poll(f"[ {path} -nt /tmp/.osfarm_t0_{tid} ]", n) + "sleep 1")

@@ -76,7 +76,7 @@ def export_as(path: str, kind: str) -> list[list[str]]:
 
 def written(path: str) -> dict:
     """Evaluator postconfig: wait (bounded) until the exported file is there."""
-    return execute(poll(f"[ -s {path} ]", 100) + "true")
+    return execute(poll(f"[ -s {path} ]", 60) + "true")
 
 
 def filter_dialog(menu: list[str], title: str, value: str) -> list[list[str]]:

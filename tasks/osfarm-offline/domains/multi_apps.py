@@ -100,7 +100,7 @@ def build(kit) -> None:
              "From the terminal, open ~/Desktop/grades.csv in LibreOffice Calc, then use Calc to save it as an "
              "Excel workbook ~/Desktop/grades.xlsx.",
              [dl(CSV2XLSX, "grades.csv", f"{D}/grades.csv")] + TERM,
-             {"postconfig": [execute(poll(f"[ -s {D}/grades.xlsx ]", 150) + "sleep 1")],
+             {"postconfig": [execute(poll(f"[ -s {D}/grades.xlsx ]", 60) + "sleep 1")],
               "func": "compare_table", "result": vm_file(f"{D}/grades.xlsx"),
               "expected": gold(CSV2XLSX, "grades_gold.xlsx")},
              [typed("libreoffice --calc ~/Desktop/grades.csv") + await_window("Text Import", n=300),
