@@ -154,7 +154,8 @@ def run_eval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]
     from osfarm.providers import make_provider
 
     n = max(1, opts.envs)
-    settings = load_settings(None, **{"port": 0, **opts.farm_overrides, "pool_min": n, "pool_max": n})
+    # one warm spare: the next episode leases it while the desktop just released is being reset
+    settings = load_settings(None, **{"port": 0, **opts.farm_overrides, "pool_min": n + 1, "pool_max": n + 1})
     server = FarmServer(settings, make_provider(settings))
     url = server.start(timeout=settings.start_timeout_s + 30)
     try:

@@ -141,9 +141,11 @@ def mark(tid: str) -> dict:
 
 
 def saved_after_mark(tid: str, path: str, n: int = 60) -> dict:
-    """Evaluator postconfig: wait until the app has written path after setup (then 1 s more,
-    because office apps write the file in several passes)."""
-    return execute(poll(f"[ {path} -nt /tmp/.osfarm_t0_{tid} ]", n) + "sleep 1")
+    """Evaluator postconfig: wait until the app has written path after setup, then until its
+    size and mtime hold still for 0.2 s (office apps write a file in several passes)."""
+    return execute(poll(f"[ {path} -nt /tmp/.osfarm_t0_{tid} ]", n)
+                   + f"s=; for i in $(seq 25); do n=$(stat -c %s.%y {path} 2>/dev/null); "
+                   + '[ -n "$n" ] && [ "$n" = "$s" ] && break; s=$n; sleep 0.2; done')
 
 
 def office_doc(tid: str, name: str, path: str | None = None) -> list[dict]:
