@@ -50,6 +50,7 @@ def run_suite(agent: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.timeout(1800)  # the whole suite: about 6 min on 2 cores
 def test_replay_solves_every_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     results = run_suite("replay", tmp_path / "run", monkeypatch)
     failed = [t for t in results["tasks"] if t["status"] != "success"]
@@ -57,6 +58,7 @@ def test_replay_solves_every_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert results["infra_errors"] == 0 and results["success_rate"] == 1.0
 
 
+@pytest.mark.timeout(2400)
 def test_noop_solves_nothing_and_fail_solves_exactly_the_infeasible_tasks(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     infeasible = {t.id for t in load_suite(SUITE).tasks if t.evaluator.func == "infeasible"}
