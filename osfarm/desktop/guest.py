@@ -296,14 +296,9 @@ class Desktop:
         all; processes that exited meanwhile drop out, which only makes the desktop look idler."""
         import psutil
 
-        total = 0.0
-        for p in psutil.Process().children(recursive=True):
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
-        return total
+        from osfarm.desktop.settle import total_cpu_seconds
+
+        return total_cpu_seconds(psutil.Process().children(recursive=True))
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 
 import numpy as np
 import psutil
@@ -29,17 +30,21 @@ BLANK_SHARE = 0.97  # a window whose most common colour covers more than this is
 IDLE_CPU = 0.10  # share of one core below which a process counts as idle
 
 
-def cpu_seconds(name: str) -> float:
-    """CPU time used so far by every process called ``name`` (exited ones drop out)."""
+def total_cpu_seconds(procs: Iterable[psutil.Process]) -> float:
+    """CPU time used so far by ``procs``; ones that exited meanwhile drop out."""
     total = 0.0
-    for p in psutil.process_iter(["name"]):
-        if p.info["name"] == name:
-            try:
-                t = p.cpu_times()
-                total += t.user + t.system
-            except psutil.Error:
-                pass
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
     return total
+
+
+def cpu_seconds(name: str) -> float:
+    """CPU time used so far by every process called ``name``."""
+    return total_cpu_seconds(p for p in psutil.process_iter(["name"]) if p.info["name"] == name)
 
 
 def window_geometry(title_part: str) -> tuple[int, int, int, int] | None:
