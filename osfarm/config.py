@@ -28,7 +28,9 @@ class FarmSettings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="address the farm API binds (loopback by default)")
     port: int = Field(default=8765, ge=0, le=65535)
     token: str = Field(default="", description="bearer token for the farm API; generated when empty")
-    provider: Literal["sandbox"] = "sandbox"
+    provider: Literal["sandbox", "docker", "libvirt"] = Field(
+        default="sandbox", description="how desktops are boxed: sandbox (bubblewrap, no daemon), docker, libvirt"
+    )
     pool_min: int = Field(default=1, ge=0, description="desktops kept warm (ready, unleased)")
     pool_max: int = Field(default=4, ge=1, description="most desktops alive at once")
     lease_ttl_s: float = Field(default=300.0, gt=0, description="a lease expires this long after its last heartbeat")
@@ -46,6 +48,28 @@ class FarmSettings(BaseSettings):
     state_dir: Path = Field(default_factory=default_state_dir)
     health_interval_s: float = Field(default=2.0, gt=0)
     start_timeout_s: float = Field(default=60.0, gt=0)
+    # --- docker provider ---
+    docker_image: str = Field(default="osfarm/desktop:latest", description="desktop image (osfarm image build)")
+    docker_network: Literal["none", "host"] = Field(
+        default="none", description="none: no network, guest on a unix socket; host: host networking, loopback port"
+    )
+    docker_memory: str = Field(default="3g", description="memory limit per desktop container")
+    docker_cpus: float = Field(default=2.0, gt=0, description="CPU limit per desktop container")
+    docker_shared_dir: Path | None = Field(
+        default=None,
+        description="host dir for the desktops' run dirs (guest sockets); must be the same path in the farm's "
+        "container and on the docker host. Default: <state_dir>/docker",
+    )
+    # --- libvirt provider ---
+    libvirt_uri: str = Field(default="qemu:///system")
+    libvirt_image_dir: Path | None = Field(
+        default=None, description="dir with base.qcow2, vmlinuz, initrd.img (osfarm image build --libvirt)"
+    )
+    libvirt_memory_mb: int = Field(default=3072, ge=512)
+    libvirt_vcpus: int = Field(default=2, ge=1)
+    libvirt_reset: Literal["boot", "snapshot"] = Field(
+        default="boot", description="boot: fresh overlay + boot; snapshot: revert to a ready internal snapshot"
+    )
 
     @classmethod
     def settings_customise_sources(

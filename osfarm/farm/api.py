@@ -199,6 +199,8 @@ def _lease_info(lease: Any) -> LeaseInfo:
         wait_s=getattr(lease, "wait_s", 0.0),
         screen={"width": width, "height": height},
         guest_url=f"/v1/desktops/{lease.id}/guest",
+        provider=getattr(lease, "provider", "sandbox"),
+        image=getattr(lease, "image", None),
     )
 
 

@@ -63,6 +63,8 @@ class Lease:
     endpoint: GuestEndpoint
     screen: tuple[int, int]
     wait_s: float
+    provider: str = "sandbox"
+    image: str | None = None
 
 
 @dataclass
@@ -197,6 +199,8 @@ class LeasePool:
             endpoint=d.handle.endpoint,
             screen=(d.handle.spec.width, d.handle.spec.height),
             wait_s=time.monotonic() - t0,
+            provider=d.handle.provider,
+            image=d.handle.info.get("image"),
         )
         d.lease_id = lease.id
         self._leases[lease.id] = lease

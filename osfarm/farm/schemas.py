@@ -45,6 +45,8 @@ class LeaseInfo(BaseModel):
     wait_s: float = Field(default=0.0, description="how long the lease request waited for a desktop")
     screen: ScreenSize
     guest_url: str = Field(description="path of the OSWorld-compatible guest passthrough")
+    provider: str = Field(default="sandbox", description="the box: sandbox, docker or libvirt")
+    image: str | None = Field(default=None, description="the desktop image (docker, libvirt); none for sandbox")
 
 
 class DesktopStatus(BaseModel):

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from osfarm.config import FarmSettings
-from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider, ProviderError
+from osfarm.providers.base import (
+    DesktopHandle,
+    DesktopSpec,
+    GuestEndpoint,
+    Provider,
+    ProviderError,
+)
 
 __all__ = ["DesktopHandle", "DesktopSpec", "GuestEndpoint", "Provider", "ProviderError", "make_provider"]
 
@@ -15,4 +21,12 @@ def make_provider(settings: FarmSettings) -> Provider:
         from osfarm.providers.sandbox import SandboxProvider
 
         return SandboxProvider(settings)
-    raise ProviderError(f"unknown provider {settings.provider!r}; available: sandbox")
+    if settings.provider == "docker":
+        from osfarm.providers.docker import DockerProvider
+
+        return DockerProvider(settings)
+    if settings.provider == "libvirt":
+        from osfarm.providers.libvirt import LibvirtProvider
+
+        return LibvirtProvider(settings)
+    raise ProviderError(f"unknown provider {settings.provider!r}; available: sandbox, docker, libvirt")

@@ -7,7 +7,10 @@ server inside. The farm's pool owns the lifecycle; a provider only does box work
 
 from __future__ import annotations
 
+import fcntl
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import httpx
@@ -15,6 +18,23 @@ import httpx
 
 class ProviderError(RuntimeError):
     """A box could not be made or reached; the message says what is missing and how to fix it."""
+
+
+def take_farm_lock(path: Path, what: str, fix: str, owner: str = "") -> int:
+    """Hold an exclusive lock on ``path`` for this process's life (returns its fd).
+
+    One farm per state/shared dir: a second farm's ``reap_orphans`` would otherwise remove the
+    first one's boxes. ``what`` names the dir in the error, ``fix`` says how to get around it.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ProviderError(f"another osfarm process is using {what} (lock {path} is held); {fix}") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {owner}".rstrip().encode() + b"\n")
+    return fd
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import secrets
@@ -35,7 +34,13 @@ import httpx
 import psutil
 
 from osfarm.config import FarmSettings
-from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
+from osfarm.providers.base import (
+    DesktopHandle,
+    DesktopSpec,
+    GuestEndpoint,
+    ProviderError,
+    take_farm_lock,
+)
 
 log = logging.getLogger("osfarm.providers.sandbox")
 
@@ -143,20 +148,8 @@ class SandboxProvider:
     # -- setup ------------------------------------------------------------------------------
 
     def _take_lock(self) -> int:
-        """One farm per state_dir: reap_orphans would otherwise kill another farm's boxes."""
-        path = self.state_dir / "sandbox.lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ProviderError(
-                f"another osfarm process is using state_dir {self.state_dir} (lock {path} is held); "
-                "stop it or set a different OSFARM_STATE_DIR"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        return fd
+        return take_farm_lock(self.state_dir / "sandbox.lock", f"state_dir {self.state_dir}",
+                              "stop it or set a different OSFARM_STATE_DIR")
 
     def _probe_bwrap(self) -> None:
         """Fail at construction, with the reason, when namespaces cannot be made here."""

@@ -1,0 +1,154 @@
+"""Reset-to-ready, warm lease and idle memory per provider, side by side in one run.
+
+* reset-to-ready: ``provider.reset(handle)`` on a running desktop until the fresh box's guest
+  answers /v1/health (sandbox: kill + new bwrap box; docker: a new container from the image,
+  started while the old one is removed). What the farm pays between two episodes.
+* warm lease: ``POST /v1/desktops`` on a real `osfarm serve --provider X` with ready desktops.
+* idle memory: PSS of every process of one idle desktop (shared pages shared out).
+
+Usage: python bench/reset_latency.py [--providers sandbox,docker] [--resets 10] [--leases 10]
+Each entry of VARIANTS is a provider with its settings; add one to compare a new box.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
+from osfarm.config import FarmSettings  # noqa: E402
+from osfarm.providers import make_provider  # noqa: E402
+from osfarm.providers.base import DesktopSpec  # noqa: E402
+
+# name -> (provider, settings overrides)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "sandbox": ("sandbox", {}),
+    "docker": ("docker", {"docker_network": "none"}),
+    # libvirt VMs (disk: `osfarm image build-vm`): fresh overlay + boot, and internal snapshot revert
+    "libvirt-boot": ("libvirt", {"libvirt_reset": "boot", "libvirt_memory_mb": 2048}),
+    "libvirt-snapshot": ("libvirt", {"libvirt_reset": "snapshot", "libvirt_memory_mb": 2048}),
+}
+IDLE_S = 3.0
+
+
+def pss_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_full_info().pss
+        except psutil.Error:
+            continue
+    return total / 2**20
+
+
+async def resets(name: str, n: int, width: int, height: int) -> tuple[list[float], float, float]:
+    """(reset-to-ready seconds, first start seconds, idle PSS MiB) for one variant."""
+    provider_name, overrides = VARIANTS[name]
+    state = Path(tempfile.mkdtemp(prefix="ofr", dir="/tmp"))
+    settings = FarmSettings(provider=provider_name, state_dir=state, width=width, height=height, **overrides)
+    provider = make_provider(settings)
+    await provider.reap_orphans()
+    spec = DesktopSpec(width=width, height=height)
+    t0 = time.perf_counter()
+    handle = await provider.start("bench1", spec)
+    first = time.perf_counter() - t0
+    out: list[float] = []
+    try:
+        await asyncio.sleep(IDLE_S)
+        mem = pss_mib(provider.pids(handle))
+        for _ in range(n):
+            t0 = time.perf_counter()
+            handle = await provider.reset(handle)
+            out.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.5)  # let the old box's teardown finish outside the timing
+    finally:
+        await provider.stop(handle)
+        await provider.close()
+        shutil.rmtree(state, ignore_errors=True)
+    return out, first, mem
+
+
+def warm_leases(name: str, n: int, width: int, height: int) -> list[float]:
+    provider_name, overrides = VARIANTS[name]
+    saved = dict(os.environ)
+    os.environ["OSFARM_PROVIDER"] = provider_name
+    for k, v in overrides.items():
+        os.environ[f"OSFARM_{k.upper()}"] = str(v)
+    out: list[float] = []
+    try:
+        with farm_process(pool_min=2, pool_max=3, width=width, height=height, timeout=300) as (url, token):
+            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
+                for _ in range(n):
+                    _wait_ready(c, 1)
+                    t0 = time.perf_counter()
+                    r = c.post("/v1/desktops", json={})
+                    out.append(time.perf_counter() - t0)
+                    r.raise_for_status()
+                    c.delete(f"/v1/desktops/{r.json()['id']}").raise_for_status()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return out
+
+
+def _wait_ready(c: httpx.Client, k: int) -> None:
+    deadline = time.monotonic() + 180
+    while c.get("/v1/pool").json()["counts"].get("ready", 0) < k:
+        if time.monotonic() > deadline:
+            raise RuntimeError("pool did not refill in 180 s")
+        time.sleep(0.02)
+
+
+def ratio(value: float, ref: float | None) -> str:
+    return f"{value / ref:.1f}x" if ref else "-"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--providers", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
+    ap.add_argument("--resets", type=int, default=10)
+    ap.add_argument("--leases", type=int, default=10)
+    ap.add_argument("--size", default="1920x1080", help="screen WxH")
+    args = ap.parse_args()
+    names = [n.strip() for n in args.providers.split(",") if n.strip()]
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        ap.error(f"--providers: unknown {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
+    width, height = (int(v) for v in args.size.lower().split("x"))
+    console = Console()
+    rows: dict[str, dict[str, float]] = {}
+    for name in names:
+        console.print(f"[bold]{name}[/]: {args.resets} resets, {args.leases} warm leases ...")
+        rs, first, mem = asyncio.run(resets(name, args.resets, width, height))
+        wl = warm_leases(name, args.leases, width, height) if args.leases else [0.0]
+        rows[name] = {"first": first * 1000, "reset_med": median_ms(rs), "reset_p90": p90_ms(rs),
+                      "lease_med": median_ms(wl), "lease_p90": p90_ms(wl), "mem": mem}
+    ref = rows.get(names[0])
+    table = Table(title=f"reset-to-ready, warm lease and idle memory per provider ({width}x{height}); "
+                        f"ratios vs {names[0]}")
+    for col in ("provider", "cold start ms", "reset median ms", "reset p90 ms", "vs ref", "warm lease median ms",
+                "warm lease p90 ms", "idle PSS MiB", "vs ref"):
+        table.add_column(col, justify="right")
+    for name, r in rows.items():
+        table.add_row(name, f"{r['first']:.0f}", f"{r['reset_med']:.0f}", f"{r['reset_p90']:.0f}",
+                      ratio(r["reset_med"], ref and ref["reset_med"]), f"{r['lease_med']:.1f}",
+                      f"{r['lease_p90']:.1f}", f"{r['mem']:.0f}", ratio(r["mem"], ref and ref["mem"]))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

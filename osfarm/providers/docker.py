@@ -1,0 +1,393 @@
+"""Docker provider: one container of ``osfarm/desktop`` per desktop.
+
+Each container runs the session launcher (``osfarm desktop run``) as ``user`` under docker's
+init (``init: true``: tini reaps and forwards signals), with memory and CPU limits and labels:
+
+* ``org.osfarm.scope``   the shared dir of the farm that owns it (one farm per shared dir, held
+                         by a lock file), so two farms on one daemon never touch each other's boxes
+* ``org.osfarm.farm``    the provider instance that made it (a new id per farm process)
+* ``org.osfarm.desktop`` the desktop id
+
+Networking: ``none`` (default) gives the box only its loopback; the guest listens on a unix
+socket in ``<shared dir>/<desktop>/<generation>/``, bind-mounted at ``/run/osfarm``. ``host``
+shares the host's network: the guest listens on a loopback port picked per desktop, and each
+box gets its own X display number (X's abstract sockets live in the network namespace).
+
+Reset replaces the container: the new one is created and started while the old one is killed
+and removed, so a reset costs one container start plus the session's own start-up.
+
+Containers whose scope is ours but whose farm id is not were left by a farm that died; they are
+removed by ``reap_orphans`` when the next farm starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from osfarm.config import FarmSettings
+from osfarm.providers.base import (
+    DesktopHandle,
+    DesktopSpec,
+    GuestEndpoint,
+    ProviderError,
+    take_farm_lock,
+)
+
+log = logging.getLogger("osfarm.providers.docker")
+
+LABEL_SCOPE = "org.osfarm.scope"
+LABEL_FARM = "org.osfarm.farm"
+LABEL_DESKTOP = "org.osfarm.desktop"
+GUEST_UID = 1000  # "user" in osfarm/desktop
+SOCKET_PATH_MAX = 107
+HEALTH_POLL_S = 0.025
+STATE_POLL_S = 0.5
+SHM_SIZE = "512m"  # Chromium needs more than docker's 64 MB /dev/shm
+BOX_RUN_DIR = "/run/osfarm"
+
+
+class DockerProvider:
+    """Provider protocol implementation with Docker containers (see module doc)."""
+
+    name = "docker"
+
+    def __init__(self, settings: FarmSettings):
+        from osfarm.images.daemon import DockerUnavailable, docker_client
+
+        self.settings = settings
+        try:
+            self.client = docker_client(timeout=60)
+        except DockerUnavailable as e:
+            raise ProviderError(str(e)) from None
+        self.image = settings.docker_image
+        self.image_id, self.image_labels = self._check_image(self.image)
+        self.network = settings.docker_network
+        self.state_dir = Path(settings.state_dir).expanduser().absolute()
+        self.shared_dir = Path(settings.docker_shared_dir or self.state_dir / "docker").expanduser().absolute()
+        longest = self.shared_dir / ("x" * 12) / ("x" * 8) / "guest.sock"
+        if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
+            raise ProviderError(
+                f"docker_shared_dir {self.shared_dir} is too long for unix socket paths "
+                f"({len(os.fsencode(longest))} > {SOCKET_PATH_MAX} bytes): set a shorter OSFARM_DOCKER_SHARED_DIR"
+            )
+        try:
+            self.shared_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ProviderError(f"docker_shared_dir {self.shared_dir}: cannot create it ({e.strerror})") from None
+        self.scope = str(self.shared_dir)
+        self.farm_id = secrets.token_hex(6)
+        self._lock_fd = self._take_lock()
+        self._containers: dict[str, str] = {}  # desktop id -> container id of its current box
+        self._host_displays: dict[str, int] = {}  # "<desktop>/<generation>" -> X display (host network)
+        self._closed = False
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _check_image(self, ref: str) -> tuple[str, dict[str, str]]:
+        from docker.errors import DockerException, ImageNotFound
+
+        try:
+            img = self.client.images.get(ref)
+        except ImageNotFound:
+            raise ProviderError(
+                f"docker image {ref} is missing: build it with `osfarm image build` "
+                "(or set OSFARM_DOCKER_IMAGE to an image that exists)"
+            ) from None
+        except DockerException as e:
+            raise ProviderError(f"docker image {ref}: {e}") from None
+        return img.id, dict(img.labels or {})
+
+    def _take_lock(self) -> int:
+        return take_farm_lock(self.shared_dir / ".farm.lock", f"docker_shared_dir {self.shared_dir}",
+                              "stop it or set a different OSFARM_DOCKER_SHARED_DIR / OSFARM_STATE_DIR",
+                              owner=self.farm_id)
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _check_id(self, desktop_id: str) -> None:
+        if not desktop_id or len(desktop_id) > 12 or not all(c.isalnum() or c in "-_" for c in desktop_id):
+            raise ProviderError(f"bad desktop id {desktop_id!r}: use 1-12 letters, digits, '-' or '_'")
+
+    def _make_run_dir(self, desktop_id: str, gen: str, token: str) -> Path:
+        run = self.shared_dir / desktop_id / gen
+        run.mkdir(parents=True)
+        tok = run / "token"
+        fd = os.open(tok, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        if os.geteuid() == 0:
+            os.chown(run, GUEST_UID, GUEST_UID)
+            os.chown(tok, GUEST_UID, GUEST_UID)
+            os.chmod(run, 0o700)
+        else:
+            # The box's user (uid 1000) must create its socket here and read the token.
+            os.chmod(run, 0o777)
+            os.chmod(tok, 0o644)
+        return run
+
+    def _labels(self, desktop_id: str) -> dict[str, str]:
+        return {LABEL_SCOPE: self.scope, LABEL_FARM: self.farm_id, LABEL_DESKTOP: desktop_id}
+
+    def _command(self, spec: DesktopSpec, port: int | None, display: int) -> list[str]:
+        cmd = ["osfarm", "desktop", "run", "--width", str(spec.width), "--height", str(spec.height),
+               "--depth", str(spec.depth), "--display", f":{display}", "--home", "/home/user",
+               "--token-file", f"{BOX_RUN_DIR}/token", "--state-file", f"{BOX_RUN_DIR}/state.json"]
+        if port is None:
+            cmd += ["--socket", f"{BOX_RUN_DIR}/guest.sock"]
+        else:
+            cmd += ["--port", str(port), "--host", "127.0.0.1"]
+        return cmd
+
+    def _host_display(self) -> int:
+        """With host networking X's abstract sockets are shared with the host: pick a free number."""
+        from osfarm.providers.sandbox import _abstract_x_displays
+
+        taken = set(_abstract_x_displays())
+        taken.update(self._host_displays.values())
+        return next(n for n in range(200, 10000) if n not in taken)
+
+    def _run_container(self, desktop_id: str, gen: str, spec: DesktopSpec, run: Path, port: int | None,
+                       display: int) -> Any:
+        env = {"PYTHONUNBUFFERED": "1", **spec.extra_env}
+        kwargs: dict[str, Any] = dict(
+            command=self._command(spec, port, display),
+            name=f"osfarm-{desktop_id}-{gen}",
+            labels=self._labels(desktop_id),
+            init=True,
+            detach=True,
+            mem_limit=self.settings.docker_memory,
+            nano_cpus=int(self.settings.docker_cpus * 1e9),
+            shm_size=SHM_SIZE,
+            network_mode=self.network,
+            volumes={str(run): {"bind": BOX_RUN_DIR, "mode": "rw"}},
+            environment=env,
+            user=f"{GUEST_UID}:{GUEST_UID}",
+        )
+        if self.network == "none":
+            kwargs["hostname"] = f"osfarm-{desktop_id}"  # host networking shares the host's UTS name
+        return self.client.containers.run(self.image, **kwargs)
+
+    def _logs(self, container_id: str, lines: int = 30) -> str:
+        from docker.errors import DockerException
+
+        try:
+            text = self.client.api.logs(container_id, tail=lines).decode(errors="replace").strip()
+        except DockerException as e:
+            return f"(no logs: {e})"
+        return text or "(empty log)"
+
+    def _remove(self, container_id: str) -> None:
+        """Kill and remove a container (blocking; run in a thread)."""
+        from docker.errors import APIError, NotFound
+
+        try:
+            self.client.api.remove_container(container_id, force=True, v=True)
+        except NotFound:
+            pass
+        except APIError as e:
+            if "already in progress" not in str(e):  # removed by someone else right now
+                raise
+
+    # -- protocol ---------------------------------------------------------------------------
+
+    async def reap_orphans(self) -> int:
+        """Remove containers of our scope made by another (dead) farm, and stale run dirs."""
+        flt = {"label": [f"{LABEL_SCOPE}={self.scope}"]}
+        found = await asyncio.to_thread(self.client.api.containers, all=True, filters=flt)
+        victims = [c for c in found if c.get("Labels", {}).get(LABEL_FARM) != self.farm_id]
+        await asyncio.gather(*(asyncio.to_thread(self._remove, c["Id"]) for c in victims))
+        live = set(self._containers)
+        stale = 0
+        for d in self.shared_dir.iterdir():
+            if d.is_dir() and d.name not in live:
+                await asyncio.to_thread(shutil.rmtree, d, True)
+                stale += 1
+        if victims or stale:
+            log.warning("reaped orphan containers=%d stale_dirs=%d scope=%s", len(victims), stale, self.scope)
+        return len(victims)
+
+    async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
+        if self._closed:
+            raise ProviderError("docker provider is closed")
+        self._check_id(desktop_id)
+        t0 = time.monotonic()
+        gen = secrets.token_hex(4)
+        token = secrets.token_urlsafe(24)
+        run = self._make_run_dir(desktop_id, gen, token)
+        port = None
+        display = 0
+        if self.network == "host":
+            port = _free_loopback_port()
+            display = self._host_display()
+            self._host_displays[f"{desktop_id}/{gen}"] = display
+        created = asyncio.ensure_future(
+            asyncio.to_thread(self._run_container, desktop_id, gen, spec, run, port, display)
+        )
+        try:
+            container = await asyncio.shield(created)
+        except asyncio.CancelledError:
+            # The thread goes on creating the container: wait for it and remove it, or it leaks.
+            with contextlib.suppress(Exception):
+                leaked = await created
+                await asyncio.to_thread(self._remove, leaked.id)
+            await asyncio.to_thread(shutil.rmtree, run, True)
+            raise
+        except Exception as e:
+            await asyncio.to_thread(shutil.rmtree, run, True)
+            self._host_displays.pop(f"{desktop_id}/{gen}", None)
+            raise ProviderError(f"desktop {desktop_id}: docker could not start a container of {self.image}: {e}") from e
+        if port is None:
+            endpoint = GuestEndpoint(base_url="http://guest", token=token, uds=str(run / "guest.sock"))
+        else:
+            endpoint = GuestEndpoint(base_url=f"http://127.0.0.1:{port}", token=token)
+        handle = DesktopHandle(
+            id=desktop_id, provider=self.name, spec=spec, endpoint=endpoint,
+            info={"container": container.id, "name": container.name, "image": self.image,
+                  "image_id": self.image_id, "dir": str(run), "network": self.network, "gen": gen},
+        )  # fmt: skip
+        self._containers[desktop_id] = container.id
+        try:
+            await self._wait_ready(handle, t0)
+            attrs = await asyncio.to_thread(self.client.api.inspect_container, container.id)
+            handle.pid = attrs["State"].get("Pid") or None
+        except BaseException as e:  # includes cancellation: never leave a half-started box behind
+            await self._discard(handle)
+            if isinstance(e, ProviderError):
+                raise
+            if isinstance(e, Exception):
+                raise ProviderError(f"desktop {desktop_id} failed to start: {e!r}") from e
+            raise
+        handle.info["start_s"] = f"{time.monotonic() - t0:.3f}"
+        log.info("docker desktop ready id=%s container=%s start_s=%s", desktop_id, container.name, handle.info["start_s"])
+        return handle
+
+    async def _wait_ready(self, handle: DesktopHandle, t0: float) -> None:
+        deadline = t0 + self.settings.start_timeout_s
+        cid = handle.info["container"]
+        last = "guest not answering yet"
+        next_state = time.monotonic() + STATE_POLL_S
+        async with handle.endpoint.client(timeout=2.0) as client:
+            while True:
+                now = time.monotonic()
+                if now >= next_state:
+                    next_state = now + STATE_POLL_S
+                    state = (await asyncio.to_thread(self.client.api.inspect_container, cid))["State"]
+                    if state.get("Status") not in ("created", "running"):
+                        raise ProviderError(
+                            f"desktop {handle.id}: container {handle.info['name']} {state.get('Status')} "
+                            f"(exit code {state.get('ExitCode')}) before it was ready; its log:\n"
+                            f"{await asyncio.to_thread(self._logs, cid)}"
+                        )
+                if now > deadline:
+                    raise ProviderError(
+                        f"desktop {handle.id} not ready after {self.settings.start_timeout_s:g}s (last: {last}); "
+                        f"container {handle.info['name']} log:\n{await asyncio.to_thread(self._logs, cid)}"
+                    )
+                if handle.endpoint.uds is None or os.path.exists(handle.endpoint.uds):
+                    try:
+                        r = await client.get("/v1/health")
+                        if r.status_code == 200:
+                            return
+                        last = f"GET /v1/health -> {r.status_code} {r.text[:200]}"
+                    except httpx.TransportError as e:
+                        last = f"GET /v1/health failed: {e!r}"
+                await asyncio.sleep(HEALTH_POLL_S)
+
+    async def _discard(self, handle: DesktopHandle) -> None:
+        """Remove a handle's container and run dir (blocking work in threads)."""
+        cid = handle.info.get("container")
+        if cid:
+            if self._containers.get(handle.id) == cid:
+                self._containers.pop(handle.id, None)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._remove, cid)
+        self._host_displays.pop(f"{handle.id}/{handle.info.get('gen')}", None)
+        run = handle.info.get("dir")
+        if run:
+            await asyncio.to_thread(shutil.rmtree, run, True)
+
+    async def stop(self, handle: DesktopHandle) -> None:
+        await self._discard(handle)
+        ddir = self.shared_dir / handle.id
+        if handle.id not in self._containers:
+            with contextlib.suppress(OSError):
+                ddir.rmdir()  # only when empty: a newer box of this id may live there
+        log.info("docker desktop stopped id=%s", handle.id)
+
+    async def reset(self, handle: DesktopHandle) -> DesktopHandle:
+        """A new container from the image, started while the old one is removed."""
+        old = asyncio.create_task(self._discard(handle))
+        try:
+            return await self.start(handle.id, handle.spec)
+        finally:
+            await old
+
+    async def alive(self, handle: DesktopHandle) -> str | None:
+        from docker.errors import DockerException, NotFound
+
+        cid = handle.info.get("container", "")
+        if self._containers.get(handle.id) != cid:
+            return "container is not this provider's current box for the desktop (stopped or replaced)"
+        try:
+            state = (await asyncio.to_thread(self.client.api.inspect_container, cid))["State"]
+        except NotFound:
+            return f"container {handle.info.get('name')} is gone"
+        except DockerException as e:
+            return f"docker daemon error while checking {handle.info.get('name')}: {e}"
+        if state.get("Status") != "running":
+            tail = await asyncio.to_thread(self._logs, cid, 3)
+            return f"container {handle.info.get('name')} {state.get('Status')} (exit code {state.get('ExitCode')}): {tail}"
+        return None
+
+    def pids(self, handle: DesktopHandle) -> list[int]:
+        """Host pids of the container's processes (docker-init and its descendants); empty when
+        this farm cannot see the host's pids (e.g. it runs in a container itself)."""
+        import psutil
+
+        if not handle.pid or self._containers.get(handle.id) != handle.info.get("container"):
+            return []
+        try:
+            root = psutil.Process(handle.pid)
+            with open(f"/proc/{handle.pid}/cgroup") as f:
+                if handle.info["container"] not in f.read():
+                    return []  # the pid is not the container's (another pid namespace)
+            return [root.pid, *(c.pid for c in root.children(recursive=True))]
+        except (psutil.Error, OSError):
+            return []
+
+    async def stop_all(self) -> None:
+        """Remove every container of this provider (not part of the protocol: tests, shutdown)."""
+        flt = {"label": [f"{LABEL_SCOPE}={self.scope}", f"{LABEL_FARM}={self.farm_id}"]}
+        found = await asyncio.to_thread(self.client.api.containers, all=True, filters=flt)
+        await asyncio.gather(*(asyncio.to_thread(self._remove, c["Id"]) for c in found))
+        for desktop_id in list(self._containers):
+            self._containers.pop(desktop_id, None)
+            await asyncio.to_thread(shutil.rmtree, self.shared_dir / desktop_id, True)
+
+    async def close(self) -> None:
+        """Release the shared dir lock and the daemon connection (boxes are the pool's to stop;
+        any left are reaped by the next farm of this scope)."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(self.client.close)
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

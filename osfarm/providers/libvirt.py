@@ -1,0 +1,625 @@
+"""The libvirt provider: one KVM virtual machine per desktop.
+
+Each desktop is a transient libvirt domain (``vm_images/libvirt/domain.xml``) booting the base
+disk's kernel and initrd directly. Its disk is a qcow2 overlay on the shared read-only
+``base.qcow2`` (``osfarm image build-vm``), so a fresh disk costs one ``qemu-img create``.
+Inside, ``/sbin/osfarm-init`` starts the desktop session, whose guest server listens on port
+8000 of the VM. The VM's only network is qemu user networking (``restrict=on`` unless the spec
+asks for a network) and the host reaches the guest through a host forward bound to
+``127.0.0.1:<free port>``; nothing on the host talks to the VM's own addresses.
+
+Reset (``libvirt_reset``):
+
+* ``boot`` (default): destroy the VM, new overlay, boot again.
+* ``snapshot``: the first start boots, waits until the guest answers, and takes an internal
+  snapshot with memory (``ready``) in the overlay; reset reverts to it inside the running qemu
+  (``loadvm``) and sets the guest clock through the guest agent, since the reverted guest still
+  believes it is the time of the snapshot. The token stays the one the VM booted with.
+
+Domains carry a ``<metadata>`` element in our namespace naming the farm's state dir: domains of
+this state dir that this provider did not start (a crashed farm's) are destroyed by
+``reap_orphans``. One farm per state dir (a lock file), as with the sandbox provider.
+
+Every libvirt call blocks, so each runs in a worker thread (``asyncio.to_thread``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import secrets
+import shutil
+import socket
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+from typing import Any
+from xml.sax.saxutils import escape
+
+import httpx
+import psutil
+
+from osfarm.config import FarmSettings
+from osfarm.images.libvirt_disk import default_image_dir, disk_files, missing_files
+from osfarm.providers.base import (
+    DesktopHandle,
+    DesktopSpec,
+    GuestEndpoint,
+    ProviderError,
+    take_farm_lock,
+)
+
+log = logging.getLogger("osfarm.providers.libvirt")
+
+METADATA_NS = "https://osfarm.dev/libvirt/desktop/1"
+METADATA_KEY = "osfarm"
+GUEST_PORT = 8000
+SNAPSHOT = "ready"
+HEALTH_POLL_S = 0.05
+MIN_FREE_BYTES = 2 << 30  # an overlay grows with what a task writes, and a snapshot holds the RAM
+TEMPLATE_NAME = "domain.xml"
+DOMAIN_PREFIX = "osfarm-"
+TCG_MIN_START_TIMEOUT_S = 900.0
+
+
+@dataclass
+class _Box:
+    """What the provider keeps about one running VM."""
+
+    name: str
+    port: int
+    token: str
+    qemu_pid: int | None
+    snapshot: bool = False
+
+
+def domain_template_path() -> Path:
+    env = os.environ.get("OSFARM_VM_IMAGES")
+    root = Path(env) if env else Path(__file__).resolve().parents[2] / "vm_images"
+    return root / "libvirt" / TEMPLATE_NAME
+
+
+def kernel_cmdline(token: str, spec: DesktopSpec) -> str:
+    """Kernel command line of a desktop VM: root disk, our init and the session's settings."""
+    return " ".join(
+        [
+            "root=/dev/vda", "rw", "rootfstype=ext4", "init=/sbin/osfarm-init",
+            "console=ttyS0", "quiet", "loglevel=3", "tsc=reliable", "no_timer_check",
+            "random.trust_cpu=on", "8250.nr_uarts=1", "mitigations=off",
+            f"osfarm.token={token}", f"osfarm.width={spec.width}", f"osfarm.height={spec.height}",
+            f"osfarm.depth={spec.depth}", f"osfarm.port={GUEST_PORT}",
+        ]
+    )  # fmt: skip
+
+
+def netdev_arg(host_port: int, private_network: bool) -> str:
+    """qemu user networking; the host forward is bound to loopback only. ``restrict=on`` cuts
+    the guest off from the host and the outside (the forward still works)."""
+    restrict = "on" if private_network else "off"
+    return f"user,id=osfarmnet0,restrict={restrict},hostfwd=tcp:127.0.0.1:{host_port}-:{GUEST_PORT}"
+
+
+def free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kvm_usable() -> str | None:
+    """None when /dev/kvm can run our VMs, else why not."""
+    if not os.path.exists("/dev/kvm"):
+        return "/dev/kvm does not exist (no hardware virtualisation, or the kvm module is not loaded)"
+    if os.path.isdir("/sys/module/kvm_pvm"):
+        # PVM (nested virtualisation without hardware support) only runs guest kernels built
+        # for it; a stock Debian kernel hangs right after its decompressor.
+        return "/dev/kvm is KVM-PVM, which boots only PVM guest kernels"
+    try:
+        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as e:
+        return f"/dev/kvm cannot be opened: {e.strerror} (add this user to the kvm group)"
+    os.close(fd)
+    return None
+
+
+def domain_name(state_dir: Path, desktop_id: str) -> str:
+    """Unique per farm state dir, so that two farms on one libvirtd never clash."""
+    digest = hashlib.sha256(str(state_dir).encode()).hexdigest()[:8]
+    return f"{DOMAIN_PREFIX}{digest}-{desktop_id}"
+
+
+def read_metadata(xml_text: str) -> dict[str, str] | None:
+    """Our metadata of a domain (from its XML), or None when it is not an osfarm domain."""
+    try:
+        root = ET.fromstring(xml_text)
+    except ET.ParseError:
+        return None
+    node = root.find(f"metadata/{{{METADATA_NS}}}desktop")
+    if node is None:
+        return None
+    return {child.tag.split("}", 1)[-1]: (child.text or "") for child in node}
+
+
+class LibvirtProvider:
+    """Provider protocol implementation with libvirt + qemu/KVM (see module doc)."""
+
+    name = "libvirt"
+
+    def __init__(self, settings: FarmSettings):
+        self.settings = settings
+        try:
+            import libvirt
+        except ImportError:
+            raise ProviderError(
+                "the libvirt Python binding is missing: apt-get install python3-libvirt and use a venv made "
+                "with --system-site-packages"
+            ) from None
+        self._lv = libvirt
+        # libvirt prints every error to stderr by default; ours are raised as exceptions.
+        libvirt.registerErrorHandler(lambda _ctx, _err: None, None)
+        self.image_dir = Path(settings.libvirt_image_dir or default_image_dir()).expanduser().absolute()
+        missing = missing_files(self.image_dir)
+        if missing:
+            raise ProviderError(
+                f"no VM base disk in {self.image_dir} (missing {', '.join(Path(m).name for m in missing)}): "
+                "build it with `sudo osfarm image build-vm` (or set OSFARM_LIBVIRT_IMAGE_DIR)"
+            )
+        self.files = disk_files(self.image_dir)
+        tpl = domain_template_path()
+        try:
+            self.template = Template(tpl.read_text())
+        except OSError as e:
+            raise ProviderError(f"domain template {tpl}: {e.strerror} (set OSFARM_VM_IMAGES to the vm_images dir)") from None
+        self.qemu_img = shutil.which("qemu-img")
+        if not self.qemu_img:
+            raise ProviderError("qemu-img not found: apt-get install qemu-utils")
+        self.state_dir = Path(settings.state_dir).expanduser().absolute()
+        self.root = self.state_dir / "libvirt"
+        self.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.root).free
+        if free < MIN_FREE_BYTES:
+            raise ProviderError(
+                f"only {free / 2**30:.1f} GiB free in {self.root}: desktop overlays need at least "
+                f"{MIN_FREE_BYTES / 2**30:.0f} GiB; free some space or set OSFARM_STATE_DIR elsewhere"
+            )
+        self._lock_fd = self._take_lock()
+        try:
+            self.conn = self._connect(settings.libvirt_uri)
+            self.domain_type = self._pick_accel()
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+        # Under TCG a desktop VM boots in minutes: the farm's start timeout (sized for boxes that
+        # start in seconds) would fail every start.
+        self.start_timeout_s = settings.start_timeout_s
+        if self.domain_type != "kvm" and self.start_timeout_s < TCG_MIN_START_TIMEOUT_S:
+            self.start_timeout_s = TCG_MIN_START_TIMEOUT_S
+        self._boxes: dict[str, _Box] = {}
+        self._closed = False
+
+    # -- setup ------------------------------------------------------------------------------
+
+    def _take_lock(self) -> int:
+        return take_farm_lock(self.state_dir / "libvirt.lock", f"state_dir {self.state_dir}",
+                              "stop it or set a different OSFARM_STATE_DIR")
+
+    def _connect(self, uri: str) -> Any:
+        try:
+            conn = self._lv.open(uri)
+        except self._lv.libvirtError as e:
+            raise ProviderError(
+                f"cannot connect to libvirt at {uri}: {e.get_error_message()}. Start the daemons "
+                "(`sudo bash scripts/setup-libvirt.sh`, or `systemctl start libvirtd virtlogd`) "
+                "or set OSFARM_LIBVIRT_URI"
+            ) from None
+        if conn is None:
+            raise ProviderError(f"cannot connect to libvirt at {uri}")
+        return conn
+
+    def _pick_accel(self) -> str:
+        forced = os.environ.get("OSFARM_LIBVIRT_ACCEL", "auto")
+        if forced not in ("auto", "kvm", "tcg"):
+            raise ProviderError(f"OSFARM_LIBVIRT_ACCEL={forced!r}: use auto, kvm or tcg")
+        if forced == "kvm":
+            return "kvm"
+        why = kvm_usable() if forced == "auto" else "OSFARM_LIBVIRT_ACCEL=tcg"
+        if why is None:
+            try:
+                self.conn.getDomainCapabilities(None, "x86_64", None, "kvm", 0)
+                return "kvm"
+            except self._lv.libvirtError as e:
+                why = f"libvirt cannot use KVM: {e.get_error_message()}"
+        log.warning("KVM is not usable (%s): desktop VMs run under TCG emulation, many times slower", why)
+        return "qemu"
+
+    # -- paths and XML ----------------------------------------------------------------------
+
+    def desktop_dir(self, desktop_id: str) -> Path:
+        return self.root / desktop_id
+
+    def _check_id(self, desktop_id: str) -> None:
+        if not desktop_id or len(desktop_id) > 12 or not all(c.isalnum() or c in "-_" for c in desktop_id):
+            raise ProviderError(f"bad desktop id {desktop_id!r}: use 1-12 letters, digits, '-' or '_'")
+
+    def domain_xml(self, desktop_id: str, spec: DesktopSpec, port: int, token: str) -> str:
+        ddir = self.desktop_dir(desktop_id)
+        if self.domain_type == "kvm":
+            # arch-capabilities off: nested KVM hosts often refuse its MSR (qemu aborts at start).
+            cpu = ("<cpu mode='host-passthrough' check='none' migratable='off'>"
+                   "<feature policy='disable' name='arch-capabilities'/></cpu>")
+        else:
+            # Every feature TCG can emulate: wheels such as numpy need at least x86-64-v2, which
+            # the default qemu64 model lacks (the session dies with SIGILL).
+            cpu = "<cpu mode='maximum' check='none'/>"
+        mac = "52:54:00:" + ":".join(f"{b:02x}" for b in secrets.token_bytes(3))
+        values = {
+            "domain_type": self.domain_type,
+            "name": domain_name(self.state_dir, desktop_id),
+            "metadata_ns": METADATA_NS,
+            "desktop_id": desktop_id,
+            "state_dir": str(self.state_dir),
+            "host_port": str(port),
+            "guest_port": str(GUEST_PORT),
+            "owner_pid": str(os.getpid()),
+            "memory_mb": str(self.settings.libvirt_memory_mb),
+            "vcpus": str(self.settings.libvirt_vcpus),
+            "kernel": str(self.files["kernel"]),
+            "initrd": str(self.files["initrd"]),
+            "cmdline": kernel_cmdline(token, spec),
+            "uid": str(os.getuid()),
+            "gid": str(os.getgid()),
+            "overlay": str(ddir / "disk.qcow2"),
+            "console_log": str(ddir / "console.log"),
+            "netdev": netdev_arg(port, spec.private_network),
+            "mac": mac,
+        }
+        escaped = {k: escape(v, {"'": "&apos;", '"': "&quot;"}) for k, v in values.items()}
+        escaped["cpu"] = cpu
+        return self.template.substitute(escaped)
+
+    # -- libvirt helpers (blocking: call through asyncio.to_thread) -------------------------
+
+    def _lookup(self, name: str) -> Any | None:
+        try:
+            return self.conn.lookupByName(name)
+        except self._lv.libvirtError as e:
+            if e.get_error_code() == self._lv.VIR_ERR_NO_DOMAIN:
+                return None
+            raise
+
+    def _destroy(self, name: str) -> None:
+        dom = self._lookup(name)
+        if dom is None:
+            return
+        with contextlib.suppress(self._lv.libvirtError):
+            dom.destroy()
+        # Persistent domains (defined by someone by hand) would stay listed: undefine them too.
+        with contextlib.suppress(self._lv.libvirtError):
+            if dom.isPersistent():
+                dom.undefineFlags(self._lv.VIR_DOMAIN_UNDEFINE_SNAPSHOTS_METADATA)
+
+    def _qemu_pid(self, name: str) -> int | None:
+        """qemu's pid, from libvirt's pid file (qemu:///system) or the process table."""
+        for path in (Path("/run/libvirt/qemu") / f"{name}.pid", Path.home() / f".cache/libvirt/qemu/run/{name}.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                return int(path.read_text().strip())
+        for p in psutil.process_iter(["name", "cmdline"]):
+            cmd = p.info["cmdline"] or []
+            if p.info["name"] and p.info["name"].startswith("qemu") and f"guest={name}," in " ".join(cmd):
+                return p.pid
+        return None
+
+    def _osfarm_domains(self) -> list[tuple[str, dict[str, str]]]:
+        out = []
+        for dom in self.conn.listAllDomains(0):
+            try:
+                meta = read_metadata(dom.XMLDesc(0))
+            except self._lv.libvirtError:
+                continue  # vanished meanwhile
+            if meta is not None:
+                out.append((dom.name(), meta))
+        return out
+
+    # -- protocol ---------------------------------------------------------------------------
+
+    async def reap_orphans(self) -> int:
+        """Destroy domains of this state dir that this provider did not start, and stale dirs."""
+        live_names = {b.name for b in self._boxes.values()}
+        domains = await asyncio.to_thread(self._osfarm_domains)
+        victims = [n for n, m in domains if m.get("state-dir") == str(self.state_dir) and n not in live_names]
+        for name in victims:
+            await asyncio.to_thread(self._destroy, name)
+        stale = 0
+        for d in self.root.iterdir() if self.root.exists() else ():
+            if d.is_dir() and d.name not in self._boxes:
+                await asyncio.to_thread(shutil.rmtree, d, True)
+                stale += 1
+        if victims or stale:
+            log.warning("reaped orphan VMs domains=%d stale_dirs=%d state_dir=%s", len(victims), stale, self.state_dir)
+        return len(victims)
+
+    async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
+        if self._closed:
+            raise ProviderError("libvirt provider is closed")
+        self._check_id(desktop_id)
+        if desktop_id in self._boxes:
+            old = self._boxes[desktop_id]
+            if await asyncio.to_thread(self._is_active, old.name):
+                raise ProviderError(f"desktop {desktop_id} is already running")
+            await self._kill(desktop_id)
+        t0 = time.monotonic()
+        box = await self._boot(desktop_id, spec)
+        handle = self._handle(desktop_id, spec, box)
+        try:
+            await self._wait_ready(handle, box, t0)
+            if self.settings.libvirt_reset == "snapshot":
+                t_snap = time.monotonic()
+                await asyncio.to_thread(self._take_snapshot, box.name)
+                box.snapshot = True
+                handle.info["snapshot_s"] = f"{time.monotonic() - t_snap:.3f}"
+        except BaseException as e:  # includes cancellation: never leave a half-started VM behind
+            await self._kill(desktop_id)
+            if isinstance(e, ProviderError):
+                raise
+            if isinstance(e, Exception):
+                raise ProviderError(f"desktop {desktop_id} failed to start: {e!r}") from e
+            raise
+        handle.info["start_s"] = f"{time.monotonic() - t0:.3f}"
+        log.info("vm ready id=%s domain=%s port=%d start_s=%s", desktop_id, box.name, box.port, handle.info["start_s"])
+        return handle
+
+    def _handle(self, desktop_id: str, spec: DesktopSpec, box: _Box) -> DesktopHandle:
+        ddir = self.desktop_dir(desktop_id)
+        return DesktopHandle(
+            id=desktop_id,
+            provider=self.name,
+            spec=spec,
+            endpoint=GuestEndpoint(base_url=f"http://127.0.0.1:{box.port}", token=box.token),
+            pid=box.qemu_pid,
+            info={"dir": str(ddir), "log": str(ddir / "console.log"), "domain": box.name, "image": str(self.files["base"]),
+                  "accel": self.domain_type, "reset": self.settings.libvirt_reset},
+        )  # fmt: skip
+
+    async def _fresh_overlay(self, ddir: Path) -> None:
+        """A new qcow2 overlay on the read-only base (old disk and log removed)."""
+        ddir.mkdir(parents=True, exist_ok=True)
+        for name in ("disk.qcow2", "console.log"):
+            (ddir / name).unlink(missing_ok=True)
+        proc = await asyncio.create_subprocess_exec(
+            self.qemu_img, "create", "-q", "-f", "qcow2", "-b", str(self.files["base"]), "-F", "qcow2",
+            str(ddir / "disk.qcow2"),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )  # fmt: skip
+        out, _ = await proc.communicate()
+        if proc.returncode != 0:
+            raise ProviderError(f"qemu-img create of the overlay in {ddir} failed: {out.decode(errors='replace').strip()}")
+
+    async def _boot(self, desktop_id: str, spec: DesktopSpec) -> _Box:
+        ddir = self.desktop_dir(desktop_id)
+        await self._fresh_overlay(ddir)
+        token = secrets.token_urlsafe(24)
+        name = domain_name(self.state_dir, desktop_id)
+        await asyncio.to_thread(self._destroy, name)  # a leftover of ours with the same name
+        last = ""
+        for _attempt in range(3):  # the free port may be taken between our probe and qemu's bind
+            port = free_loopback_port()
+            xml = self.domain_xml(desktop_id, spec, port, token)
+            try:
+                await asyncio.to_thread(self.conn.createXML, xml, 0)
+            except self._lv.libvirtError as e:
+                last = e.get_error_message()
+                if "hostfwd" in last or "Address already in use" in last or "Could not set up host forwarding" in last:
+                    continue
+                raise ProviderError(f"libvirt could not start desktop {desktop_id}: {last}") from None
+            box = _Box(name=name, port=port, token=token, qemu_pid=await asyncio.to_thread(self._qemu_pid, name))
+            self._boxes[desktop_id] = box
+            return box
+        raise ProviderError(f"libvirt could not start desktop {desktop_id}: {last}")
+
+    def _is_active(self, name: str) -> bool:
+        dom = self._lookup(name)
+        try:
+            return bool(dom is not None and dom.isActive())
+        except self._lv.libvirtError:
+            return False
+
+    async def _wait_ready(self, handle: DesktopHandle, box: _Box, t0: float) -> None:
+        deadline = t0 + self.start_timeout_s
+        last = "guest not answering yet"
+        n = 0
+        async with handle.endpoint.client(timeout=2.0) as client:
+            while True:
+                if time.monotonic() > deadline:
+                    raise ProviderError(
+                        f"desktop {handle.id} VM not ready after {self.start_timeout_s:g}s "
+                        f"(last: {last}); console {handle.info['log']}:\n{_tail(handle.info['log'])}"
+                    )
+                n += 1
+                if n % 10 == 0 and not self._qemu_running(box):
+                    raise ProviderError(
+                        f"desktop {handle.id}: the VM stopped before its guest was ready; "
+                        f"console {handle.info['log']}:\n{_tail(handle.info['log'])}"
+                    )
+                try:
+                    r = await client.get("/v1/health")
+                    if r.status_code == 200:
+                        return
+                    last = f"GET /v1/health -> {r.status_code} {r.text[:200]}"
+                except httpx.TransportError as e:
+                    last = f"GET /v1/health failed: {e!r}"
+                await asyncio.sleep(HEALTH_POLL_S)
+
+    def _qemu_running(self, box: _Box) -> bool:
+        if box.qemu_pid is None:
+            return self._is_active(box.name)
+        try:
+            p = psutil.Process(box.qemu_pid)
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def _take_snapshot(self, name: str) -> None:
+        """Internal snapshot with memory of the running, ready VM (stored in its overlay)."""
+        dom = self._lookup(name)
+        if dom is None:
+            raise ProviderError(f"domain {name} vanished before its snapshot")
+        xml = (
+            f"<domainsnapshot><name>{SNAPSHOT}</name><memory snapshot='internal'/>"
+            "<disks><disk name='vda' snapshot='internal'/></disks></domainsnapshot>"
+        )
+        try:
+            dom.snapshotCreateXML(xml, 0)
+        except self._lv.libvirtError as e:
+            raise ProviderError(f"snapshot of {name} failed: {e.get_error_message()}") from None
+
+    def _revert(self, name: str) -> str:
+        """Revert the running VM to its ``ready`` snapshot; returns how.
+
+        ``loadvm`` in the running qemu first: libvirt's own revert of an active domain stops
+        qemu and starts a new one with ``-loadvm`` (firmware, device setup and a fresh process
+        on every reset). libvirt's revert stays as the fallback.
+        """
+        dom = self._lookup(name)
+        if dom is None:
+            raise ProviderError(f"domain {name} is gone")
+        try:
+            import libvirt_qemu
+
+            out = libvirt_qemu.qemuMonitorCommand(
+                dom, f"loadvm {SNAPSHOT}", libvirt_qemu.VIR_DOMAIN_QEMU_MONITOR_COMMAND_HMP
+            )
+            if not out.strip():  # HMP answers errors as text, success as nothing
+                return "loadvm"
+            log.warning("loadvm in %s said %r: using libvirt's revert", name, out.strip()[:200])
+        except (ImportError, self._lv.libvirtError) as e:
+            log.warning("loadvm in %s failed (%s): using libvirt's revert", name, e)
+        snap = dom.snapshotLookupByName(SNAPSHOT, 0)
+        dom.revertToSnapshot(snap, self._lv.VIR_DOMAIN_SNAPSHOT_REVERT_RUNNING)
+        return "libvirt-revert"
+
+    def _sync_clock(self, name: str) -> str | None:
+        """Set the reverted guest's clock to now through the guest agent; None or why not."""
+        dom = self._lookup(name)
+        if dom is None:
+            return "domain is gone"
+        last = ""
+        for _ in range(60):  # the agent reconnects shortly after a revert
+            now = time.time()
+            try:
+                dom.setTime({"seconds": int(now), "nseconds": int((now % 1) * 1e9)}, 0)
+                return None
+            except self._lv.libvirtError as e:
+                last = e.get_error_message()
+                time.sleep(0.05)
+        return last
+
+    async def reset(self, handle: DesktopHandle) -> DesktopHandle:
+        box = self._boxes.get(handle.id)
+        if box is not None and box.snapshot and self._qemu_running(box):
+            t0 = time.monotonic()
+            try:
+                how = await asyncio.to_thread(self._revert, box.name)
+            except (self._lv.libvirtError, ProviderError) as e:
+                msg = e.get_error_message() if isinstance(e, self._lv.libvirtError) else str(e)
+                log.warning("snapshot revert of %s failed (%s): booting a fresh VM", handle.id, msg)
+            else:
+                # libvirt may respawn qemu to revert (when it finds the running config and the
+                # snapshot's not ABI-identical): track the current process.
+                pid = await asyncio.to_thread(self._qemu_pid, box.name)
+                respawned = pid != box.qemu_pid
+                box.qemu_pid = pid
+                why = await asyncio.to_thread(self._sync_clock, box.name)
+                if why:
+                    log.warning("guest clock of %s not set after revert: %s", handle.id, why)
+                new = self._handle(handle.id, handle.spec, box)
+                try:
+                    await self._wait_ready(new, box, t0)
+                except ProviderError as e:
+                    log.warning("desktop %s not ready after revert (%s): booting a fresh VM", handle.id, e)
+                else:
+                    new.info["start_s"] = f"{time.monotonic() - t0:.3f}"
+                    new.info["reset_via"] = "snapshot"
+                    new.info["qemu_respawned"] = str(respawned).lower()
+                    new.info["revert"] = how
+                    return new
+        await self._kill(handle.id)
+        return await self.start(handle.id, handle.spec)
+
+    async def _kill(self, desktop_id: str) -> None:
+        box = self._boxes.pop(desktop_id, None)
+        name = box.name if box else domain_name(self.state_dir, desktop_id)
+        await asyncio.to_thread(self._destroy, name)
+        if box is not None and box.qemu_pid is not None:
+            await _wait_gone(box.qemu_pid, 10.0)
+
+    async def stop(self, handle: DesktopHandle) -> None:
+        await self._kill(handle.id)
+        ddir = self.desktop_dir(handle.id)
+        if ddir.exists():
+            await asyncio.to_thread(shutil.rmtree, ddir, True)
+        log.info("vm stopped id=%s", handle.id)
+
+    async def alive(self, handle: DesktopHandle) -> str | None:
+        box = self._boxes.get(handle.id)
+        if box is None or box.port != _port_of(handle):
+            return "VM is not running (stopped or owned by another provider)"
+        if not self._qemu_running(box):
+            return f"VM stopped (the desktop session exited or qemu died): {_tail(handle.info.get('log', ''), 3)}"
+        return None
+
+    def pids(self, handle: DesktopHandle) -> list[int]:
+        box = self._boxes.get(handle.id)
+        if box is None or box.qemu_pid is None or not self._qemu_running(box):
+            return []
+        return [box.qemu_pid]
+
+    async def stop_all(self) -> None:
+        """Stop every VM this provider started (not part of the protocol: tests, shutdown)."""
+        for desktop_id in list(self._boxes):
+            await self._kill(desktop_id)
+            await asyncio.to_thread(shutil.rmtree, self.desktop_dir(desktop_id), True)
+
+    async def close(self) -> None:
+        """Release the libvirt connection and the state_dir lock. Running VMs are not stopped
+        (the pool does that); a later farm reaps them."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self.conn.close()
+        with contextlib.suppress(OSError):
+            os.close(self._lock_fd)
+
+
+def _port_of(handle: DesktopHandle) -> int:
+    return int(handle.endpoint.base_url.rsplit(":", 1)[-1])
+
+
+async def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+def _tail(path: str, lines: int = 30) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return "(no console log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty console log)"
+
+
+__all__ = ["LibvirtProvider", "domain_name", "kernel_cmdline", "netdev_arg", "read_metadata"]

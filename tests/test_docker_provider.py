@@ -1,0 +1,122 @@
+"""DockerProvider specifics (the shared behaviours are in test_provider_conformance.py): clear
+errors at construction, container replacement on reset, host networking, one farm per scope."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from docker_env import containers, docker_or_skip, ensure_images
+from osfarm.config import FarmSettings
+from osfarm.providers.base import DesktopSpec, ProviderError
+
+SPEC = DesktopSpec(width=800, height=600)
+# The first test to need the images builds them when missing (about 10-15 min on a fresh 2-core
+# machine; CI builds them before pytest with `osfarm image build`).
+pytestmark = pytest.mark.timeout(3600)
+
+
+@pytest.fixture
+def state_dir() -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="ofd", dir="/tmp") as d:
+        yield d
+
+
+def settings(state_dir: str, **kw: object) -> FarmSettings:
+    return FarmSettings(provider="docker", state_dir=state_dir, **kw)  # type: ignore[arg-type]
+
+
+def test_daemon_not_running_says_how_to_start_it(state_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from osfarm.providers.docker import DockerProvider
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{state_dir}/no-docker.sock")
+    with pytest.raises(ProviderError, match="not running.*setup-docker.sh"):
+        DockerProvider(settings(state_dir))
+
+
+def test_missing_image_says_osfarm_image_build(state_dir: str) -> None:
+    from osfarm.providers.docker import DockerProvider
+
+    docker_or_skip()
+    with pytest.raises(ProviderError, match=r"osfarm/nosuch:0 is missing.*osfarm image build"):
+        DockerProvider(settings(state_dir, docker_image="osfarm/nosuch:0"))
+
+
+def test_serve_refuses_to_start_without_the_image(state_dir: str) -> None:
+    docker_or_skip()
+    env = dict(os.environ, OSFARM_STATE_DIR=state_dir, OSFARM_DOCKER_IMAGE="osfarm/nosuch:0")
+    r = subprocess.run([sys.executable, "-m", "osfarm.cli", "serve", "--provider", "docker", "--port", "0"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert "osfarm image build" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+async def test_one_farm_per_shared_dir(state_dir: str) -> None:
+    from osfarm.providers.docker import DockerProvider
+
+    ensure_images("desktop")
+    first = DockerProvider(settings(state_dir))
+    try:
+        with pytest.raises(ProviderError, match="another osfarm process is using docker_shared_dir"):
+            DockerProvider(settings(state_dir))
+    finally:
+        await first.close()
+
+
+async def test_reset_replaces_the_container(state_dir: str) -> None:
+    from osfarm.providers.docker import DockerProvider
+
+    ensure_images("desktop")
+    p = DockerProvider(settings(state_dir, docker_memory="1g", docker_cpus=1.0))
+    h1 = await p.start("rep1", SPEC)
+    try:
+        attrs = p.client.api.inspect_container(h1.info["container"])
+        assert attrs["HostConfig"]["Init"] is True
+        assert attrs["HostConfig"]["Memory"] == 2**30 and attrs["HostConfig"]["NanoCpus"] == 10**9
+        assert attrs["HostConfig"]["NetworkMode"] == "none"
+        assert attrs["Config"]["Labels"]["org.osfarm.desktop"] == "rep1"
+        assert attrs["Config"]["Labels"]["org.osfarm.farm"] == p.farm_id
+        assert h1.endpoint.uds and Path(h1.endpoint.uds).exists()
+        h2 = await p.reset(h1)
+        assert h2.info["container"] != h1.info["container"]
+        assert await p.alive(h2) is None
+        assert await p.alive(h1) is not None  # the old handle is no longer the desktop's box
+        names = containers(f"org.osfarm.farm={p.farm_id}")
+        assert names == [h2.info["name"]], names
+        assert not Path(h1.info["dir"]).exists()
+        await p.stop(h2)
+        assert containers(f"org.osfarm.farm={p.farm_id}") == []
+        assert not (Path(p.shared_dir) / "rep1").exists()
+    finally:
+        await p.stop_all()
+        await p.close()
+
+
+async def test_host_network_guest_on_a_loopback_port(state_dir: str) -> None:
+    from osfarm.providers.docker import DockerProvider
+    from osfarm.tasks.controller import GuestController
+
+    ensure_images("desktop")
+    p = DockerProvider(settings(state_dir, docker_network="host"))
+    h = await p.start("host1", SPEC)
+    try:
+        assert h.endpoint.uds is None and h.endpoint.base_url.startswith("http://127.0.0.1:")
+        async with h.endpoint.client() as c:
+            r = await c.get("/v1/observation", params={"screenshot": "false"})
+            assert r.status_code == 200 and r.json()["screen"] == {"width": 800, "height": 600}, r.text
+        ctl = GuestController.from_endpoint(h.endpoint)
+        try:
+            out = await asyncio.to_thread(ctl.execute, ["bash", "-c", "id -un; echo $DISPLAY"])
+        finally:
+            ctl.close()
+        assert "user" in str(out), out
+    finally:
+        await p.stop(h)
+        await p.close()
