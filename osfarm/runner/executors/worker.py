@@ -1,0 +1,45 @@
+"""``osfarm worker``: a Celery worker that runs episodes on one farm (registered by osfarm/cli.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+
+def worker_command(
+    farm: Annotated[str, typer.Option("--farm", envvar="OSFARM_FARM_URL", help="URL of the farm this worker runs episodes on")],
+    token: Annotated[str, typer.Option("--token", envvar="OSFARM_TOKEN", help="the farm's token", show_default=False)],
+    broker: Annotated[str, typer.Option("--broker", envvar="OSFARM_BROKER", help="Redis URL: Celery broker, result backend, claims")] = "redis://127.0.0.1:6379/0",
+    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="episodes run at once (pool processes)")] = 1,
+    stream: Annotated[str, typer.Option("--stream", envvar="OSFARM_STREAM", help="Redis stream the records go to ('' for none)")] = "osfarm:episodes",
+    out: Annotated[Path | None, typer.Option("--out", envvar="OSFARM_WORKER_OUT", help="write task files under OUT/<run id> instead of the runner's run dir (no shared filesystem)", show_default=False)] = None,
+    name: Annotated[str | None, typer.Option("--name", help="worker name (default osfarm@<host>-<pid>)", show_default=False)] = None,
+    loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "info",
+) -> None:
+    """Run episodes queued by `osfarm eval --executor celery` on the farm at --farm."""
+    err = Console(stderr=True)
+    if not token:
+        err.print("[bold red]error:[/] --token (or OSFARM_TOKEN) is required: the farm's token")
+        raise typer.Exit(2)
+    if not broker.startswith(("redis://", "rediss://", "unix://")):
+        err.print(f"[bold red]error:[/] --broker must be a Redis URL (redis://host:port/db), got {broker!r}")
+        raise typer.Exit(2)
+    # the pool children read their settings from the environment (they are forked from here)
+    os.environ.update(OSFARM_FARM_URL=farm.rstrip("/"), OSFARM_TOKEN=token, OSFARM_BROKER=broker, OSFARM_STREAM=stream)
+    if out is not None:
+        os.environ["OSFARM_WORKER_OUT"] = str(out.resolve())
+    import logging
+
+    from osfarm.runner.executors.celery_app import QUEUE, make_app
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per farm request drowns the episode log
+
+    app = make_app(broker)
+    hostname = name or f"osfarm@{socket.gethostname()}-{os.getpid()}"
+    app.worker_main(["worker", f"--concurrency={concurrency}", "--pool=prefork", f"--loglevel={loglevel.upper()}",
+                     "-Q", QUEUE, "-n", hostname, "--without-gossip", "--without-mingle", "--without-heartbeat"])

@@ -1,0 +1,104 @@
+"""A real ``redis-server`` on a free loopback port, for tests (Debian package ``redis-server``).
+
+``RedisServer`` starts, stops (gracefully or with SIGKILL) and restarts the server on the same
+port and data dir; with ``aof=True`` every write is fsynced to the append-only file, so a
+restart (even after SIGKILL) loses nothing, as a production broker would be configured.
+``redis_session`` is a session-scoped pytest fixture (import ``redis_session_fixture`` into a test
+module to use it): one server for the tests that need one.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Self
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    def __init__(self, aof: bool = False, port: int | None = None, data_dir: Path | None = None):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        self.exe = exe
+        self.aof = aof
+        self.port = port or free_port()
+        self._own_dir = data_dir is None
+        self.dir = Path(data_dir or tempfile.mkdtemp(prefix="osfarm-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 20.0) -> Self:
+        args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                "--save", "", "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
+                "--logfile", str(self.dir / "redis.log")]
+        args += ["--appendonly", "yes", "--appendfsync", "always"] if self.aof else ["--appendonly", "no"]
+        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                                   f"{(self.dir / 'redis.log').read_text(errors='replace')[-2000:]}")
+            if self.ping():
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer within {timeout} s")
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def restart(self, kill: bool = True, down_s: float = 0.0) -> None:
+        """Stop (SIGKILL by default: a crash) and start again on the same port and data dir."""
+        self.stop(kill=kill)
+        time.sleep(down_s)
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@pytest.fixture(scope="session", name="redis_session")
+def redis_session_fixture() -> Iterator[RedisServer]:
+    with RedisServer() as server:
+        yield server

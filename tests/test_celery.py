@@ -1,0 +1,229 @@
+"""The Celery executor end to end: a real redis-server, real `osfarm worker` processes, a real
+farm of sandbox desktops, the replay agent on tasks/mini. Faults: a worker killed with SIGKILL
+mid-episode, Redis killed and restarted mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis_server import RedisServer
+from waiting import wait_until
+
+from osfarm.config import FarmSettings
+from osfarm.farm.api import FarmServer
+from osfarm.stream.jsonl import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "tasks" / "mini"
+N_TASKS = 3
+TIME_LIMIT_S = 40  # per episode; the hard limit is 70 s
+VISIBILITY_S = 75  # > the hard limit: a dead worker's episode is redelivered after this
+
+
+@pytest.fixture(scope="module")
+def farm() -> Iterator[FarmServer]:
+    with tempfile.TemporaryDirectory(prefix="osfc") as d:
+        settings = FarmSettings(pool_min=3, pool_max=3, width=800, height=600, state_dir=d, token="celery-token",
+                                private_network=True, lease_ttl_s=60)
+        server = FarmServer(settings)
+        server.start(timeout=180)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[RedisServer]:
+    # AOF with fsync on every write: a restarted broker keeps its queue, as a production one must
+    with RedisServer(aof=True) as server:
+        yield server
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OSFARM_CELERY_VISIBILITY_S": str(VISIBILITY_S), "OSFARM_CELERY_RESTORE_S": "1",
+            "PYTHONUNBUFFERED": "1"}
+
+
+class Workers:
+    def __init__(self, farm: FarmServer, broker: RedisServer, stream: str, logs: Path):
+        self.farm, self.broker, self.stream, self.logs = farm, broker, stream, logs
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, concurrency: int = 1) -> None:
+        log = (self.logs / f"{name}.log").open("wb")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "osfarm.cli", "worker", "--farm", self.farm.url, "--token", self.farm.token,
+             "--broker", self.broker.url, "--concurrency", str(concurrency), "--stream", self.stream,
+             "--name", f"{name}@test"],
+            cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_until(lambda: b" ready." in (self.logs / f"{name}.log").read_bytes(), 120, f"worker {name} ready")
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the worker and its pool children (its whole session): a lost machine."""
+        os.killpg(self.procs[name].pid, signal.SIGKILL)
+        self.procs[name].wait(10)
+
+    def stop_all(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+@pytest.fixture
+def workers(farm: FarmServer, broker: RedisServer, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Workers]:
+    w = Workers(farm, broker, f"test:{request.node.name}", tmp_path)
+    try:
+        yield w
+    finally:
+        w.stop_all()
+
+
+def eval_args(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "osfarm.cli", "eval", "--suite", str(SUITE), "--agent", "replay", "--out", str(out),
+            "--no-progress", "--time-limit", str(TIME_LIMIT_S), "--retries", "0", *extra]
+
+
+def run_eval(out: Path, *extra: str) -> dict:
+    r = subprocess.run(eval_args(out, *extra), cwd=ROOT, env=_env(), check=False, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads((out / "results.json").read_text())
+
+
+def stream_records(broker: RedisServer, stream: str, run_id: str) -> list[dict]:
+    r = redis.Redis.from_url(broker.url, decode_responses=True)
+    return [rec for _, f in r.xrange(stream) if (rec := json.loads(f["record"]))["run_id"] == run_id]
+
+
+def essentials(results: dict) -> list[tuple]:
+    return [(t["task_id"], t["domain"], t["status"], t["score"], t["steps"], t["attempts"]) for t in results["tasks"]]
+
+
+def check_one_record_per_task(out: Path, results: dict, broker: RedisServer, stream: str) -> None:
+    recs = list(read_jsonl(out / "episodes.jsonl"))
+    assert Counter(r["task_id"] for r in recs) == Counter(t["task_id"] for t in results["tasks"])
+    on_stream = stream_records(broker, stream, results["run_id"])
+    assert Counter(r["episode_id"] for r in on_stream) == Counter(r["episode_id"] for r in recs)  # once each
+
+
+@pytest.mark.timeout(600)
+def test_celery_gives_the_same_results_as_in_process(farm: FarmServer, broker: RedisServer, workers: Workers,
+                                                     tmp_path: Path) -> None:
+    # in process, also publishing to the stream (--stream-url)
+    local = run_eval(tmp_path / "local", "--url", farm.url, "--token", farm.token, "--envs", "2",
+                     "--stream-url", broker.url, "--stream", workers.stream)
+    workers.start("w1", concurrency=2)
+    remote = run_eval(tmp_path / "celery", "--executor", "celery", "--broker", broker.url)
+    assert remote["executor"] == "celery" and local["executor"] == "inprocess"
+    assert remote["max_concurrent"] == N_TASKS and local["max_concurrent"] == 2
+    assert essentials(remote) == essentials(local)
+    assert remote["success_rate"] == 1.0 and remote["n_tasks"] == N_TASKS
+    check_one_record_per_task(tmp_path / "local", local, broker, workers.stream)
+    check_one_record_per_task(tmp_path / "celery", remote, broker, workers.stream)
+    a = {r["task_id"]: r for r in read_jsonl(tmp_path / "local" / "episodes.jsonl")}
+    b = {r["task_id"]: r for r in read_jsonl(tmp_path / "celery" / "episodes.jsonl")}
+    for tid in a:
+        assert [s["actions"] for s in a[tid]["steps"]] == [s["actions"] for s in b[tid]["steps"]]
+        assert a[tid]["episode_id"] != b[tid]["episode_id"]  # different runs
+        for s in b[tid]["steps"]:  # the workers wrote the blobs into the run dir
+            assert (tmp_path / "celery" / s["observation"]["screenshot"]["path"]).is_file()
+    for t in remote["tasks"]:  # and OSWorld's per-task layout
+        assert (tmp_path / "celery" / t["domain"] / t["task_id"] / "result.txt").is_file()
+
+
+def _claims(broker: RedisServer) -> dict[str, str]:
+    r = redis.Redis.from_url(broker.url, decode_responses=True)
+    try:
+        return {k: r.get(k) or "" for k in r.scan_iter("osfarm:job:*:claim")}
+    except redis.ConnectionError:
+        return {}
+
+
+@pytest.mark.timeout(900)
+def test_a_worker_killed_mid_episode_its_episode_runs_again_elsewhere_once(
+        farm: FarmServer, broker: RedisServer, workers: Workers, tmp_path: Path) -> None:
+    workers.start("doomed", concurrency=1)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(eval_args(out, "--executor", "celery", "--broker", broker.url, "--max-concurrent", "3"),
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        claims = wait_until(lambda: {k: v for k, v in _claims(broker).items() if v.startswith("doomed@")}, 180,
+                            "the doomed worker to start an episode")
+        workers.kill("doomed")  # mid-episode: its claim is held, its message unacknowledged
+        workers.start("survivor", concurrency=1)
+        stdout, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stdout.decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    results = json.loads((out / "results.json").read_text())
+    assert results["n_tasks"] == N_TASKS and results["success_rate"] == 1.0, results["tasks"]
+    check_one_record_per_task(out, results, broker, workers.stream)
+    killed_task = next(iter(claims)).split(":")[3]
+    assert killed_task in workers.log("survivor")  # the survivor ran the killed worker's episode
+
+
+@pytest.mark.timeout(900)
+def test_redis_restarted_mid_run_workers_reconnect_and_no_episode_is_lost(
+        farm: FarmServer, broker: RedisServer, workers: Workers, tmp_path: Path) -> None:
+    workers.start("w1", concurrency=1)
+    workers.start("w2", concurrency=1)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(eval_args(out, "--executor", "celery", "--broker", broker.url, "--max-concurrent", "3"),
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_until(lambda: _claims(broker), 180, "an episode to start")
+        broker.restart(kill=True, down_s=3.0)  # a crash: SIGKILL, then back on the same port with its AOF
+        stdout, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stdout.decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    results = json.loads((out / "results.json").read_text())
+    assert results["n_tasks"] == N_TASKS and results["success_rate"] == 1.0, results["tasks"]
+    check_one_record_per_task(out, results, broker, workers.stream)
+    # both workers are still serving after the restart
+    assert all(p.poll() is None for p in workers.procs.values())
+
+
+def test_worker_and_executor_refuse_bad_settings(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "osfarm.cli", "worker", "--farm", "http://127.0.0.1:1", "--token", "t",
+                        "--broker", "amqp://x"], cwd=ROOT, check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--broker must be a Redis URL" in r.stderr and "Traceback" not in r.stderr
+    r = subprocess.run(eval_args(tmp_path / "x", "--executor", "celery", "--broker", "redis://127.0.0.1:1/0",
+                                 "--time-limit", "600"), cwd=ROOT, env=_env(), check=False, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "visibility timeout" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_time_limits_and_the_visibility_timeout_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    from osfarm.runner.executors.celery_app import hard_limit_s, soft_limit_s
+    from osfarm.runner.executors.celery_exec import CeleryExecutor
+
+    assert hard_limit_s(40, 0) == 70 and soft_limit_s(40, 0) == 55  # 40 x 1 attempt + 30 s; 15 s earlier
+    assert hard_limit_s(600, 2) == 1830  # every attempt may use its whole limit
+    monkeypatch.setenv("OSFARM_CELERY_VISIBILITY_S", "1830")
+    with pytest.raises(ValueError, match="visibility timeout is 1830 s"):
+        CeleryExecutor.check_limits(600, 2)
+    monkeypatch.setenv("OSFARM_CELERY_VISIBILITY_S", "1831")
+    CeleryExecutor.check_limits(600, 2)

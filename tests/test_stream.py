@@ -1,0 +1,241 @@
+"""Trajectory records, blobs, run-dir JSONL and Redis Streams (a real redis-server)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import pytest
+from redis_server import RedisServer, redis_session_fixture  # noqa: F401 - provides the redis_session fixture
+from typer.testing import CliRunner
+
+from osfarm.cli import app
+from osfarm.stream.blobs import BlobMissing, LocalBlobStore
+from osfarm.stream.jsonl import JsonlSink, read_jsonl
+from osfarm.stream.record import SCHEMA, SchemaError, check_record
+from osfarm.stream.redis_stream import (
+    RedisStreamSink,
+    RedisStreamSource,
+    backlog,
+    connect,
+    republish_spill,
+    stream_stats,
+    trim_consumed,
+)
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"pixels"
+
+
+def record(n: int = 1, blobs: LocalBlobStore | None = None, status: str = "success") -> dict:
+    shot = (blobs or LocalBlobStore(Path("/nonexistent"))).put(PNG + bytes([n % 256]), "png", "image/png") if blobs else {
+        "sha256": "a" * 64, "path": f"blobs/aa/{'a' * 64}.png", "media_type": "image/png", "size": 10}
+    return {
+        "schema": SCHEMA, "episode_id": f"ep-{n}", "run_id": "run-1", "task_id": f"task-{n}", "domain": "os",
+        "group_id": f"task-{n}", "attempt": 1, "agent": "replay",
+        "policy": {"name": "replay", "version_start": None, "version_end": None},
+        "desktop": {"provider": "sandbox", "image": None}, "status": status, "score": 1.0, "error": None,
+        "started_at": "2026-01-01T00:00:00.000+00:00", "finished_at": "2026-01-01T00:00:05.000+00:00",
+        "steps": [{"index": 1, "observation": {"screenshot": shot, "a11y": None},
+                   "model": {"request": None, "response_text": "x", "response_token_ids": [1, 2],
+                             "response_logprobs": [-0.1, -0.2], "policy_version": 3},
+                   "actions": ["pyautogui.click(1, 2)"], "action_error": None, "t_model_ms": 1.0, "t_env_ms": 2.0}],
+        "timings": {"lease": 0.1},  # an extra field: kept
+    }
+
+
+# ---- record -----------------------------------------------------------------------------------
+
+
+def test_a_valid_record_passes_unchanged_with_its_extra_fields() -> None:
+    rec = record()
+    assert check_record(rec) is rec and rec["timings"] == {"lease": 0.1}
+    assert check_record({**record(), "schema": "osfarm.episode/1.3"})  # a newer minor version is readable
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"schema": "osfarm.episode/2"}, "unsupported episode schema 'osfarm.episode/2'.*knows osfarm.episode/1"),
+    ({"schema": "something/1"}, "not an osfarm episode record"),
+    ({"status": "great"}, "field status"),
+    ({"attempt": 0}, "field attempt"),
+])
+def test_bad_records_are_refused_naming_the_field(change: dict, message: str) -> None:
+    with pytest.raises(SchemaError, match=message):
+        check_record({**record(), **change})
+
+
+def test_bad_step_fields_are_named_by_path() -> None:
+    rec = record()
+    rec["steps"][0]["observation"]["screenshot"]["sha256"] = "nope"
+    with pytest.raises(SchemaError, match=r"steps\.0\.observation\.screenshot\.sha256"):
+        check_record(rec)
+    rec = record()
+    del rec["steps"][0]["t_env_ms"]
+    with pytest.raises(SchemaError, match=r"missing fields \['steps.0.t_env_ms'\]"):
+        check_record(rec)
+    with pytest.raises(SchemaError, match="must be a JSON object"):
+        check_record([1])
+
+
+# ---- blobs ------------------------------------------------------------------------------------
+
+
+def test_blobs_are_content_addressed_and_verified(tmp_path: Path) -> None:
+    store = LocalBlobStore(tmp_path)
+    a = store.put(PNG, "png", "image/png")
+    b = store.put(PNG, "png", "image/png")
+    assert a == b and a["size"] == len(PNG) and a["path"] == f"blobs/{a['sha256'][:2]}/{a['sha256']}.png"
+    assert store.get(a) == PNG and store.has(a)
+    assert len(list((tmp_path / "blobs").rglob("*"))) == 2  # one folder, one file: no temp files left
+    (tmp_path / a["path"]).write_bytes(b"tampered")
+    with pytest.raises(BlobMissing, match="does not match its sha256"):
+        store.get(a)
+    with pytest.raises(BlobMissing, match="not found"):
+        store.get({**a, "path": "blobs/00/none.png"})
+    with pytest.raises(ValueError, match="without '..'"):
+        store.get({**a, "path": "../etc/passwd"})
+
+
+# ---- JSONL ------------------------------------------------------------------------------------
+
+
+def _append_many(path: str, start: int, n: int) -> None:
+    sink = JsonlSink(Path(path))
+    for i in range(start, start + n):
+        sink.publish(record(i))
+
+
+def test_jsonl_appends_from_several_processes_never_interleave(tmp_path: Path) -> None:
+    path = tmp_path / "episodes.jsonl"
+    ctx = multiprocessing.get_context("fork")
+    procs = [ctx.Process(target=_append_many, args=(str(path), k * 1000, 150)) for k in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    recs = list(read_jsonl(path))
+    assert len(recs) == 450 and len({r["episode_id"] for r in recs}) == 450
+
+
+def test_jsonl_reader_names_the_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "episodes.jsonl"
+    JsonlSink(path).publish(record(1))
+    with path.open("a") as f:
+        f.write(json.dumps({**record(2), "schema": "osfarm.episode/9"}) + "\n")
+    with pytest.raises(SchemaError, match=r"episodes.jsonl:2: unsupported episode schema"):
+        list(read_jsonl(path))
+
+
+# ---- Redis Streams ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def stream(redis_session: RedisServer, request: pytest.FixtureRequest) -> str:
+    name = f"test:{request.node.name}"
+    r = connect(redis_session.url)
+    r.delete(name)
+    for k in r.scan_iter(f"{name}:published:*"):
+        r.delete(k)
+    return name
+
+
+def test_an_episode_is_published_once_and_consumed_with_ack(redis_session: RedisServer, stream: str) -> None:
+    sink = RedisStreamSink(redis_session.url, stream)
+    src = RedisStreamSource(redis_session.url, stream, group="trainer", consumer="c1")
+    first = sink.publish(record(1))
+    again = sink.publish(record(1))  # a redelivered episode
+    assert first.status == "published" and again.status == "duplicate" and again.entry_id == first.entry_id
+    sink.publish(record(2))
+    got = src.read(count=10, block_ms=100)
+    assert [e.record["episode_id"] for e in got] == ["ep-1", "ep-2"]
+    assert backlog(src.r, stream) == 2  # read but not acknowledged still counts
+    assert src.ack(got[0].id) == 1
+    assert backlog(src.r, stream) == 1
+    assert trim_consumed(src.r, stream) == 1  # only the acknowledged entry goes
+    assert src.r.xlen(stream) == 1 and src.pending_mine()[0].record["episode_id"] == "ep-2"
+
+
+def test_entries_of_a_dead_consumer_are_claimed(redis_session: RedisServer, stream: str) -> None:
+    sink = RedisStreamSink(redis_session.url, stream)
+    for i in range(3):
+        sink.publish(record(i))
+    dead = RedisStreamSource(redis_session.url, stream, group="g", consumer="dead")
+    assert len(dead.read(count=2, block_ms=100)) == 2  # then it "dies" without acking
+    alive = RedisStreamSource(redis_session.url, stream, group="g", consumer="alive")
+    assert alive.claim_stale(min_idle_ms=60_000) == []  # not idle long enough yet
+    time.sleep(0.3)
+    assert [e.record["episode_id"] for e in alive.read(count=10, block_ms=100)] == ["ep-2"]
+    claimed = alive.claim_stale(min_idle_ms=200)
+    assert sorted(e.record["episode_id"] for e in claimed) == ["ep-0", "ep-1"]
+    alive.ack(*(e.id for e in claimed))
+    assert alive.forget_idle_consumers(min_idle_ms=0) == ["dead"]
+    st = stream_stats(alive.r, stream)
+    g = st["groups"][0]
+    assert st["length"] == 3 and g["pending"] == 1 and g["lag"] == 0 and [c["name"] for c in g["consumers"]] == ["alive"]
+
+
+def test_a_full_stream_makes_the_producer_wait_then_spill_never_drop(redis_session: RedisServer, stream: str,
+                                                                      tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    spill = tmp_path / "spill.jsonl"
+    sink = RedisStreamSink(redis_session.url, stream, max_backlog=2, wait_s=0.5, poll_s=0.05, spill=spill)
+    src = RedisStreamSource(redis_session.url, stream, group="slow", consumer="c")
+    assert [sink.publish(record(i)).status for i in range(2)] == ["published", "published"]
+    with caplog.at_level("WARNING", logger="osfarm.stream"):
+        res = sink.publish(record(2))
+    assert res.status == "spilled" and res.spill_path == spill
+    assert "spilled to" in caplog.text and "osfarm stream republish" in caplog.text
+    assert [r["episode_id"] for r in read_jsonl(spill)] == ["ep-2"]
+    assert sink.publish(record(3)).status == "spilled"
+    # republish: nothing fits yet, so both stay
+    assert republish_spill(sink, spill) == {"published": 0, "duplicate": 0, "kept": 2}
+    src.ack(*(e.id for e in src.read(count=10, block_ms=100)))  # the consumer catches up
+    assert republish_spill(sink, spill) == {"published": 2, "duplicate": 0, "kept": 0}
+    assert spill.read_text() == ""
+    assert [e.record["episode_id"] for e in src.read(count=10, block_ms=100)] == ["ep-2", "ep-3"]
+
+
+def test_a_waiting_producer_publishes_once_the_consumer_acks(redis_session: RedisServer, stream: str, tmp_path: Path) -> None:
+    import threading
+
+    sink = RedisStreamSink(redis_session.url, stream, max_backlog=1, wait_s=30, poll_s=0.05, spill=tmp_path / "s.jsonl")
+    src = RedisStreamSource(redis_session.url, stream, group="g", consumer="c")
+    sink.publish(record(1))
+    got = src.read(count=1, block_ms=100)
+
+    def ack_later() -> None:
+        time.sleep(0.5)
+        src.ack(got[0].id)
+
+    t = threading.Thread(target=ack_later)
+    t.start()
+    assert sink.publish(record(2)).status == "published"  # waited for room, did not spill
+    t.join()
+    assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_stream_cli_stats_tail_and_errors(redis_session: RedisServer, stream: str, tmp_path: Path) -> None:
+    sink = RedisStreamSink(redis_session.url, stream)
+    for i in range(3):
+        sink.publish(record(i, status="failure" if i == 1 else "success"))
+    RedisStreamSource(redis_session.url, stream, group="trainer", consumer="c").read(count=1, block_ms=100)
+    runner = CliRunner()
+    r = runner.invoke(app, ["stream", "stats", "--redis", redis_session.url, "--stream", stream, "--json"])
+    assert r.exit_code == 0, r.output
+    st = json.loads(r.output)
+    assert st["length"] == 3 and st["backlog"] == 3
+    assert st["groups"][0]["pending"] == 1 and st["groups"][0]["lag"] == 2
+    r = runner.invoke(app, ["stream", "stats", "--redis", redis_session.url, "--stream", stream])
+    assert r.exit_code == 0 and "length 3" in r.output and "trainer" in r.output
+    r = runner.invoke(app, ["stream", "tail", "--redis", redis_session.url, "--stream", stream, "-n", "2"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 2 and "failure" in lines[0] and "task-1" in lines[0] and "task-2" in lines[1]
+    path = tmp_path / "episodes.jsonl"
+    JsonlSink(path).publish(record(7))
+    r = runner.invoke(app, ["stream", "tail", "--file", str(path), "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["episode_id"] == "ep-7"
+    r = runner.invoke(app, ["stream", "stats", "--redis", "redis://127.0.0.1:1/0"])
+    assert r.exit_code == 1 and "cannot reach Redis" in r.output and "Traceback" not in r.output
+    r = runner.invoke(app, ["stream", "republish", str(tmp_path / "none.jsonl"), "--redis", redis_session.url])
+    assert r.exit_code == 1 and "no such file" in " ".join(r.output.split())
