@@ -16,11 +16,13 @@ from osfarm.agents.base import (
 )
 from osfarm.agents.replay import ReplayAgent
 from osfarm.agents.trivial import FailAgent, NoopAgent
+from osfarm.agents.vlm import VLMAgent
 
 AGENTS: dict[str, Callable[..., Agent]] = {
     "noop": NoopAgent,
     "fail": FailAgent,
     "replay": ReplayAgent,
+    "vlm": VLMAgent,
 }
 # Names reserved for agents that are planned but not written yet.
 PLANNED: dict[str, str] = {}
@@ -50,6 +52,7 @@ __all__ = [
     "NoopAgent",
     "ReplayAgent",
     "UnknownAgent",
+    "VLMAgent",
     "make_agent",
     "special",
     "special_action",

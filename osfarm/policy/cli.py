@@ -1,0 +1,113 @@
+"""``osfarm policy``: serve a policy over the OpenAI chat API, build the tiny test model.
+
+torch and transformers load only when a command runs (the rest of the CLI stays fast).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+policy_app = typer.Typer(
+    help="CPU policy server (OpenAI-compatible chat completions with token ids, log-probs, policy versions).",
+    no_args_is_help=True,
+)
+err = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+@policy_app.command("serve")
+def serve(
+    model: Annotated[str, typer.Option("--model", envvar="OSFARM_POLICY_MODEL", help="a local HF model dir, or 'tiny'")],
+    host: Annotated[str, typer.Option("--host", envvar="OSFARM_POLICY_HOST")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", envvar="OSFARM_POLICY_PORT")] = 8000,
+    served_model_name: Annotated[
+        str | None, typer.Option("--served-model-name", help="name clients send as `model` (default: 'tiny' or the dir name)")
+    ] = None,
+    tokenizer: Annotated[
+        Path | None, typer.Option("--tokenizer", help="dir with the tokenizer and image processor (default: --model)")
+    ] = None,
+    version: Annotated[int, typer.Option("--version", help="policy version of the initial weights")] = 0,
+    delay_ms: Annotated[float, typer.Option("--delay-ms", help="artificial latency per request, mean (ms)")] = 0.0,
+    delay_sigma: Annotated[float, typer.Option("--delay-sigma", help="lognormal sigma of the latency (0 = fixed)")] = 0.0,
+    delay_seed: Annotated[int | None, typer.Option("--delay-seed", help="seed of the latency sampler")] = None,
+    logprobs_mode: Annotated[
+        str, typer.Option("--logprobs-mode", help="processed: of the sampling distribution; raw: of the model (docs/policy.md)")
+    ] = "processed",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="context limit (prompt + max_tokens)")] = None,
+    threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice)")] = None,
+    allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow binding a non-loopback address")] = False,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Serve a transformers VLM on the CPU behind /v1/chat/completions (OpenAPI at /docs)."""
+    from osfarm.desktop.session import is_loopback_host
+
+    if not is_loopback_host(host) and not allow_remote:
+        raise _fail(f"--host {host}: bind a loopback address, or pass --allow-remote if the network is trusted")
+    if logprobs_mode not in ("processed", "raw"):
+        raise _fail(f"--logprobs-mode {logprobs_mode}: expected processed or raw")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise _fail(f"--dtype {dtype}: expected float32, bfloat16 or float16")
+    if tokenizer is not None and not (tokenizer / "tokenizer_config.json").is_file():
+        raise _fail(f"--tokenizer {tokenizer}: no tokenizer_config.json there")
+    if delay_ms < 0 or delay_sigma < 0:
+        raise _fail("--delay-ms and --delay-sigma must be >= 0")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from osfarm.policy.engine import PolicyEngine, resolve_model_path
+    from osfarm.policy.sampling import LatencyModel
+    from osfarm.policy.server import create_app
+
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    with err.status(f"loading {model} ..."):
+        try:
+            path = resolve_model_path(model)
+        except FileNotFoundError as e:
+            raise _fail(str(e)) from None
+        name = served_model_name or ("tiny" if model == "tiny" else Path(model).name)
+        try:
+            engine = PolicyEngine(
+                path,
+                served_name=name,
+                version=version,
+                logprobs_mode=logprobs_mode,  # type: ignore[arg-type]
+                dtype=dtype,
+                max_model_len=max_model_len,
+                processor_path=tokenizer,
+            )
+        except (OSError, ValueError) as e:
+            hint = "" if tokenizer else " (a bare checkpoint? pass --tokenizer DIR of the base model)"
+            raise _fail(f"--model {model}: cannot load: {e}{hint}") from None
+    latency = LatencyModel(delay_ms, delay_sigma, delay_seed) if delay_ms > 0 else None
+    err.print(f"serving [bold]{name}[/] (version {version}, {path}) on http://{host}:{port}", highlight=False)
+    uvicorn.run(create_app(engine, latency), host=host, port=port, log_level=log_level.lower())
+
+
+@policy_app.command("build-tiny")
+def build_tiny(
+    out: Annotated[Path | None, typer.Option("--out", help="write here (default: the shared cache dir)")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    """Build the tiny random Qwen2-VL model (no download) and print its directory."""
+    from osfarm.policy.tiny import build_tiny_model, tiny_model_dir
+
+    with err.status("building the tiny model ..."):
+        path = build_tiny_model(out, seed=seed) if out else tiny_model_dir(seed=seed)
+    print(path)
+
+
+__all__ = ["policy_app"]

@@ -1,0 +1,283 @@
+"""The policy engine: a transformers VLM on the CPU, its policy version, generation, reloads.
+
+Generation is blocking and runs on the server's single generation thread (one request at a
+time: seeds are reproducible and the model's mRoPE state is per call). A reload builds the new
+weights next to the old ones and then swaps one reference, so a request that already started
+finishes on the weights (and reports the version) it started with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from osfarm.policy.processing import encode_chat, load_processor
+from osfarm.policy.sampling import LogprobsMode, SamplingParams, cut_at_stop, finite_logprob, sequence_end
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine refuses; ``field`` names the offending request field (JSON path)."""
+
+    def __init__(self, field: str, message: str, status: int = 400):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+        self.status = status
+
+
+@dataclass(frozen=True)
+class LoadedPolicy:
+    model: Any
+    version: int
+    source: str
+    loaded_at: float
+
+
+@dataclass
+class Choice:
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length"
+    logprobs: list[float] | None  # one per token id
+    top_logprobs: list[list[tuple[int, float]]] | None  # per token: (token id, logprob), best first
+
+
+@dataclass
+class Generation:
+    policy_version: int
+    prompt_token_ids: list[int]
+    choices: list[Choice]
+    t_generate_s: float
+
+
+def resolve_model_path(model: str) -> Path:
+    """``tiny`` -> the cached tiny model (built on first use); anything else must be a local dir."""
+    if model == "tiny":
+        from osfarm.policy.tiny import tiny_model_dir
+
+        return tiny_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"--model {model}: not a model directory (no config.json); use a local HF dir or 'tiny'")
+    return path
+
+
+def _model_class(path: Path):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type == "qwen2_vl":
+        from transformers import Qwen2VLForConditionalGeneration
+
+        return Qwen2VLForConditionalGeneration
+    return AutoModelForImageTextToText
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class PolicyEngine:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        served_name: str,
+        version: int = 0,
+        logprobs_mode: LogprobsMode = "processed",
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        processor_path: Path | None = None,
+    ):
+        self.model_path = Path(model_path)
+        self.served_name = served_name
+        self.logprobs_mode = logprobs_mode
+        self.dtype = dtype
+        # tokenizer + image processor: from the model dir unless given (a bare checkpoint has none)
+        self.processor = load_processor(Path(processor_path) if processor_path else self.model_path)
+        self.tokenizer = self.processor.tokenizer
+        model = self._load_full(self.model_path)
+        text_config = model.config.get_text_config()
+        self.max_model_len = max_model_len or int(getattr(text_config, "max_position_embeddings", 32768))
+        self.vocab_size = int(text_config.vocab_size)
+        self.eos_ids = self._stop_token_ids(model)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.current = LoadedPolicy(model, version, str(self.model_path), time.time())
+        self._reload_lock = threading.Lock()
+        self.reloading = False
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def _load_full(self, path: Path):
+        model = _model_class(path).from_pretrained(path, dtype=_torch_dtype(self.dtype))
+        return model.eval()
+
+    def _stop_token_ids(self, model) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(model.generation_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        for tok in ("<|im_end|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id:
+                ids.add(tid)
+        return ids
+
+    def _load_checkpoint(self, path: Path):
+        """A HF model dir, a PEFT (LoRA) adapter dir, or a safetensors state dict (file or dir)."""
+        if not path.exists():
+            raise RequestError("path", f"{path} does not exist")
+        if path.is_dir() and (path / "config.json").is_file():
+            model = self._load_full(path)
+        elif path.is_dir() and (path / "adapter_config.json").is_file():
+            model = self._load_lora(path)
+        else:
+            files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+            if not files or any(f.suffix != ".safetensors" for f in files):
+                raise RequestError(
+                    "path",
+                    f"{path}: expected a HF model dir (config.json), a LoRA adapter dir (adapter_config.json) "
+                    "or safetensors weights",
+                )
+            model = self._load_state_dict(files)
+        vocab = int(model.config.get_text_config().vocab_size)
+        if vocab != self.vocab_size:
+            raise RequestError("path", f"{path}: vocab size {vocab} differs from the served model's {self.vocab_size}")
+        return model
+
+    def _load_state_dict(self, files: list[Path]):
+        from safetensors.torch import load_file
+
+        state: dict[str, Any] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        model = self._load_full(self.model_path)
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or len(missing) == len(model.state_dict()):
+            raise RequestError(
+                "path",
+                f"the safetensors weights do not fit the model ({len(unexpected)} unexpected keys, e.g. "
+                f"{sorted(unexpected)[:3]}; {len(missing)} missing)",
+            )
+        return model
+
+    def _load_lora(self, path: Path):
+        try:
+            from peft import PeftModel
+        except ImportError:
+            raise RequestError("path", "a LoRA adapter needs the peft package (pip install peft)") from None
+        base = self._load_full(self.model_path)
+        return PeftModel.from_pretrained(base, str(path)).merge_and_unload().eval()
+
+    def reload(self, path: Path, version: int, force: bool = False) -> LoadedPolicy:
+        """Load new weights and make them current (blocking; call from a thread)."""
+        with self._reload_lock:
+            old = self.current
+            if version < old.version and not force:
+                raise RequestError(
+                    "version", f"{version} is older than the served version {old.version} (send force=true to roll back)", 409
+                )
+            self.reloading = True
+            try:
+                model = self._load_checkpoint(Path(path))
+            finally:
+                self.reloading = False
+            new = LoadedPolicy(model, version, str(path), time.time())
+            self.current = new  # one reference swap: requests in flight keep `old`
+            log.info("policy version %d -> %d from %s", old.version, version, path)
+            return new
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, messages: list[dict[str, Any]], params: SamplingParams) -> Generation:
+        """Messages are OpenAI chat messages (plain dicts); raises MessageError / RequestError."""
+        import torch
+
+        policy = self.current  # the weights this request runs on, whatever reloads happen meanwhile
+        inputs = encode_chat(self.processor, messages)
+        prompt_ids = inputs["input_ids"][0].tolist()
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                "max_tokens",
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                f"context of {self.max_model_len} tokens",
+            )
+        t0 = time.perf_counter()
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        else:  # fresh entropy: an earlier seeded request must not make later unseeded ones predictable
+            torch.seed()
+        # Greedy decoding gives n identical sequences: decode once (transformers refuses n > 1 there).
+        n_runs = 1 if params.greedy else params.n
+        kwargs: dict[str, Any] = {}
+        if params.stop:
+            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        with torch.inference_mode():
+            out = policy.model.generate(
+                **inputs,
+                **kwargs,
+                max_new_tokens=params.max_tokens,
+                do_sample=not params.greedy,
+                # Explicit neutral values: a model's generation_config.json (e.g. Qwen's top_k=1,
+                # repetition_penalty=1.05) must not change what the request asked for.
+                temperature=1.0 if params.greedy else params.temperature,
+                top_p=1.0 if params.greedy else params.top_p,
+                top_k=0 if params.greedy else params.top_k,
+                repetition_penalty=1.0,
+                num_return_sequences=n_runs,
+                eos_token_id=sorted(self.eos_ids),
+                pad_token_id=self.pad_id,
+                return_dict_in_generate=True,
+                output_scores=self.logprobs_mode == "processed",
+                output_logits=self.logprobs_mode == "raw",
+            )
+        steps = out.scores if self.logprobs_mode == "processed" else out.logits
+        generated = out.sequences[:, len(prompt_ids) :]
+        choices = [self._choice(i, generated[i % n_runs].tolist(), steps, params, i % n_runs) for i in range(params.n)]
+        return Generation(policy.version, prompt_ids, choices, time.perf_counter() - t0)
+
+    def _choice(self, index: int, ids: list[int], steps, params: SamplingParams, row: int) -> Choice:
+        """Choice ``index`` from row ``row`` of the generated batch (and of the per-step scores)."""
+        import torch
+
+        if params.stop:  # a stop string ends the sequence where it first appears (padding follows)
+            ids = ids[: self._stop_string_end(ids, params.stop)]
+        length, stopped = sequence_end(ids, self.eos_ids)
+        ids = ids[:length]
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        if params.stop:
+            text, hit = cut_at_stop(text, params.stop)
+            stopped = stopped or hit
+        logprobs = tops = None
+        if params.logprobs or params.top_logprobs:
+            logprobs, tops = [], []
+            for t, tok in enumerate(ids):
+                lp = torch.log_softmax(steps[t][row].float(), dim=-1)
+                logprobs.append(finite_logprob(float(lp[tok])))
+                if params.top_logprobs:
+                    vals, idx = torch.topk(lp, k=min(params.top_logprobs, lp.shape[-1]))
+                    tops.append([(int(i), finite_logprob(float(v))) for v, i in zip(vals, idx)])
+                else:
+                    tops.append([])
+        return Choice(index, ids, text, "stop" if stopped else "length", logprobs, tops)
+
+    def _stop_string_end(self, ids: list[int], stop: tuple[str, ...]) -> int:
+        for k in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            if any(s and s in text for s in stop):
+                return k
+        return len(ids)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

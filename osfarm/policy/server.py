@@ -1,0 +1,266 @@
+"""The policy server: FastAPI app over a PolicyEngine.
+
+Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/weights/reload``,
+``GET /health``, ``GET /metrics`` (Prometheus), OpenAPI at ``/docs``. Generation runs on one
+dedicated thread (requests queue for it; the event loop never blocks); a reload loads in
+another thread and swaps the weights between requests. Every response carries the policy
+version (JSON ``policy_version`` and the ``X-Policy-Version`` header).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from osfarm.policy.engine import Generation, PolicyEngine, RequestError
+from osfarm.policy.processing import MessageError
+from osfarm.policy.sampling import LatencyModel, SamplingParams
+from osfarm.policy.schemas import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChoiceLogprobs,
+    Health,
+    ModelCard,
+    ModelList,
+    ReloadRequest,
+    ReloadResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    error_body,
+)
+
+DEFAULT_MAX_TOKENS = 256
+VERSION_HEADER = "X-Policy-Version"
+log = logging.getLogger(__name__)
+
+
+class PolicyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("osfarm_policy_requests", "HTTP requests", ["route", "status"], registry=r)
+        self.queue_s = Histogram(
+            "osfarm_policy_queue_seconds", "wait for the generation thread", registry=r,
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60),
+        )
+        self.generate_s = Histogram(
+            "osfarm_policy_generate_seconds", "generation time per request", registry=r,
+            buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+        )
+        self.delay_s = Histogram("osfarm_policy_artificial_delay_seconds", "added latency (--delay-ms)", registry=r)
+        self.prompt_tokens = Counter("osfarm_policy_prompt_tokens", "prompt tokens", registry=r)
+        self.completion_tokens = Counter("osfarm_policy_completion_tokens", "generated tokens", registry=r)
+        self.inflight = Gauge("osfarm_policy_inflight_requests", "chat requests being served", registry=r)
+        self.version = Gauge("osfarm_policy_version", "served policy version", registry=r)
+        self.reloads = Counter("osfarm_policy_reloads", "weight reloads", ["result"], registry=r)
+        self.reload_s = Histogram("osfarm_policy_reload_seconds", "weight reload time", registry=r)
+
+
+def _error(status: int, message: str, param: str | None, version: int | None = None, detail=None) -> JSONResponse:
+    headers = {VERSION_HEADER: str(version)} if version is not None else None
+    return JSONResponse(error_body(message, param, status, detail), status_code=status, headers=headers)
+
+
+def _loc(loc: tuple) -> str:
+    """pydantic's error location -> a JSON path (``messages[0].content``), without the 'body' prefix
+    and without the names pydantic gives union members (``str``, ``list[...]``)."""
+    out = ""
+    for part in loc:
+        if part == "body" and not out:
+            continue
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _UNION_TAGS:
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
+def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> FastAPI:
+    gen_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-generate")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        gen_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(
+        lifespan=lifespan,
+        title="osfarm policy server",
+        description="OpenAI-compatible chat completions (a subset) on a transformers VLM, with policy versions.",
+        version="1",
+    )
+    metrics = PolicyMetrics()
+    metrics.version.set(engine.current.version)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        parts = []
+        for e in errors[:5]:
+            parts.append(f"{_loc(tuple(e.get('loc', ())))}: {e.get('msg')}")
+        param = _loc(tuple(errors[0].get("loc", ()))) if errors else None
+        metrics.requests.labels(request.url.path, "400").inc()
+        detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in errors]
+        return _error(400, "; ".join(parts), param, engine.current.version, detail)
+
+    @app.get("/health", response_model=Health)
+    async def health(response: Response) -> Health:
+        response.headers[VERSION_HEADER] = str(engine.current.version)
+        return Health(model=engine.served_name, policy_version=engine.current.version, reloading=engine.reloading)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(response: Response) -> ModelList:
+        policy = engine.current
+        response.headers[VERSION_HEADER] = str(policy.version)
+        card = ModelCard(
+            id=engine.served_name,
+            created=int(policy.loaded_at),
+            root=policy.source,
+            max_model_len=engine.max_model_len,
+            policy_version=policy.version,
+        )
+        return ModelList(data=[card])
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(req: ChatCompletionRequest):
+        route = "/v1/chat/completions"
+        if req.model != engine.served_name:
+            metrics.requests.labels(route, "404").inc()
+            return _error(
+                404, f"model: the model `{req.model}` does not exist; this server serves `{engine.served_name}`",
+                "model", engine.current.version,
+            )
+        params = SamplingParams(
+            max_tokens=req.max_tokens or req.max_completion_tokens or DEFAULT_MAX_TOKENS,
+            n=req.n,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            seed=req.seed,
+            logprobs=req.logprobs,
+            top_logprobs=req.top_logprobs or 0,
+            stop=tuple(req.stop or ()),
+        )
+        messages = [m.model_dump() for m in req.messages]
+        metrics.inflight.inc()
+        try:
+            if latency is not None:
+                delay = latency.sample_ms() / 1000.0
+                metrics.delay_s.observe(delay)
+                await asyncio.sleep(delay)  # outside the generation thread: delays overlap like a batched GPU server
+            queued = time.perf_counter()
+
+            def job() -> Generation:
+                metrics.queue_s.observe(time.perf_counter() - queued)
+                return engine.generate(messages, params)
+
+            result = await asyncio.get_running_loop().run_in_executor(gen_pool, job)
+        except MessageError as e:
+            metrics.requests.labels(route, "400").inc()
+            return _error(400, str(e), e.field, engine.current.version)
+        except RequestError as e:
+            metrics.requests.labels(route, str(e.status)).inc()
+            return _error(e.status, str(e), e.field, engine.current.version)
+        except Exception as e:  # one failed generation must not look like a crash to the agent
+            log.exception("generation failed")
+            metrics.requests.labels(route, "500").inc()
+            return _error(500, f"generation failed: {type(e).__name__}: {e}", None, engine.current.version)
+        finally:
+            metrics.inflight.dec()
+        metrics.generate_s.observe(result.t_generate_s)
+        metrics.prompt_tokens.inc(len(result.prompt_token_ids))
+        completion_tokens = sum(len(c.token_ids) for c in result.choices)
+        metrics.completion_tokens.inc(completion_tokens)
+        metrics.requests.labels(route, "200").inc()
+        body = ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=engine.served_name,
+            choices=[_choice(engine, c, req) for c in result.choices],
+            usage=Usage(
+                prompt_tokens=len(result.prompt_token_ids),
+                completion_tokens=completion_tokens,
+                total_tokens=len(result.prompt_token_ids) + completion_tokens,
+            ),
+            policy_version=result.policy_version,
+            logprobs_mode=engine.logprobs_mode,
+            prompt_token_ids=result.prompt_token_ids if req.return_token_ids else None,
+        )
+        return JSONResponse(
+            body.model_dump(exclude_none=True), headers={VERSION_HEADER: str(result.policy_version)}
+        )
+
+    @app.post("/v1/weights/reload", response_model=ReloadResponse)
+    async def reload(req: ReloadRequest):
+        route = "/v1/weights/reload"
+        previous = engine.current.version
+        t0 = time.perf_counter()
+        try:
+            new = await asyncio.to_thread(engine.reload, Path(req.path), req.version, req.force)
+        except RequestError as e:
+            metrics.reloads.labels("refused").inc()
+            metrics.requests.labels(route, str(e.status)).inc()
+            return _error(e.status, str(e), e.field, engine.current.version)
+        except Exception as e:  # noqa: BLE001 -- a broken checkpoint must not take the server down: old weights stay
+            metrics.reloads.labels("failed").inc()
+            metrics.requests.labels(route, "400").inc()
+            return _error(400, f"path: could not load {req.path}: {type(e).__name__}: {e}", "path", engine.current.version)
+        load_s = time.perf_counter() - t0
+        metrics.reloads.labels("ok").inc()
+        metrics.reload_s.observe(load_s)
+        metrics.version.set(new.version)
+        metrics.requests.labels(route, "200").inc()
+        return JSONResponse(
+            ReloadResponse(version=new.version, previous_version=previous, load_s=round(load_s, 3)).model_dump(),
+            headers={VERSION_HEADER: str(new.version)},
+        )
+
+    return app
+
+
+def _choice(engine: PolicyEngine, c, req: ChatCompletionRequest) -> ChatChoice:
+    def name(token_id: int) -> str:
+        return f"token_id:{token_id}" if req.return_tokens_as_token_ids else engine.token_text(token_id)
+
+    def entry(token_id: int, lp: float) -> dict:
+        text = engine.token_text(token_id)
+        return {"token": name(token_id), "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    logprobs = None
+    if c.logprobs is not None:
+        content = []
+        for t, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            tops = [TopLogprob(**entry(i, v)) for i, v in (c.top_logprobs[t] if c.top_logprobs else [])]
+            content.append(TokenLogprob(**entry(tok, lp), top_logprobs=tops))
+        logprobs = ChoiceLogprobs(content=content)
+    return ChatChoice(
+        index=c.index,
+        message=AssistantMessage(content=c.text),
+        finish_reason=c.finish_reason,
+        logprobs=logprobs,
+        token_ids=c.token_ids,
+    )
