@@ -1,0 +1,107 @@
+"""Asynchronous vs synchronous RL on the same budget: learner samples/s and environment utilisation.
+
+Each setting runs ``osfarm train`` (in process) for the same number of policy updates with the
+same farm (``--envs`` sandbox desktops), policy server, model and task suite; only η changes:
+
+* η = 0: synchronous (a batch is generated, then trained on, then the next is generated; the
+  desktops sit idle while the learner trains and while the slowest episode of a batch finishes);
+* η = 1, 2, 4: asynchronous (rollouts keep running while the learner trains, bounded staleness).
+
+Throughput is measured from the first update to the last (the start-up and the first batch,
+identical in all settings, are left out): learner samples/s = samples trained / wall seconds;
+environment utilisation = busy desktop-seconds / (desktops × wall seconds).
+
+    python bench/async_vs_sync.py --updates 5 --envs 2 [--etas 0,1,2,4] [--delay-ms 0] [--out figures.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from osfarm.trainer.config import load_train_config
+from osfarm.trainer.loop import train
+from osfarm.trainer.metrics import read_rows
+
+
+def measure(rows: list[dict[str, Any]], envs: int) -> dict[str, float]:
+    """Throughput over the windows of rows 2..N (each row's window starts at the previous row)."""
+    if len(rows) < 2:
+        raise ValueError("need at least 2 updates to measure a steady state")
+    steady = rows[1:]
+    wall = steady[-1]["time"] - rows[0]["time"]
+    samples = sum(r["samples"] for r in steady)
+    busy = sum(r["env_utilisation"] * envs * (r["time"] - prev["time"]) for prev, r in zip(rows, steady, strict=False))
+    episodes = sum(r["episodes"] for r in steady)
+    return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
+            "episodes_per_s": episodes / wall, "env_utilisation": busy / (envs * wall),
+            "update_s_mean": sum(r["update_s"] for r in steady) / len(steady),
+            "staleness_max": max(r["staleness_max"] for r in steady)}
+
+
+def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console) -> dict[str, float]:
+    run_dir = root / f"eta{eta}"
+    cfg = load_train_config(args.config, run_dir=run_dir, updates=args.updates, resume=False)
+    cfg = cfg.model_copy(update={
+        "rollout": cfg.rollout.model_copy(update={"eta": eta, "envs": args.envs, "batch_size": args.batch_size}),
+        "policy": cfg.policy.model_copy(update={"delay_ms": args.delay_ms}),
+        "metrics": cfg.metrics.model_copy(update={"plot": False}),
+        # a small step keeps the choice task from saturating: an all-success group has no GRPO
+        # signal and is dropped, which would stall the run (throughput is measured, not learning)
+        "learner": cfg.learner.model_copy(update={"lr": args.lr}),
+        "max_episodes": args.max_episodes,
+    })
+    console.rule(f"η = {eta}")
+    t0 = time.time()
+    train(cfg, console)
+    res = measure(read_rows(run_dir / "metrics.jsonl"), args.envs)
+    res["total_s"] = time.time() - t0
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, default=None, help="train.yaml (default: the embedded tiny setup)")
+    ap.add_argument("--updates", type=int, default=4)
+    ap.add_argument("--envs", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--etas", default="0,1,2,4")
+    ap.add_argument("--delay-ms", type=float, default=0.0, help="artificial policy latency per request")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--max-episodes", type=int, default=400, help="safety stop per setting")
+    ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    os.environ.setdefault("OSFARM_STATE_DIR", "/tmp/of-bench-async")
+    console = Console(stderr=True)
+    etas = [int(x) for x in args.etas.split(",")]
+    results: dict[int, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="osfarm-async-bench-") as tmp:
+        for eta in etas:
+            results[eta] = run_one(eta, args, Path(tmp), console)
+    base = results.get(0)
+    table = Table(title=f"async vs sync: {args.updates} updates, {args.envs} desktops, batch {args.batch_size}")
+    for col in ("η", "samples/s", "× sync", "episodes/s", "env utilisation", "update s", "max staleness", "wall s"):
+        table.add_column(col, justify="right")
+    for eta, r in results.items():
+        ratio = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
+        table.add_row(str(eta), f"{r['samples_per_s']:.3f}", f"{ratio:.2f}", f"{r['episodes_per_s']:.3f}",
+                      f"{r['env_utilisation']:.2f}", f"{r['update_s_mean']:.1f}", str(r["staleness_max"]),
+                      f"{r['wall_s']:.0f}")
+    Console().print(table)
+    if args.out:
+        args.out.write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

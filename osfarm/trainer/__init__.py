@@ -1,0 +1,1 @@
+"""Asynchronous RL trainer (DART + AReaL): rollout controller, data manager, losses, learner, weight sync."""

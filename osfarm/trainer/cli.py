@@ -1,0 +1,45 @@
+"""``osfarm train --config train.yaml``: asynchronous RL on the farm (see osfarm/trainer/loop.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+err = Console(stderr=True)
+
+
+def train_command(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="train.yaml (default: the embedded tiny setup)",
+                                                   show_default=False)] = None,
+    run_dir: Annotated[Path | None, typer.Option("--run-dir", help="where checkpoints, episodes and metrics go",
+                                                    show_default=False)] = None,
+    updates: Annotated[int | None, typer.Option("--updates", help="stop at this policy version", show_default=False)] = None,
+    eta: Annotated[int | None, typer.Option("--eta", help="max staleness in versions (0 = synchronous)",
+                                               show_default=False)] = None,
+    envs: Annotated[int | None, typer.Option("--envs", help="episodes at once", show_default=False)] = None,
+    no_resume: Annotated[bool, typer.Option("--no-resume", help="ignore the run dir's checkpoints")] = False,
+) -> None:
+    """Train a policy with decoupled PPO while the farm keeps running rollouts.
+
+    With no config: the tiny model, an in-process sandbox farm, one CPU policy server and the
+    tiny choice suite. Re-running with the same --run-dir resumes from its latest checkpoint.
+    """
+    from osfarm.trainer.config import TrainConfigError, load_train_config
+    from osfarm.trainer.loop import TrainError, train
+
+    try:
+        cfg = load_train_config(config, run_dir=run_dir, updates=updates)
+        rollout = cfg.rollout.model_copy(update={k: v for k, v in {"eta": eta, "envs": envs}.items() if v is not None})
+        cfg = cfg.model_copy(update={"rollout": rollout, "resume": cfg.resume and not no_resume})
+    except TrainConfigError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    try:
+        summary = train(cfg, err)
+    except (TrainError, FileNotFoundError, ValueError) as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    err.print(f"[bold green]done[/]: version {summary['version']} in {summary['run_dir']}", highlight=False)

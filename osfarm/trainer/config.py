@@ -1,0 +1,145 @@
+"""``train.yaml``: the settings of an ``osfarm train`` run (a pydantic model).
+
+With no file the embedded default runs on one machine: the tiny model, the in-process sandbox
+farm, the in-process scheduler, one CPU policy server subprocess and the tiny choice suite
+(tests/fixtures/train_suite). Every key has a default; a bad value is reported as
+``FILE:LINE: key.path: message``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from osfarm.trainer.learner import LearnerOptions
+from osfarm.trainer.weight_sync import PolicyServer
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_SUITE = REPO_ROOT / "tests" / "fixtures" / "train_suite"
+
+
+class TrainConfigError(ValueError):
+    """A train.yaml problem; the message names the file and line."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class FarmSection(_Strict):
+    url: str | None = Field(default=None, description="farm API URL; none: start an in-process farm")
+    token: str | None = Field(default=None, description="farm token (or OSFARM_TOKEN)")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="FarmSettings for the in-process farm")
+
+
+class PolicySection(_Strict):
+    servers: list[PolicyServer] = Field(default_factory=list, description="running policy servers to use and sync")
+    spawn: int = Field(default=1, ge=0, description="CPU policy servers to start (osfarm policy serve) when servers is empty")
+    delay_ms: float = Field(default=0.0, ge=0, description="spawned servers: artificial latency per request")
+    start_timeout_s: float = Field(default=120.0, gt=0)
+    model_name: str = Field(default="policy", description="model name agents send")
+
+
+class AgentSection(_Strict):
+    kind: Literal["vlm", "choice"] = Field(default="choice", description="vlm: H4's VLM agent; choice: one token picks one of `choices`")
+    prompt_format: str = "pyautogui"
+    observation: str = "screenshot"
+    history_turns: int = Field(default=2, ge=0)
+    history_images: int = Field(default=1, ge=0)
+    temperature: float = Field(default=0.1, ge=0, description="sampling temperature (learner.temperature must match)")
+    max_tokens: int = Field(default=64, ge=1)
+    timeout_s: float = Field(default=120.0, gt=0)
+    choices: list[str] = Field(default_factory=list, description="choice agent: the actions (default: the suite's)")
+
+
+class RolloutSection(_Strict):
+    envs: int = Field(default=2, ge=1, description="most episodes at once")
+    eta: int = Field(default=1, ge=0, description="max policy-version lag of a sample (0 = synchronous)")
+    batch_size: int = Field(default=8, ge=1, description="episodes consumed per update")
+    max_steps: int = Field(default=1, ge=1)
+    episode_time_limit_s: float = Field(default=300.0, gt=0)
+    options: dict[str, Any] = Field(default_factory=dict, description="rollout controller options")
+
+
+class DataSection(_Strict):
+    options: dict[str, Any] = Field(default_factory=dict, description="data manager options")
+
+
+class MetricsSection(_Strict):
+    prometheus_port: int | None = Field(default=None, ge=0, le=65535, description="serve /metrics here (0: any port)")
+    plot: bool = True
+
+
+class TrainConfig(_Strict):
+    run_dir: Path | None = Field(default=None, description="default runs/train-<time>")
+    model: str = Field(default="tiny", description="HF model dir, or `tiny`")
+    resume: bool = Field(default=True, description="continue from the run dir's latest checkpoint")
+    updates: int = Field(default=4, ge=1, description="stop once the policy reaches this version")
+    max_episodes: int | None = Field(default=None, ge=1, description="also stop after this many episodes (this process)")
+    suite: Path = Field(default=DEFAULT_SUITE)
+    tasks: list[str] = Field(default_factory=list, description="task ids (default: all of the suite)")
+    keep_checkpoints: int = Field(default=3, ge=1)
+    seed: int = 0
+    farm: FarmSection = Field(default_factory=FarmSection)
+    policy: PolicySection = Field(default_factory=PolicySection)
+    agent: AgentSection = Field(default_factory=AgentSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    data: DataSection = Field(default_factory=DataSection)
+    # the tiny model's next-token distribution is almost flat over its 1k tokens: at T = 0.1 about
+    # 45 tokens carry the mass, so the choice task is explorable and learnable in a few updates
+    learner: LearnerOptions = Field(default_factory=lambda: LearnerOptions(lr=2e-3, temperature=0.1))
+    metrics: MetricsSection = Field(default_factory=MetricsSection)
+
+    @model_validator(mode="after")
+    def _servers_or_spawn(self) -> TrainConfig:
+        if not self.policy.servers and self.policy.spawn < 1:
+            raise ValueError("policy: give servers or spawn >= 1")
+        if self.agent.temperature > 0 and abs(self.agent.temperature - self.learner.temperature) > 1e-9:
+            raise ValueError(f"learner.temperature ({self.learner.temperature}) must equal agent.temperature "
+                             f"({self.agent.temperature}): the behaviour log-probs are of the tempered distribution")
+        return self
+
+
+def _line_of(text: str, loc: tuple[Any, ...]) -> int:
+    """The line of the deepest key of ``loc`` found in order in the YAML text (1 if none)."""
+    lines = text.splitlines()
+    line = 0
+    for key in loc:
+        if not isinstance(key, str):
+            continue
+        for i in range(line, len(lines)):
+            if lines[i].lstrip().lstrip("- ").startswith(f"{key}:"):
+                line = i
+                break
+    return line + 1
+
+
+def load_train_config(path: Path | None, **overrides: Any) -> TrainConfig:
+    """The config from ``path`` (None: the embedded default) with top-level ``overrides``."""
+    data: dict[str, Any] = {}
+    text = ""
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise TrainConfigError(f"{path}: cannot read: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{path}:{mark.line + 1}" if mark else str(path)
+            raise TrainConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        if not isinstance(data, dict):
+            raise TrainConfigError(f"{path}:1: expected a mapping of settings, got {type(data).__name__}")
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(err["loc"])
+        key = ".".join(str(p) for p in loc) or "(top level)"
+        where = f"{path}:{_line_of(text, loc)}" if path is not None else "train config"
+        raise TrainConfigError(f"{where}: {key}: {err['msg']}") from None

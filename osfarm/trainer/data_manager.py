@@ -1,0 +1,750 @@
+"""The data manager: finished episodes in, GRPO-grouped training samples out (DART's curation).
+
+Episodes (``osfarm.episode/1`` records, from a run dir's JSONL, a Redis Stream or plain dicts)
+pass DART's storage rules, update their task's statistics and wait, per task, until a group can
+be formed. A group is ``n`` not-yet-used episodes of one task whose policy version is inside the
+version window (policy_version ≥ current − window); n is the task's dynamic rollout number
+(DART) unless ``group_size`` fixes it. The group is trimmed to the newest n keeping at least one
+success and one failure when it has them; a group that is all failures swaps its oldest episode
+for the newest stored success of that task from the experience pool (or is dropped this round
+when there is none; failures with differing partial scores already carry a signal and train as they are); a group whose mean reward reaches ``acc_max`` or whose rewards are all
+equal carries no GRPO signal and is dropped. Every episode is used at most once.
+
+Each episode of a group gets its GRPO advantage (its reward vs the group's; population std, see
+advantages.py) and becomes samples: one per assistant turn (step-level GRPO: the context is the
+request the agent actually sent at that step — system prompt, instruction, its last K turns with
+the last M screenshots — optionally cut shorter with ``context_turns``/``context_images``), or
+one per trajectory. High-entropy selection then keeps the top fraction of a batch's samples.
+
+Storage rules (DART): infra errors and failed model calls are not training data; failures (and
+timeouts) are kept only if they ran at least ``min_failure_steps`` steps; a record seen twice
+(a redelivered stream entry) counts once. Everything skipped is counted in :attr:`counters`.
+
+State (task statistics, pending episodes, seen ids, counters, version) is checkpointed with
+:meth:`save_state` and restored with :meth:`load_state`; the experience pool lives as one JSON
+file per task in ``pool_dir`` and can be pre-loaded from an eval run dir's ``episodes.jsonl``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import json
+import logging
+import os
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from osfarm.stream.blobs import BlobMissing, LocalBlobStore
+from osfarm.stream.record import SchemaError, check_record
+from osfarm.trainer.advantages import grpo_advantages
+from osfarm.trainer.allocation import TaskStats, dart_rollout_n
+from osfarm.trainer.selection import (
+    logprobs_as_floats,
+    select_high_entropy,
+    surprisal_entropy,
+    topk_entropy,
+)
+from osfarm.trainer.staleness import in_version_window
+
+log = logging.getLogger("osfarm.trainer.data")
+
+STATE_SCHEMA = "osfarm.data_manager/1"
+OMITTED = "(screenshot omitted: an earlier step)"
+
+# add() outcomes
+ACCEPTED = "accepted"
+SKIP_REASONS = ("invalid", "duplicate", "infra_error", "model_error", "short_failure", "timeout",
+                "no_model_data", "no_version", "stale")
+
+
+@dataclass
+class Sample:
+    """One training example for the learner.
+
+    ``messages``: the chat the policy was prompted with (OpenAI format; image parts are
+    ``{"type": "image_url", "image_url": {"url": U}}`` with U an absolute file path or a data
+    URL: :func:`image_bytes` reads either). The response is ``response_token_ids`` (None for an
+    experience-pool episode recorded without ids: tokenise ``response_text``) with the behaviour
+    log-probs ``behav_logprobs`` (None when not recorded: use π_prox as π_b, weight 1).
+    Trajectory samples (``step_index`` 0) put every assistant turn in ``messages`` and list the
+    trained ones in ``turns``: ``{"message_index", "step_index", "token_ids", "logprobs",
+    "policy_version"}``; their ``response_*`` fields are those of the last turn.
+    """
+
+    messages: list[dict[str, Any]]
+    response_token_ids: list[int] | None
+    behav_logprobs: list[float] | None
+    policy_version: int | None
+    advantage: float
+    reward: float
+    task_id: str
+    group_id: str
+    episode_id: str
+    step_index: int
+    response_text: str = ""
+    entropy: float | None = None
+    from_pool: bool = False
+    turns: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class DataConfig:
+    version_window: int | None = 1  # DART: the latest 2 checkpoints (current and current − 1); None: no limit
+    group_size: int | None = None  # None: the task's dynamic rollout number (DART), at least min_group_size
+    min_group_size: int = 2
+    rollout_n: int = 8  # DART's n for tasks below the success threshold
+    rollout_threshold: float = 0.6
+    acc_max: float = 1.0  # a group whose mean reward is >= this is too easy (no signal)
+    std_normalize: bool = True  # False: Dr.GRPO
+    unbiased_std: bool = False
+    eps: float = 1e-6
+    granularity: Literal["step", "trajectory"] = "step"
+    context_turns: int | None = None  # cut each request to its last K turns (None: as the agent sent it)
+    context_images: int | None = None  # keep only the last M screenshots (None: as sent)
+    entropy_fraction: float = 1.0  # high-entropy selection: keep this top fraction of a batch's samples
+    min_failure_steps: int = 2  # DART: keep a failure only if it ran at least this many steps
+    timeout_as_failure: bool = True  # a timed-out episode is a failure (reward = its score)
+    pool_per_task: int = 4  # successes kept per task in the experience pool
+    use_pool: bool = True
+    image_mode: Literal["path", "data_url"] = "path"
+    stats_window: int = 32  # recent episodes behind a task's success rate
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("step", "trajectory"):
+            raise ValueError(f"granularity must be 'step' or 'trajectory', got {self.granularity!r}")
+        if self.image_mode not in ("path", "data_url"):
+            raise ValueError(f"image_mode must be 'path' or 'data_url', got {self.image_mode!r}")
+        if not 0.0 <= self.entropy_fraction <= 1.0:
+            raise ValueError(f"entropy_fraction must be in [0, 1], got {self.entropy_fraction}")
+        if self.min_group_size < 2:
+            raise ValueError(f"min_group_size must be >= 2 (a group of one has no advantage), got {self.min_group_size}")
+
+
+@dataclass(eq=False)
+class _Episode:
+    record: dict[str, Any]
+    blob_root: str  # the dir the record's blob refs are relative to
+    reward: float
+    success: bool
+    version: int | None  # the oldest policy version that produced a step (version_start)
+    seq: int  # arrival order
+    from_pool: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"record": self.record, "blob_root": self.blob_root, "reward": self.reward, "success": self.success,
+                "version": self.version, "seq": self.seq}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], from_pool: bool = False) -> _Episode:
+        return cls(d["record"], d["blob_root"], float(d["reward"]), bool(d["success"]), d.get("version"),
+                   int(d.get("seq", 0)), from_pool)
+
+
+@dataclass
+class Group:
+    task_id: str
+    group_id: str
+    episodes: list[_Episode]
+    advantages: list[float]
+
+
+@dataclass
+class Batch:
+    samples: list[Sample]
+    groups: list[Group] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)  # what building this batch skipped
+
+
+# --------------------------------------------------------------------------- record helpers
+
+
+def episode_version(rec: dict[str, Any]) -> int | None:
+    """The oldest policy version that produced the episode (policy.version_start, else its steps')."""
+    v = (rec.get("policy") or {}).get("version_start")
+    if v is not None:
+        return int(v)
+    vs = [s["model"]["policy_version"] for s in rec.get("steps", [])
+          if s.get("model") and s["model"].get("policy_version") is not None]
+    return min(vs) if vs else None
+
+
+def _is_ref(x: Any) -> bool:
+    return isinstance(x, dict) and isinstance(x.get("sha256"), str) and isinstance(x.get("path"), str)
+
+
+def image_bytes(url: str) -> bytes:
+    """The bytes of a sample's image part URL: a data URL or a file path."""
+    if url.startswith("data:"):
+        return base64.b64decode(url.partition(",")[2])
+    path = url.removeprefix("file://")
+    return Path(path).read_bytes()
+
+
+class _Resolver:
+    """Reads a record's blobs (relative to ``root``) and rewrites image refs for the learner."""
+
+    def __init__(self, root: str, image_mode: str):
+        self.store = LocalBlobStore(Path(root))
+        self.image_mode = image_mode
+
+    def request(self, req: Any) -> list[dict[str, Any]] | None:
+        if req is None:
+            return None
+        if _is_ref(req):
+            req = json.loads(self.store.get(req))
+        if isinstance(req, dict) and "messages" in req:
+            req = req["messages"]
+        if not isinstance(req, list):
+            raise SchemaError(
+                f"a step's model.request holds {type(req).__name__}, expected a list of chat messages")
+        return self.images(req)
+
+    def _url(self, ref: dict[str, Any]) -> str:
+        if self.image_mode == "path":
+            p = self.store._path(ref)
+            if not p.is_file():
+                raise BlobMissing(f"blob {ref.get('sha256')} not found at {p}")
+            return str(p.resolve())
+        data = self.store.get(ref)
+        return f"data:{ref.get('media_type', 'image/png')};base64,{base64.b64encode(data).decode('ascii')}"
+
+    def images(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = copy.deepcopy(messages)
+        for m in out:
+            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(content, list):
+                continue
+            for part in content:
+                iu = part.get("image_url") if isinstance(part, dict) else None
+                if isinstance(iu, dict) and _is_ref(iu.get("blob")):
+                    part["image_url"] = {"url": self._url(iu["blob"])}
+                elif isinstance(iu, dict) and _is_ref(iu.get("url")):
+                    part["image_url"] = {"url": self._url(iu["url"])}
+        return out
+
+
+def _is_image(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def trim_context(messages: list[dict[str, Any]], turns: int | None, images: int | None) -> list[dict[str, Any]]:
+    """Cut a step's request to its last ``turns`` (user, assistant) turns and last ``images`` screenshots.
+
+    The head (system prompt, task) is everything before the first turn's user message (the one
+    just before the first assistant message); the final user message is the current observation.
+    Dropped screenshots become the same placeholder text the agent uses.
+    """
+    msgs = copy.deepcopy(messages)
+    if turns is not None:
+        asst = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+        if len(asst) > turns:
+            first_user = asst[0] - 1 if asst[0] > 0 and msgs[asst[0] - 1].get("role") == "user" else asst[0]
+            keep_from = asst[len(asst) - turns] - 1 if turns > 0 else asst[-1] + 1
+            msgs = msgs[:first_user] + msgs[keep_from:]
+    if images is not None:
+        seen = 0
+        for m in reversed(msgs):
+            content = m.get("content")
+            if not isinstance(content, list):
+                continue
+            for j in range(len(content) - 1, -1, -1):
+                if _is_image(content[j]):
+                    seen += 1
+                    if seen > images:
+                        content.pop(j)
+            if content and not any(_is_image(p) for p in content) and not any(
+                    isinstance(p, dict) and p.get("type") == "text" and p.get("text") for p in content) or not content:
+                content.append({"type": "text", "text": OMITTED})
+    return msgs
+
+
+def _version_of(model: dict[str, Any], ep: _Episode) -> int | None:
+    v = model.get("policy_version")
+    return int(v) if v is not None else ep.version
+
+
+def _steps_with_model_data(rec: dict[str, Any]) -> int:
+    return sum(1 for s in rec.get("steps", []) if s.get("model") and s["model"].get("request") is not None
+               and s["model"].get("response_token_ids"))
+
+
+def _steps_with_request(rec: dict[str, Any]) -> int:
+    return sum(1 for s in rec.get("steps", []) if s.get("model") and s["model"].get("request") is not None)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _safe_name(task_id: str) -> str:
+    keep = "".join(c if c.isalnum() or c in "-_." else "_" for c in task_id)
+    return keep or "_"
+
+
+# --------------------------------------------------------------------------- the data manager
+
+EntropyFn = Callable[[Sample], float | None]
+DiscardFn = Callable[[str, int, str], Any]  # (task_id, episodes, reason)
+
+
+class DataManager:
+    def __init__(self, config: DataConfig | None = None, *, blob_root: Path | None = None,
+                 pool_dir: Path | None = None, entropy_fn: EntropyFn | None = None, version: int = 0,
+                 on_discard: DiscardFn | None = None):
+        self.config = config or DataConfig()
+        self.blob_root = str(Path(blob_root).resolve()) if blob_root else None
+        self.pool_dir = Path(pool_dir) if pool_dir else None
+        self.entropy_fn = entropy_fn
+        # accepted episodes that will never train (dropped group, gone stale): the rollout
+        # controller's release(n) gives their staleness capacity back
+        self.on_discard = on_discard
+        self.version = version
+        self.task_stats: dict[str, TaskStats] = {}
+        self.pending: dict[str, list[_Episode]] = {}
+        self.pool: dict[str, list[_Episode]] = {}
+        self.seen: set[str] = set()
+        self.counters: dict[str, int] = {k: 0 for k in ("records", ACCEPTED, *SKIP_REASONS, "groups", "groups_too_easy",
+                                                        "groups_zero_variance", "groups_all_fail_dropped",
+                                                        "pool_replacements", "samples", "entropy_filtered",
+                                                        "steps_skipped", "pool_added")}
+        self._seq = 0
+        self._group_seq = 0
+        self._arrived = asyncio.Event()  # set when an episode is accepted (get_batch waits on it)
+        if self.pool_dir:
+            self._load_pool()
+
+    # ------------------------------------------------------------------ intake
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
+    def _discard(self, task: str, eps: list[_Episode], reason: str) -> None:
+        n = sum(1 for e in eps if not e.from_pool)
+        if n and self.on_discard is not None:
+            self.on_discard(task, n, reason)
+
+    def add(self, record: dict[str, Any], blob_root: Path | str | None = None) -> str:
+        """Take one finished episode; returns ``"accepted"`` or the reason it is not training data."""
+        root = str(Path(blob_root).resolve()) if blob_root else self.blob_root
+        if root is None:
+            raise ValueError("the data manager needs the dir the record's blobs are relative to: pass blob_root")
+        self._count("records")
+        try:
+            check_record(record)
+        except SchemaError as e:
+            log.warning("episode record skipped: %s", e)
+            self._count("invalid")
+            return "invalid"
+        eid = record["episode_id"]
+        if eid in self.seen:
+            self._count("duplicate")
+            return "duplicate"
+        self.seen.add(eid)
+        status = record["status"]
+        if status == "infra_error":
+            self._count("infra_error")
+            return "infra_error"
+        if any(s.get("model") and s["model"].get("error") for s in record["steps"]):
+            self._count("model_error")
+            return "model_error"
+        if status == "timeout" and not self.config.timeout_as_failure:
+            self._count("timeout")
+            return "timeout"
+        task = record["task_id"]
+        reward = float(record["score"] or 0.0)
+        success = status == "success"
+        self.task_stats.setdefault(task, TaskStats(window=self.config.stats_window)).add(reward, success)
+        ep = _Episode(record, root, reward, success, episode_version(record), self._next_seq())
+        if success and self.config.use_pool and _steps_with_request(record):
+            self._pool_add(ep)
+        if not success and len(record["steps"]) < self.config.min_failure_steps:
+            self._count("short_failure")
+            return "short_failure"
+        if not _steps_with_model_data(record):
+            self._count("no_model_data")
+            return "no_model_data"
+        if self.config.version_window is not None:
+            if ep.version is None:
+                self._count("no_version")
+                return "no_version"
+            if not in_version_window(ep.version, self.version, self.config.version_window):
+                self._count("stale")
+                return "stale"
+        self.pending.setdefault(task, []).append(ep)
+        self._count(ACCEPTED)
+        self._arrived.set()
+        return ACCEPTED
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    async def consume(self, records: AsyncIterable[dict[str, Any]] | Iterable[dict[str, Any]],
+                      blob_root: Path | None = None, on_added: Callable[[dict[str, Any], str], Any] | None = None) -> int:
+        """Add every record of a (sync or async) iterable; a blocking iterable is read in a thread.
+
+        ``on_added(record, outcome)`` is called after each (e.g. the rollout controller's
+        ``on_episode``). Returns how many records were read.
+        """
+        n = 0
+        if isinstance(records, AsyncIterable):
+            async for rec in records:
+                n += 1
+                out = self.add(rec, blob_root)
+                if on_added:
+                    await _maybe_await(on_added(rec, out))
+            return n
+        async for rec in iterate_in_thread(iter(records)):
+            n += 1
+            out = self.add(rec, blob_root)
+            if on_added:
+                await _maybe_await(on_added(rec, out))
+        return n
+
+    async def consume_redis(self, source: Any, blob_root: Path | None = None, *, stop: Callable[[], bool] | None = None,
+                            on_added: Callable[[dict[str, Any], str], Any] | None = None, block_ms: int = 1000) -> int:
+        """Read a :class:`osfarm.stream.redis_stream.RedisStreamSource` until ``stop()``: each entry
+        is added, then acknowledged (entries this consumer read before a restart come first)."""
+        n = 0
+        first = True
+        while stop is None or not stop():
+            entries = await asyncio.to_thread(source.pending_mine) if first else \
+                await asyncio.to_thread(source.read, 16, block_ms)
+            first = False
+            for e in entries:
+                out = self.add(e.record, blob_root)
+                n += 1
+                if on_added:
+                    await _maybe_await(on_added(e.record, out))
+            if entries:
+                await asyncio.to_thread(source.ack, *[e.id for e in entries])
+        return n
+
+    def set_version(self, version: int) -> int:
+        """The learner's new version; pending episodes now outside the window are dropped (returned)."""
+        if version < self.version:
+            raise ValueError(f"policy version went backwards: {self.version} -> {version}")
+        self.version = version
+        dropped = 0
+        if self.config.version_window is None:
+            return 0
+        for task, eps in self.pending.items():
+            keep = [e for e in eps if in_version_window(e.version, version, self.config.version_window)]
+            dropped += len(eps) - len(keep)
+            self.pending[task] = keep
+            if len(keep) < len(eps):
+                self._discard(task, [e for e in eps if e not in keep], "stale")
+        self._count("stale", dropped)
+        return dropped
+
+    # ------------------------------------------------------------------ experience pool
+
+    def _pool_add(self, ep: _Episode) -> None:
+        task = ep.record["task_id"]
+        entries = [e for e in self.pool.get(task, []) if e.record["episode_id"] != ep.record["episode_id"]]
+        entries.append(_Episode(ep.record, ep.blob_root, ep.reward, True, ep.version, ep.seq, from_pool=True))
+        del entries[:-self.config.pool_per_task]
+        self.pool[task] = entries
+        self._count("pool_added")
+        if self.pool_dir:
+            _atomic_write(self.pool_dir / f"{_safe_name(task)}.json",
+                          json.dumps({"task_id": task, "entries": [e.to_json() for e in entries]}))
+
+    def _load_pool(self) -> None:
+        assert self.pool_dir is not None
+        if not self.pool_dir.is_dir():
+            return
+        for p in sorted(self.pool_dir.glob("*.json")):
+            try:
+                d = json.loads(p.read_text())
+                self.pool[d["task_id"]] = [_Episode.from_json(e, from_pool=True) for e in d["entries"]]
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{p}: not an experience-pool file ({e}); delete or fix it") from None
+
+    def preload_pool(self, run_dir: Path) -> int:
+        """Put the successful episodes of an eval run dir (``episodes.jsonl``) in the pool; returns how many."""
+        from osfarm.stream.jsonl import read_jsonl
+
+        path = Path(run_dir) / "episodes.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: pass an `osfarm eval` run dir")
+        n = 0
+        root = str(Path(run_dir).resolve())
+        for rec in read_jsonl(path):
+            if rec["status"] == "success" and _steps_with_request(rec):
+                self._pool_add(_Episode(rec, root, float(rec["score"] or 1.0), True, episode_version(rec),
+                                        self._next_seq(), from_pool=True))
+                n += 1
+        return n
+
+    # ------------------------------------------------------------------ groups
+
+    def group_size(self, task: str) -> int:
+        c = self.config
+        if c.group_size is not None:
+            return max(c.min_group_size, c.group_size)
+        st = self.task_stats.get(task)
+        n = dart_rollout_n(st.success_rate if st else None, rollout_n=c.rollout_n, threshold=c.rollout_threshold)
+        return max(c.min_group_size, n)
+
+    def ready_tasks(self) -> list[str]:
+        """Tasks with enough unused in-window episodes for a group (oldest waiting first)."""
+        ready = [(eps[0].seq, t) for t, eps in self.pending.items() if eps and len(eps) >= self.group_size(t)]
+        return [t for _, t in sorted(ready)]
+
+    def _choose(self, eps: list[_Episode], n: int) -> list[_Episode]:
+        """The newest n, keeping at least one success and one failure when the candidates have them."""
+        by_new = sorted(eps, key=lambda e: -e.seq)
+        chosen = by_new[:n]
+        for want in (True, False):
+            if not any(e.success == want for e in chosen):
+                extra = next((e for e in by_new[n:] if e.success == want), None)
+                if extra is not None:  # all chosen are of the other kind: the oldest makes room
+                    chosen.remove(min(chosen, key=lambda e: e.seq))
+                    chosen.append(extra)
+        return sorted(chosen, key=lambda e: e.seq)
+
+    def form_groups(self, max_groups: int | None = None) -> list[Group]:
+        """Form up to ``max_groups`` groups from the ready tasks; their episodes count as used."""
+        groups: list[Group] = []
+        c = self.config
+        for task in self.ready_tasks():
+            if max_groups is not None and len(groups) >= max_groups:
+                break
+            eps = self.pending.pop(task)
+            chosen = self._choose(eps, self.group_size(task))
+            picked = {id(e) for e in chosen}
+            unused = [e for e in eps if id(e) not in picked]
+            if unused:
+                self.pending[task] = unused
+            rewards = [e.reward for e in chosen]
+            if max(rewards) == min(rewards) and not any(e.success for e in chosen):
+                # all failures, no signal: the newest stored success of the task replaces the oldest
+                stored = self.pool.get(task) if c.use_pool else None
+                if not stored:
+                    self._count("groups_all_fail_dropped")
+                    self._discard(task, chosen, "all_fail")
+                    continue
+                oldest, *rest = sorted(chosen, key=lambda e: e.seq)
+                self._discard(task, [oldest], "replaced_by_pool")
+                chosen = [*rest, stored[-1]]
+                rewards = [e.reward for e in chosen]
+                self._count("pool_replacements")
+            if sum(rewards) / len(rewards) >= c.acc_max:
+                self._count("groups_too_easy")
+                self._discard(task, chosen, "too_easy")
+                continue
+            if max(rewards) == min(rewards):
+                self._count("groups_zero_variance")
+                self._discard(task, chosen, "zero_variance")
+                continue
+            adv = grpo_advantages(rewards, std_normalize=c.std_normalize, eps=c.eps, unbiased=c.unbiased_std)
+            self._group_seq += 1
+            groups.append(Group(task, f"{task}@v{self.version}#{self._group_seq}", chosen, adv))
+            self._count("groups")
+        return groups
+
+    # ------------------------------------------------------------------ samples
+
+    def build_samples(self, groups: list[Group]) -> Batch:
+        """Samples of the groups (reads blobs: call from a worker thread in async code), with
+        high-entropy selection applied over the whole batch."""
+        samples: list[Sample] = []
+        counts: dict[str, int] = {"steps_skipped": 0}
+        for g in groups:
+            for ep, adv in zip(g.episodes, g.advantages, strict=True):
+                got, skipped = self._episode_samples(ep, adv, g.group_id)
+                samples += got
+                counts["steps_skipped"] += skipped
+        if self.config.entropy_fraction < 1.0 and samples:
+            keep = select_high_entropy([s.entropy for s in samples], self.config.entropy_fraction)
+            counts["entropy_filtered"] = sum(1 for k in keep if not k)
+            samples = [s for s, k in zip(samples, keep, strict=True) if k]
+        counts["samples"] = len(samples)
+        return Batch(samples, groups, counts)
+
+    def take_batch(self, max_groups: int | None = None) -> Batch:
+        """Form groups and build their samples now (synchronous)."""
+        batch = self.build_samples(self.form_groups(max_groups))
+        self._merge(batch.counts)
+        return batch
+
+    async def get_batch(self, n_groups: int, *, timeout_s: float | None = None) -> Batch:
+        """Wait until ``n_groups`` groups are formed (or ``timeout_s`` passes: then the groups
+        formed so far, possibly none), then build their samples in a worker thread."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        groups: list[Group] = []
+        while True:
+            self._arrived.clear()
+            groups += self.form_groups(n_groups - len(groups))
+            if len(groups) >= n_groups:
+                break
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                break
+            try:
+                await asyncio.wait_for(self._arrived.wait(), left)
+            except TimeoutError:
+                break
+        batch = await asyncio.to_thread(self.build_samples, groups)
+        self._merge(batch.counts)
+        return batch
+
+    def _merge(self, counts: dict[str, int]) -> None:
+        for k, v in counts.items():
+            self._count(k, v)
+
+    def _entropy(self, s: Sample, raw_logprobs: list[Any] | None) -> float | None:
+        if self.entropy_fn is not None:
+            return self.entropy_fn(s)
+        if not raw_logprobs:
+            return None
+        return topk_entropy(raw_logprobs) if isinstance(raw_logprobs[0], dict) and raw_logprobs[0].get(
+            "top_logprobs") else surprisal_entropy(raw_logprobs)
+
+    def _episode_samples(self, ep: _Episode, adv: float, group_id: str) -> tuple[list[Sample], int]:
+        rec = ep.record
+        res = _Resolver(ep.blob_root, self.config.image_mode)
+        steps = [s for s in rec["steps"] if s.get("model")]
+        skipped = len(rec["steps"]) - len(steps)
+        if self.config.granularity == "trajectory":
+            sample = self._trajectory_sample(ep, adv, group_id, steps, res)
+            return ([sample] if sample else []), (0 if sample else 1)
+        out = []
+        for st in steps:
+            m = st["model"]
+            ids = m.get("response_token_ids")
+            if not ids and not ep.from_pool:
+                skipped += 1
+                continue
+            try:
+                msgs = res.request(m.get("request"))
+            except (BlobMissing, ValueError) as e:
+                log.warning("episode %s step %s skipped: %s", rec["episode_id"], st["index"], e)
+                msgs = None
+            if msgs is None:
+                skipped += 1
+                continue
+            msgs = trim_context(msgs, self.config.context_turns, self.config.context_images)
+            raw = m.get("response_logprobs")
+            lps = logprobs_as_floats(raw) if raw else None
+            if lps is not None and ids and len(lps) != len(ids):
+                log.warning("episode %s step %s: %d log-probs for %d tokens; step skipped", rec["episode_id"],
+                            st["index"], len(lps), len(ids))
+                skipped += 1
+                continue
+            s = Sample(messages=msgs, response_token_ids=list(ids) if ids else None, behav_logprobs=lps,
+                       policy_version=_version_of(m, ep), advantage=adv, reward=ep.reward,
+                       task_id=rec["task_id"], group_id=group_id, episode_id=rec["episode_id"],
+                       step_index=st["index"], response_text=m.get("response_text") or "", from_pool=ep.from_pool)
+            s.entropy = self._entropy(s, raw)
+            out.append(s)
+        return out, skipped
+
+    def _trajectory_sample(self, ep: _Episode, adv: float, group_id: str, steps: list[dict[str, Any]],
+                           res: _Resolver) -> Sample | None:
+        """The last step's request + its reply; the assistant turns in it map back to the steps
+        (from the end), so the agent must have run with history_turns ≥ the episode's length
+        for the whole trajectory to train."""
+        rec = ep.record
+        if not steps:
+            return None
+        last = steps[-1]["model"]
+        try:
+            msgs = res.request(last.get("request"))
+        except (BlobMissing, ValueError) as e:
+            log.warning("episode %s skipped: %s", rec["episode_id"], e)
+            return None
+        if msgs is None:
+            return None
+        msgs = trim_context(msgs, self.config.context_turns, self.config.context_images)
+        msgs.append({"role": "assistant", "content": last.get("response_text") or ""})
+        asst = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+        turns = []
+        all_lps: list[Any] = []
+        for mi, st in zip(reversed(asst), reversed(steps), strict=False):
+            m = st["model"]
+            ids = m.get("response_token_ids")
+            if not ids and not ep.from_pool:
+                continue
+            raw = m.get("response_logprobs")
+            all_lps += raw or []
+            turns.append({"message_index": mi, "step_index": st["index"], "token_ids": list(ids) if ids else None,
+                          "logprobs": logprobs_as_floats(raw) if raw else None,
+                          "policy_version": _version_of(m, ep)})
+        if not turns:
+            return None
+        turns.reverse()
+        lps = logprobs_as_floats(last["response_logprobs"]) if last.get("response_logprobs") else None
+        ids = last.get("response_token_ids")
+        s = Sample(messages=msgs, response_token_ids=list(ids) if ids else None, behav_logprobs=lps,
+                   policy_version=_version_of(last, ep), advantage=adv, reward=ep.reward,
+                   task_id=rec["task_id"], group_id=group_id, episode_id=rec["episode_id"], step_index=0,
+                   response_text=last.get("response_text") or "", from_pool=ep.from_pool, turns=turns)
+        s.entropy = self._entropy(s, all_lps)
+        return s
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def state(self) -> dict[str, Any]:
+        return {"schema": STATE_SCHEMA, "version": self.version, "counters": dict(self.counters),
+                "task_stats": {t: s.to_json() for t, s in self.task_stats.items()},
+                "pending": {t: [e.to_json() for e in eps] for t, eps in self.pending.items() if eps},
+                "seen": sorted(self.seen), "seq": self._seq, "group_seq": self._group_seq,
+                "config": asdict(self.config)}
+
+    def save_state(self, state_dir: Path) -> Path:
+        """Write ``data_manager.json`` in ``state_dir`` (atomically); the pool is already on disk."""
+        p = Path(state_dir) / "data_manager.json"
+        _atomic_write(p, json.dumps(self.state()))
+        return p
+
+    def load_state(self, state_dir: Path) -> bool:
+        """Restore what :meth:`save_state` wrote (False when there is nothing to restore)."""
+        p = Path(state_dir) / "data_manager.json"
+        if not p.is_file():
+            return False
+        try:
+            d = json.loads(p.read_text())
+        except ValueError as e:
+            raise ValueError(f"{p}: not JSON ({e}); delete it to start the data manager afresh") from None
+        if d.get("schema") != STATE_SCHEMA:
+            raise ValueError(f"{p}: schema {d.get('schema')!r}, this reader knows {STATE_SCHEMA}")
+        self.version = int(d["version"])
+        self.counters.update({k: int(v) for k, v in d["counters"].items()})
+        self.task_stats = {t: TaskStats.from_json(s) for t, s in d["task_stats"].items()}
+        self.pending = {t: [_Episode.from_json(e) for e in eps] for t, eps in d["pending"].items()}
+        self.seen = set(d["seen"])
+        self._seq = int(d["seq"])
+        self._group_seq = int(d["group_seq"])
+        return True
+
+
+# --------------------------------------------------------------------------- async helpers
+
+
+async def _maybe_await(x: Any) -> Any:
+    if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future):
+        return await x
+    return x
+
+
+_END = object()
+
+
+async def iterate_in_thread(it: Iterator[Any]) -> Any:
+    """An async iterator over a blocking one (e.g. :func:`osfarm.stream.jsonl.follow_jsonl`):
+    each ``next`` runs in a worker thread so the event loop keeps going."""
+    while True:
+        item = await asyncio.to_thread(next, it, _END)
+        if item is _END:
+            return
+        yield item

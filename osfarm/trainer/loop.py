@@ -1,0 +1,476 @@
+"""``osfarm train``: the asynchronous RL loop (DART's decoupled pipeline with AReaL's staleness bound).
+
+Four parts run at once on one event loop:
+
+* the **rollout controller** (H6) keeps up to ``envs`` episodes running on the farm through the
+  in-process **scheduler** (rollout-wise: the next episode starts the moment one ends), as long
+  as AReaL's staleness capacity allows;
+* each finished episode becomes an ``osfarm.episode/1`` record (``episodes.jsonl`` + blobs in the
+  run dir) and goes to the **data manager** (H6), which forms GRPO groups and samples;
+* the **learner** takes a batch, updates the policy in a worker thread (episodes go on
+  meanwhile), writes a checkpoint (weights + version + the data manager's and controller's
+  state) and
+* **weight sync** pushes it to every policy server, one at a time; only then does the controller
+  learn the new version (so rollouts it starts next use the new weights).
+
+η = 0 makes it synchronous (generate a batch, train, generate): the capacity is then exactly
+one batch per version, so nothing runs while the learner trains.
+
+Resume: the latest checkpoint under ``<run>/checkpoints`` restores the learner (weights,
+optimizer, version, counters), the data manager (task statistics, pending episodes, seen ids)
+and the controller (AReaL's rule: accepted = version·batch_size), and the policy servers are
+reloaded with it before any rollout starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from osfarm.trainer.config import TrainConfig
+from osfarm.trainer.learner import Learner, latest_checkpoint, read_state
+from osfarm.trainer.metrics import TrainMetrics
+from osfarm.trainer.policy_process import PolicyProcess, PolicyStartError
+from osfarm.trainer.weight_sync import PolicyServer, WeightSync
+
+CHECKPOINTS = "checkpoints"
+DM_STATE = "data_manager.json"
+RC_STATE = "rollout_controller.json"
+
+
+class TrainError(RuntimeError):
+    """A run that cannot start or go on (the message says why)."""
+
+
+@dataclass(eq=False)
+class Rollout:
+    """One episode handed to the scheduler."""
+
+    task_id: str
+    seq: int  # rollout number in this process (distinct episode ids)
+    version: int  # the controller's version when it was submitted
+
+
+# ---- per-update bookkeeping ----------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    """What happened since the previous update (the metrics of the next row)."""
+
+    started: float = field(default_factory=time.monotonic)
+    episodes: int = 0
+    scores: list[float] = field(default_factory=list)
+    successes: int = 0
+    infra_errors: int = 0
+    env_busy_s: float = 0.0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, rec: dict[str, Any] | None, outcome: str, started: float, finished: float) -> None:
+        self.episodes += 1
+        self.env_busy_s += overlap(started, finished, self.started, finished)
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+        if rec is None or rec["status"] == "infra_error":
+            self.infra_errors += 1
+            return
+        self.scores.append(float(rec["score"] or 0.0))
+        self.successes += rec["status"] == "success"
+
+
+def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    """Length of the intersection of the intervals [a0, a1] and [b0, b1]."""
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+def staleness_of(samples: list[Any], version: int) -> list[int]:
+    return [version - int(s.policy_version) for s in samples if s.policy_version is not None]
+
+
+# ---- the trainer ---------------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, console: Console | None = None):
+        self.cfg = cfg
+        self.console = console or Console(stderr=True)
+        run_dir = cfg.run_dir or Path("runs") / ("train-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
+        self.run_dir = Path(run_dir).resolve()
+        self.ckpt_root = self.run_dir / CHECKPOINTS
+        self.run_id = datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]  # per process start
+        self.rollout_seq = 0
+        self.window = Window()
+        self.totals: dict[str, Any] = {"episodes": 0, "env_busy_s": 0.0, "samples": 0, "updates_this_run": 0,
+                                       "stale_dropped": 0, "sync_failures": 0}
+        self.processes: list[PolicyProcess] = []
+        self.in_flight: dict[int, float] = {}  # running episodes: id -> monotonic start
+        self.farm_client: dict[str, Any] = {}  # the AsyncFarm, opened by the first rollout on the loop
+        self.stop = asyncio.Event()
+
+    # -- setup ---------------------------------------------------------------------------------------
+
+    def model_dir(self) -> Path:
+        if self.cfg.model == "tiny":
+            from osfarm.policy.tiny import tiny_model_dir
+
+            return tiny_model_dir()
+        p = Path(self.cfg.model).expanduser()
+        if not (p / "config.json").is_file():
+            raise TrainError(f"model {self.cfg.model}: not a Hugging Face model dir (no config.json); use a dir or 'tiny'")
+        return p
+
+    def load_learner(self) -> tuple[Learner, Path | None, dict[str, Any]]:
+        latest = latest_checkpoint(self.ckpt_root) if self.cfg.resume else None
+        if latest is not None:
+            learner, state = Learner.resume(latest, self.cfg.learner)
+            self.console.print(f"resumed from {latest} (version {learner.version})", highlight=False)
+            return learner, latest, state
+        return Learner(self.model_dir(), self.cfg.learner), None, {}
+
+    def load_tasks(self) -> tuple[Any, list[Any]]:
+        from osfarm.tasks.suite import OSWORLD_INDEX, load_suite
+
+        suite_dir = Path(self.cfg.suite)
+        index = suite_dir / OSWORLD_INDEX if (suite_dir / OSWORLD_INDEX).is_file() else None
+        suite = load_suite(suite_dir, index)
+        tasks = list(suite)
+        if self.cfg.tasks:
+            by_id = {t.id: t for t in tasks}
+            missing = [t for t in self.cfg.tasks if t not in by_id]
+            if missing:
+                raise TrainError(f"tasks not in {suite_dir}: {', '.join(missing)}")
+            tasks = [by_id[t] for t in self.cfg.tasks]
+        if not tasks:
+            raise TrainError(f"{suite_dir}: no tasks")
+        return suite, tasks
+
+    def make_agent(self, base_url: str) -> Any:
+        a = self.cfg.agent
+        name = self.cfg.policy.model_name
+        if a.kind == "choice":
+            from osfarm.trainer.choice_agent import ChoiceAgent
+
+            return ChoiceAgent(base_url, name, choices=a.choices, temperature=a.temperature, timeout_s=a.timeout_s)
+        from osfarm.agents import make_agent
+
+        return make_agent("vlm", base_url=base_url, model=name, prompt_format=a.prompt_format, observation=a.observation,
+                          history_turns=a.history_turns, history_images=a.history_images, temperature=a.temperature,
+                          max_tokens=a.max_tokens, timeout_s=a.timeout_s, capture_logprobs=True)
+
+    async def start_policy(self, model: Path, version: int) -> list[PolicyServer]:
+        p = self.cfg.policy
+        if p.servers:
+            return list(p.servers)
+        threads = max(1, (os.cpu_count() or 2) // 2)
+        for i in range(p.spawn):
+            self.processes.append(PolicyProcess(model, version, p.model_name, self.run_dir / f"policy-{i}.log",
+                                                delay_ms=p.delay_ms, threads=threads))
+        for proc in self.processes:
+            try:
+                await proc.wait_ready(p.start_timeout_s)
+            except PolicyStartError as e:
+                raise TrainError(str(e)) from None
+        return [PolicyServer(url=proc.url, kind="osfarm") for proc in self.processes]
+
+    def start_farm(self) -> tuple[str, str, Any]:
+        f = self.cfg.farm
+        if f.url:
+            token = f.token or os.environ.get("OSFARM_TOKEN")
+            if not token:
+                raise TrainError("farm.url needs farm.token (or OSFARM_TOKEN)")
+            return f.url, token, None
+        from osfarm.config import load_settings
+        from osfarm.farm.api import FarmServer
+        from osfarm.providers import make_provider
+
+        n = self.cfg.rollout.envs
+        settings = load_settings(None, **{"port": 0, **f.overrides, "pool_min": n + 1, "pool_max": n + 1})
+        server = FarmServer(settings, make_provider(settings))
+        url = server.start(timeout=settings.start_timeout_s + 30)
+        return url, server.token, server
+
+    # -- the loop ------------------------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        from osfarm.runner.episode import EpisodeConfig, run_episode
+        from osfarm.runner.run import make_cache
+        from osfarm.runner.scheduler import RolloutScheduler
+        from osfarm.stream.blobs import LocalBlobStore
+        from osfarm.stream.jsonl import JsonlSink
+        from osfarm.trainer.data_manager import DataConfig, DataManager
+        from osfarm.trainer.rollout_controller import (
+            ControllerConfig,
+            RolloutController,
+        )
+
+        cfg, ro = self.cfg, self.cfg.rollout
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "train_config.json").write_text(cfg.model_dump_json(indent=2))
+        suite, tasks = self.load_tasks()
+        by_id = {t.id: t for t in tasks}
+        learner, ckpt, _state = await asyncio.to_thread(self.load_learner)
+        self.learner = learner
+        start_version = learner.version
+        if learner.version >= cfg.updates:
+            self.console.print(f"already at version {learner.version} >= updates={cfg.updates}: nothing to do")
+            return self.summary(start_version)
+
+        metrics = TrainMetrics(self.run_dir, self.console, cfg.metrics.prometheus_port)
+        self.metrics = metrics
+        farm_server = None
+        try:
+            servers = await self.start_policy(ckpt or learner.model_path, learner.version)
+            sync = WeightSync(servers)
+            if ckpt is not None and cfg.policy.servers:  # running servers: bring them to the resumed weights
+                await self._sync(sync, ckpt, learner.version)
+            for s in servers:
+                sync.versions[s.url] = learner.version
+            url, token, farm_server = await asyncio.to_thread(self.start_farm)
+
+            options = dict(cfg.data.options)
+            options.setdefault("version_window", ro.eta)
+            options.setdefault("group_size", min(ro.batch_size, 8))
+            options.setdefault("min_failure_steps", 1)
+            try:
+                dcfg = DataConfig(**options)
+            except TypeError as e:
+                raise TrainError(f"data.options: {e}") from None
+            n_groups = max(1, ro.batch_size // (dcfg.group_size or ro.batch_size))
+            controller: RolloutController | None = None
+
+            def discard(_task: str, n: int, _reason: str) -> None:
+                if controller is not None:
+                    controller.release(n)
+
+            dm = DataManager(dcfg, blob_root=self.run_dir, pool_dir=self.run_dir / "pool", version=learner.version,
+                             on_discard=discard)
+            if ckpt is not None:
+                dm.load_state(ckpt)
+                dm.set_version(learner.version)
+            copts = {"rollout_n": dcfg.rollout_n, **ro.options}
+            try:
+                ccfg = ControllerConfig(batch_size=ro.batch_size, eta=ro.eta, max_concurrent=ro.envs, seed=cfg.seed, **copts)
+            except TypeError as e:
+                raise TrainError(f"rollout.options: {e}") from None
+
+            scheduler: RolloutScheduler[Any, Any] = RolloutScheduler(self._run_one_factory(
+                by_id, make_cache(suite, Path(cfg.suite), None, self.run_dir, True), url, token, servers,
+                EpisodeConfig(max_steps=ro.max_steps, time_limit_s=ro.episode_time_limit_s, infra_retries=0,
+                              work_dir=self.run_dir / ".work"),
+                LocalBlobStore(self.run_dir), JsonlSink(self.run_dir / "episodes.jsonl"), run_episode), ro.envs)
+
+            async def submit(task_id: str, n: int, version: int) -> None:
+                for _ in range(n):
+                    self.rollout_seq += 1
+                    scheduler.submit(Rollout(task_id, self.rollout_seq, version))
+
+            controller = RolloutController(list(by_id), submit, ccfg, task_stats=dm.task_stats)
+            if ckpt is not None:
+                controller.load(ckpt / RC_STATE)
+            controller.set_version(learner.version)
+
+            consumer = asyncio.create_task(self._consume(scheduler, dm, controller))
+            filler = asyncio.create_task(controller.run(self.stop))
+            try:
+                await self._learn(learner, dm, controller, sync, n_groups, consumer)
+            finally:
+                self.stop.set()
+                filler.cancel()
+                consumer.cancel()
+                await scheduler.aclose()
+                if "farm" in self.farm_client:
+                    with contextlib.suppress(Exception):
+                        await self.farm_client.pop("farm").__aexit__(None, None, None)
+                for t in (filler, consumer):
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await t
+        finally:
+            for proc in self.processes:
+                await asyncio.to_thread(proc.stop)
+            if farm_server is not None:
+                await asyncio.to_thread(farm_server.stop)
+            if cfg.metrics.plot:
+                with contextlib.suppress(Exception):
+                    metrics.plot()
+            metrics.close()
+        return self.summary(start_version)
+
+    def _run_one_factory(self, by_id: dict[str, Any], cache: Any, url: str, token: str, servers: list[PolicyServer],
+                         ecfg: Any, blobs: Any, sink: Any, run_episode: Any) -> Any:
+        from osfarm.client import AsyncFarm
+        from osfarm.runner.results import episode_record
+
+        farm_holder = self.farm_client
+
+        async def run_one(item: Rollout) -> dict[str, Any]:
+            self.in_flight[id(item)] = time.monotonic()
+            if "farm" not in farm_holder:
+                farm_holder["farm"] = AsyncFarm(url, token)
+                await farm_holder["farm"].__aenter__()
+            task_id, seq = item.task_id, item.seq
+            server = servers[seq % len(servers)]
+            agent = self.make_agent(server.url)
+            res = await run_episode(farm_holder["farm"], token, by_id[task_id], agent, cache, ecfg, self.run_id)
+            # every rollout of a task is its own episode (the runner's ids are per task and attempt)
+            res.episode_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{self.run_id}:{task_id}:{seq}"))
+            rec = await asyncio.to_thread(episode_record, res, self.run_id, blobs)
+            await asyncio.to_thread(sink.publish, rec)
+            return rec
+
+        return run_one
+
+    async def _consume(self, scheduler: Any, dm: Any, controller: Any) -> None:
+        async for done in scheduler.results():
+            rec = done.result
+            if rec is None:
+                outcome = f"error: {type(done.error).__name__}: {done.error}"
+                self.console.print(f"[yellow]rollout failed[/]: {outcome}", highlight=False)
+                controller.on_episode(done.item.task_id, False)
+            else:
+                outcome = dm.add(rec, self.run_dir)
+                controller.on_episode(rec["task_id"], outcome == "accepted")
+            self.in_flight.pop(id(done.item), None)
+            self.window.add(rec, outcome if rec is not None else "error", done.started, done.finished)
+            self.totals["episodes"] += 1
+            self.totals["env_busy_s"] += done.finished - done.started
+            if self.cfg.max_episodes is not None and self.totals["episodes"] >= self.cfg.max_episodes:
+                self.console.print(f"episode budget reached ({self.cfg.max_episodes}): stopping", highlight=False)
+                self.stop.set()
+
+    async def _sync(self, sync: WeightSync, path: Path, version: int) -> list[Any]:
+        results = await sync.sync(path, version)
+        for r in results:
+            if not r.ok:
+                self.totals["sync_failures"] += 1
+                self.console.print(f"[red]weight sync failed[/]: {r.error}", highlight=False)
+        return results
+
+    async def _learn(self, learner: Learner, dm: Any, controller: Any, sync: WeightSync, n_groups: int,
+                     consumer: asyncio.Task[None]) -> None:
+        cfg, eta = self.cfg, self.cfg.rollout.eta
+        while learner.version < cfg.updates and not self.stop.is_set():
+            get = asyncio.create_task(dm.get_batch(n_groups))
+            stopping = asyncio.create_task(self.stop.wait())
+            done, _ = await asyncio.wait({get, consumer, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if get not in done:
+                get.cancel()
+                if self.stop.is_set():
+                    return
+                if consumer.done() and consumer.exception():
+                    raise TrainError(f"the episode consumer stopped: {consumer.exception()}")
+                raise TrainError("the episode stream ended before the run finished")
+            batch = get.result()
+            samples = [s for s in batch.samples if s.policy_version is None or learner.version - s.policy_version <= eta]
+            self.totals["stale_dropped"] += len(batch.samples) - len(samples)
+            if not samples:
+                continue
+            stale = staleness_of(samples, learner.version)
+            t_update = time.monotonic()
+            stats = await asyncio.to_thread(learner.update, samples)
+            update_s = time.monotonic() - t_update
+            version = stats.version
+            t_sync = time.monotonic()
+            dm.set_version(version)  # pending episodes now outside the window are dropped before saving
+
+            def write_states(d: Path) -> None:
+                dm.save_state(d)
+                controller.save(d / RC_STATE)
+
+            ckpt = await asyncio.to_thread(learner.save, self.ckpt_root / f"v{version}",
+                                           {"run_dir": str(self.run_dir), "totals": self.totals}, write_states)
+            results = await self._sync(sync, ckpt, version)
+            sync_s = time.monotonic() - t_sync
+            controller.set_version(version)  # only now may rollouts count on the new weights
+            await asyncio.to_thread(controller.save, ckpt / RC_STATE)  # the checkpoint's copy at the new version
+            self._prune_checkpoints()
+            self.totals["samples"] += len(samples)
+            self.totals["updates_this_run"] += 1
+            self._log_row(stats, samples, stale, update_s, sync_s, results, batch, controller)
+
+    def _log_row(self, stats: Any, samples: list[Any], stale: list[int], update_s: float, sync_s: float,
+                 results: list[Any], batch: Any, controller: Any) -> None:
+        now = time.monotonic()
+        w, self.window = self.window, Window(started=now)
+        wall = max(1e-9, now - w.started)
+        # episodes still running were busy in this window too (the next window counts the rest)
+        w.env_busy_s += sum(overlap(t0, now, w.started, now) for t0 in self.in_flight.values())
+        row: dict[str, Any] = {
+            "version": stats.version,
+            "reward": sum(w.scores) / len(w.scores) if w.scores else None,
+            "success_rate": w.successes / len(w.scores) if w.scores else None,
+            "episodes": w.episodes,
+            "infra_errors": w.infra_errors,
+            "episodes_per_s": w.episodes / wall,
+            "env_utilisation": w.env_busy_s / (self.cfg.rollout.envs * wall),
+            "samples": len(samples),
+            "samples_per_s": len(samples) / wall,
+            "batch_reward": sum(s.reward for s in samples) / len(samples),
+            "staleness_max": max(stale) if stale else 0,
+            "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+            "sample_versions": sorted({s.policy_version for s in samples if s.policy_version is not None}),
+            "loss": stats.loss,
+            "kl": stats.extra.get("loss/approx_kl"),
+            "kl_behav": stats.extra.get("loss/behav_kl"),
+            "entropy": stats.entropy,
+            "grad_norm": stats.grad_norm,
+            "clip_frac": stats.extra.get("loss/clip_frac"),
+            "update_s": update_s,
+            "sync_s": sync_s,
+            "sync_ok": all(r.ok for r in results),
+            "server_versions": [r.version for r in results if r.ok],
+            "groups": len(batch.groups),
+            "capacity": controller.capacity(),
+            "outcomes": w.outcomes,
+            "eta": self.cfg.rollout.eta,
+            "counters": dict(self.learner.counters),
+        }
+        self.metrics.log(row)
+
+    def _prune_checkpoints(self) -> None:
+        keep = self.cfg.keep_checkpoints
+        dirs = sorted((d for d in self.ckpt_root.iterdir() if d.is_dir() and d.name[1:].isdigit()),
+                      key=lambda d: int(d.name[1:]))
+        for d in dirs[:-keep]:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def summary(self, start_version: int) -> dict[str, Any]:
+        rows = self.metrics.rows() if hasattr(self, "metrics") else []
+        return {"run_dir": str(self.run_dir), "start_version": start_version,
+                "version": self.learner.version if hasattr(self, "learner") else start_version,
+                "counters": dict(self.learner.counters) if hasattr(self, "learner") else {},
+                "totals": self.totals, "rows": len(rows),
+                "plot": str(self.run_dir / "curves.png") if (self.run_dir / "curves.png").is_file() else None}
+
+
+def checkpoint_state(run_dir: Path) -> dict[str, Any] | None:
+    """The trainer state of a run dir's latest checkpoint (None before the first update)."""
+    ckpt = latest_checkpoint(Path(run_dir) / CHECKPOINTS)
+    return read_state(ckpt) if ckpt else None
+
+
+def train(cfg: TrainConfig, console: Console | None = None) -> dict[str, Any]:
+    """Run a training run to ``cfg.updates`` policy versions (SIGTERM/SIGINT stop it cleanly)."""
+    trainer = Trainer(cfg, console)
+
+    async def main() -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, trainer.stop.set)
+        return await trainer.run()
+
+    summary = asyncio.run(main())
+    (trainer.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary

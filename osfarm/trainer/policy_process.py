@@ -1,0 +1,81 @@
+"""Policy server subprocesses the trainer starts (``osfarm policy serve`` on free loopback ports).
+
+Each child gets PR_SET_PDEATHSIG, so a trainer killed with SIGKILL takes its servers with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from osfarm.trainer.weight_sync import PolicyServer, SyncError, wait_healthy
+
+
+class PolicyStartError(RuntimeError):
+    """The server exited or never became healthy (the message has its log's tail)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Child setup: SIGKILL when the trainer dies, however it dies (PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+
+
+class PolicyProcess:
+    """One ``osfarm policy serve`` subprocess on a free loopback port."""
+
+    def __init__(self, model: Path, version: int, name: str, log_path: Path, delay_ms: float = 0.0,
+                 threads: int | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-c", "from osfarm.cli import app; app()", "policy", "serve", "--model", str(model),
+               "--port", str(self.port), "--served-model-name", name, "--version", str(version),
+               "--log-level", "warning"]
+        if delay_ms:
+            cmd += ["--delay-ms", str(delay_ms)]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = log_path.open("ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only, no locks
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        server = PolicyServer(url=self.url, health_timeout_s=timeout_s)
+        async with httpx.AsyncClient() as client:
+            task = asyncio.ensure_future(wait_healthy(client, server, timeout_s))
+            while not task.done():
+                if self.proc.poll() is not None:
+                    task.cancel()
+                    tail = self.log_path.read_text(errors="replace")[-800:]
+                    raise PolicyStartError(f"policy server exited with {self.proc.returncode}:\n{tail}")
+                await asyncio.sleep(0.2)
+            try:
+                task.result()
+            except SyncError as e:
+                raise PolicyStartError(f"policy server did not start: {e} (log: {self.log_path})") from None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
