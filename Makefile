@@ -5,8 +5,11 @@ PY := $(VENV)/bin/python
 # Debian's interpreter: its venv can see python3-gi / python3-pyatspi (system site packages).
 SYSTEM_PYTHON ?= /usr/bin/python3
 PYTEST_ARGS ?=
+# PyTorch for the policy server and trainer. This pin is the CPU build on our machines' disk;
+# elsewhere PyPI's build of it (CUDA) installs. Override: make TORCH='torch==2.5.1'.
+TORCH ?= torch==2.13.0
 
-.PHONY: demo test system venv bench clean
+.PHONY: demo test system venv services images bench clean
 
 system:
 	bash scripts/setup-system.sh
@@ -14,16 +17,28 @@ system:
 $(VENV)/.installed: pyproject.toml | system
 	test -x $(PY) || $(SYSTEM_PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q '$(TORCH)'
+	$(PY) -m pip install -q -e '.[dev,all]'
 	touch $@
 
 venv: system $(VENV)/.installed
+
+# dockerd (no bridge, no iptables) + Compose v2, and libvirtd: started when not running.
+services: system
+	bash scripts/setup-docker.sh
+	bash scripts/setup-libvirt.sh
+
+# Desktop images (debootstrap base, runtime, desktop) and the libvirt VM disk made from them;
+# each is skipped when its recipe label matches this checkout, so only the first run builds.
+images: venv services
+	$(VENV)/bin/osfarm image build
+	$(VENV)/bin/osfarm image build-vm
 
 demo: venv
 	$(VENV)/bin/osfarm demo --out runs
 	$(VENV)/bin/osfarm eval --suite tasks/mini --agent replay --envs 2 --out runs/eval-mini
 
-test: venv
+test: venv images
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 bench: venv

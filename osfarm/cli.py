@@ -47,6 +47,20 @@ desktop_app = typer.Typer(
 app.add_typer(desktop_app, name="desktop")
 app.add_typer(tasks_app, name="tasks")
 app.command("eval")(eval_command)
+from osfarm.runner.executors.worker import worker_command  # noqa: E402
+from osfarm.stream.cli import stream_app  # noqa: E402
+
+app.command("worker")(worker_command)
+app.add_typer(stream_app, name="stream")
+from osfarm.images.cli import image_app  # noqa: E402
+
+app.add_typer(image_app, name="image")
+from osfarm.policy.cli import policy_app  # noqa: E402
+
+app.add_typer(policy_app, name="policy")
+from osfarm.trainer.cli import train_command  # noqa: E402
+
+app.command("train")(train_command)
 
 out = Console()
 err = Console(stderr=True)
@@ -160,7 +174,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 @app.command()
 def serve(
-    provider: Annotated[Optional[str], typer.Option(help="desktop provider (sandbox)", show_default=False)] = None,
+    provider: Annotated[Optional[str], typer.Option(help="desktop provider: sandbox, docker, libvirt", show_default=False)] = None,
     pool_size: Annotated[Optional[int], typer.Option("--pool-size", help="desktops kept warm (pool_min)", show_default=False)] = None,
     pool_max: Annotated[Optional[int], typer.Option("--pool-max", help="most desktops alive at once", show_default=False)] = None,
     host: Annotated[Optional[str], typer.Option(help="address to bind (default 127.0.0.1)", show_default=False)] = None,

@@ -4,20 +4,16 @@ out through the getters, commands run in the box, and a real Chromium answers De
 from __future__ import annotations
 
 import json
-import shutil
 import sqlite3
-import tempfile
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+from boxes import sandbox_guest
 from waiting import wait_until
 
-from osfarm.config import FarmSettings
 from osfarm.evaluators.getters import GETTERS, EvalEnv
-from osfarm.providers.base import DesktopSpec
-from osfarm.providers.sandbox import SandboxProvider
 from osfarm.tasks.controller import GuestController
 
 CHROME = "/home/user/.config/google-chrome"
@@ -25,17 +21,8 @@ CHROME = "/home/user/.config/google-chrome"
 
 @pytest.fixture(scope="module")
 async def controller() -> AsyncIterator[GuestController]:
-    state = Path(tempfile.mkdtemp(prefix="ofg", dir="/tmp"))
-    provider = SandboxProvider(FarmSettings(state_dir=state))
-    handle = await provider.start("g1", DesktopSpec(width=1024, height=768))
-    ctl = GuestController.from_endpoint(handle.endpoint)
-    try:
+    async with sandbox_guest("g1", 1024, 768) as ctl:
         yield ctl
-    finally:
-        ctl.close()
-        await provider.stop(handle)
-        await provider.close()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ Chromium serves pages from a local HTTP server and answers DevTools on port 9222
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import zipfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -20,15 +18,13 @@ from xml.sax.saxutils import escape
 
 import pptx
 import pytest
+from boxes import sandbox_guest
 from PIL import Image
 from pptx.util import Inches
 from waiting import wait_until
 
-from osfarm.config import FarmSettings
 from osfarm.evaluators.errors import UnsupportedOption
 from osfarm.evaluators.getters import GETTERS, EvalEnv, apps
-from osfarm.providers.base import DesktopSpec
-from osfarm.providers.sandbox import SandboxProvider
 from osfarm.tasks.controller import GuestController
 
 PREFS = "/home/user/.config/google-chrome/Default/Preferences"
@@ -290,11 +286,7 @@ CART = b"""<!doctype html><html><head><title>Cart</title></head><body><div id="i
 
 @pytest.fixture(scope="module")
 async def desktop() -> AsyncIterator[GuestController]:
-    state = Path(tempfile.mkdtemp(prefix="ofgx", dir="/tmp"))
-    provider = SandboxProvider(FarmSettings(state_dir=state))
-    handle = await provider.start("gx", DesktopSpec(width=1280, height=800))
-    ctl = GuestController.from_endpoint(handle.endpoint)
-    try:
+    async with sandbox_guest("gx", 1280, 800) as ctl:
         ctl.upload_file("/home/user/site/flights.html", PAGE_A)
         ctl.upload_file("/home/user/site/cart.html", CART)
         ctl.launch("cd /home/user/site && exec python3 -m http.server 8000 --bind 127.0.0.1", shell=True)
@@ -302,11 +294,6 @@ async def desktop() -> AsyncIterator[GuestController]:
         ctl.launch(["google-chrome", "--remote-debugging-port=1337", "http://127.0.0.1:8000/flights.html?from=NYC&to=CMH"])
         ctl.launch(["socat", "tcp-listen:9222,fork", "tcp:localhost:1337"])
         yield ctl
-    finally:
-        ctl.close()
-        await provider.stop(handle)
-        await provider.close()
-        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture

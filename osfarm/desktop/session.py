@@ -658,8 +658,11 @@ class Session:
 
                 return contextlib.nullcontext()
 
+        # Keep idle connections longer than any client does (the farm's 30 s, httpx's 5 s): with
+        # uvicorn's 5 s default, a farm connection idle 5-15 s (an agent thinking) was reused
+        # just after the guest closed it, and the step failed with a broken pipe.
         kw: dict[str, Any] = dict(log_level=self.args.log_level, lifespan="on", access_log=False,
-                                  timeout_graceful_shutdown=1, ws="none")
+                                  timeout_graceful_shutdown=1, ws="none", timeout_keep_alive=75)
         if self.args.socket:
             sock = Path(self.args.socket)
             if sock.exists() or sock.is_symlink():

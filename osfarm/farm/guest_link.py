@@ -45,7 +45,10 @@ class GuestLink:
 
     def __init__(self, endpoint: GuestEndpoint):
         self.endpoint = endpoint
-        connector = aiohttp.UnixConnector(path=endpoint.uds) if endpoint.uds else aiohttp.TCPConnector()
+        # Idle connections are dropped well before the guest's 75 s keep-alive closes them.
+        keep = 30.0
+        connector = (aiohttp.UnixConnector(path=endpoint.uds, keepalive_timeout=keep) if endpoint.uds
+                     else aiohttp.TCPConnector(keepalive_timeout=keep))
         self._session = aiohttp.ClientSession(
             base_url=endpoint.base_url,
             connector=connector,

@@ -11,7 +11,7 @@ from rich.console import Console
 
 def eval_command(
     suite: Annotated[Path, typer.Option("--suite", help="folder of <domain>/<id>.json tasks (or OSWorld's evaluation_examples/)")],
-    agent: Annotated[str, typer.Option("--agent", help="agent name: replay, noop, fail")] = "replay",
+    agent: Annotated[str, typer.Option("--agent", help="agent name: replay, noop, fail, vlm")] = "replay",
     index: Annotated[Path | None, typer.Option("--index", help="index file {domain: [ids]} (default: every task; OSWorld's test_all.json when present)", show_default=False)] = None,
     envs: Annotated[int, typer.Option("--envs", min=1, help="episodes run at once (desktops)")] = 1,
     max_steps: Annotated[int, typer.Option("--max-steps", min=1, help="agent steps per episode")] = 15,
@@ -26,9 +26,20 @@ def eval_command(
     action_space: Annotated[str, typer.Option("--action-space", help="pyautogui or computer_13")] = "pyautogui",
     width: Annotated[int | None, typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
     height: Annotated[int | None, typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
+    provider: Annotated[str | None, typer.Option("--provider", help="box of the in-process farm: sandbox, docker or libvirt (default: OSFARM_PROVIDER or sandbox)", show_default=False)] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
     record: Annotated[bool, typer.Option("--record/--no-record", help="save each episode's screen as recording.mp4")] = False,
     solutions: Annotated[Path | None, typer.Option("--solutions", help="replay: folder of <task id>.json solutions (instead of each task's trajectory)", show_default=False)] = None,
+    model_url: Annotated[str | None, typer.Option("--model-url", envvar="OSFARM_MODEL_URL", help="vlm: OpenAI-compatible policy server (root or /v1 URL)", show_default=False)] = None,
+    model: Annotated[str | None, typer.Option("--model", envvar="OSFARM_MODEL", help="vlm: model name sent to the policy server", show_default=False)] = None,
+    prompt_format: Annotated[str | None, typer.Option("--prompt-format", help="vlm: pyautogui, computer_13 or uitars (default: follows --action-space)", show_default=False)] = None,
+    agent_opt: Annotated[list[str] | None, typer.Option("--agent-opt", help="vlm: agent option key=value (repeatable), e.g. history_turns=3 observation=screenshot_a11y", show_default=False)] = None,
+    executor: Annotated[str, typer.Option("--executor", help="inprocess (episodes in this process) or celery (queued to `osfarm worker`s)")] = "inprocess",
+    broker: Annotated[str | None, typer.Option("--broker", envvar="OSFARM_BROKER", help="celery: Redis URL of the broker", show_default=False)] = None,
+    max_concurrent: Annotated[int | None, typer.Option("--max-concurrent", min=1, help="episodes in flight (default: --envs; celery: every task); the next starts when any finishes", show_default=False)] = None,
+    sync_batches: Annotated[bool, typer.Option("--sync-batches", help="run batches of --max-concurrent with a barrier (comparison baseline)")] = False,
+    stream_url: Annotated[str | None, typer.Option("--stream-url", envvar="OSFARM_REDIS", help="also publish records to this Redis stream (in-process executor)", show_default=False)] = None,
+    stream: Annotated[str, typer.Option("--stream", envvar="OSFARM_STREAM", help="stream key for --stream-url")] = "osfarm:episodes",
 ) -> None:
     """Run AGENT on every task of SUITE; write OSWorld's per-task layout, results.json and report.html."""
     from osfarm.agents import UnknownAgent
@@ -38,12 +49,20 @@ def eval_command(
     from osfarm.tasks.model import TaskError
 
     err = Console(stderr=True)
-    overrides = {k: v for k, v in (("width", width), ("height", height)) if v is not None}
+    overrides = {k: v for k, v in (("width", width), ("height", height), ("provider", provider)) if v is not None}
     opts = RunOptions(suite=suite, agent=agent, out=out, index=index, envs=envs, max_steps=max_steps, resume=resume,
                       url=url, token=token, cache=cache, offline=offline, time_limit_s=time_limit,
                       infra_retries=retries, action_space=action_space, progress=progress, record=record,
-                      solutions=solutions, farm_overrides=overrides)
+                      solutions=solutions, farm_overrides=overrides, executor=executor, broker=broker,
+                      max_concurrent=max_concurrent, sync_batches=sync_batches, stream_url=stream_url, stream=stream)
+    if executor not in ("inprocess", "celery"):
+        err.print(f"[bold red]error:[/] --executor must be inprocess or celery, got {executor!r}", highlight=False)
+        raise typer.Exit(2)
     try:
+        from osfarm.agents.vlm import parse_agent_opts
+
+        opts.model_url, opts.model, opts.prompt_format = model_url, model, prompt_format
+        opts.agent_opts = parse_agent_opts(agent_opt or [])
         summary = run_eval(opts, console=err)
     except TaskError as e:
         err.print(f"[bold red]error:[/] invalid suite:\n{e}", highlight=False)

@@ -66,6 +66,9 @@ class StepRecord:
     t_env_ms: float
     timestamp: str  # OSWorld's %Y%m%d@%H%M%S%f, when the actions were sent
     after_screenshot: bytes | None = None  # the observation after the actions (OSWorld saves this one)
+    # the model call behind this step (agents with ``last_model_call``, e.g. vlm): request messages
+    # (images as data URLs), response_text, response_token_ids, response_logprobs, policy_version
+    model: dict[str, Any] | None = None
 
 
 @dataclass
@@ -179,7 +182,7 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
         desk = await farm.lease(ttl_s=cfg.lease_ttl_s, wait_s=cfg.lease_wait_s, heartbeat=True)
     except FarmAPIError as e:
         raise HarnessError(f"lease: {e}") from e
-    res.desktop = {"provider": "sandbox", "image": None, "desktop_id": desk.info.desktop_id, "lease_id": desk.id}
+    res.desktop = {"provider": desk.info.provider, "image": desk.info.image, "desktop_id": desk.info.desktop_id, "lease_id": desk.id}
     clock.lap("lease")
     controller = GuestController(base_url=f"{farm.url}/v1/desktops/{desk.id}/guest", token=token)
     try:
@@ -214,14 +217,20 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
             o = {"screenshot": png, "accessibility_tree": obs.a11y, "terminal": None, "instruction": instruction}
             t0 = time.perf_counter()
             try:
-                response, actions = await asyncio.to_thread(agent.predict, instruction, o)
+                response, actions = await _predict(agent, instruction, o)
             except Exception as e:  # noqa: BLE001
+                if getattr(e, "infra", False):  # e.g. the policy server stayed unreachable through its retries
+                    raise HarnessError(f"step {i}: {e}") from e
                 res.status, res.error = FAILURE, f"agent predict (step {i}): {type(e).__name__}: {e}"
                 return
             t_model = (time.perf_counter() - t0) * 1000
             actions = list(actions or [])
+            call = getattr(agent, "last_model_call", None)
+            parse_error = call.get("parse_error") if isinstance(call, dict) else None
             rec = StepRecord(index=i, screenshot=png, a11y=obs.a11y, response=str(response), actions=actions,
-                             action_error=None, t_model_ms=round(t_model, 1), t_env_ms=0.0, timestamp=_ts())
+                             action_error=f"parse error: {parse_error}" if parse_error else None,
+                             t_model_ms=round(t_model, 1), t_env_ms=0.0, timestamp=_ts(),
+                             model=call if isinstance(call, dict) else None)
             res.steps.append(rec)
             t1 = time.perf_counter()
             try:
@@ -274,9 +283,28 @@ async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache:
             pass
 
 
+async def _predict(agent: Agent, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    """An agent's ``apredict`` when it has one (awaited on this loop, no thread), else ``predict``
+    in a worker thread."""
+    apredict = getattr(agent, "apredict", None)
+    if apredict is not None:
+        return await apredict(instruction, obs)  # type: ignore[no-any-return]
+    return await asyncio.to_thread(agent.predict, instruction, obs)
+
+
 async def run_episode(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache: FileCache,
                       cfg: EpisodeConfig, run_id: str) -> EpisodeResult:
     """Run ``task`` to a final status, retrying infra errors up to ``cfg.infra_retries`` times."""
+    try:
+        return await _run_attempts(farm, token, task, agent, cache, cfg, run_id)
+    finally:
+        aclose = getattr(agent, "aclose", None)  # agents holding connections (vlm) release them
+        if aclose is not None:
+            await aclose()
+
+
+async def _run_attempts(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache: FileCache,
+                        cfg: EpisodeConfig, run_id: str) -> EpisodeResult:
     errors: list[str] = []
     attempt = 0
     while True:

@@ -5,15 +5,15 @@ only for a finished episode, so ``--resume`` re-runs infra errors), ``traj.jsonl
 step), ``step_N_<timestamp>.png`` (the screen after step N) and ``episode.json`` (status, score,
 error: what ``--resume`` reads back). Per run: ``episodes.jsonl`` (one ``osfarm.episode/1``
 record per finished episode, screenshots as content-addressed blobs under ``blobs/``),
-``results.json`` (every task in the denominator), ``report.html``.
+``results.json`` (every task in the denominator), ``report.html``. The record schema and the
+blob store live in ``osfarm.stream`` (imported here under their old names).
 """
 
 from __future__ import annotations
 
-import hashlib
 import html
 import json
-import os
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -21,10 +21,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from osfarm.agents.prompts.messages import strip_images
 from osfarm.runner.episode import INFRA_ERROR, SUCCESS, TIMEOUT, EpisodeResult
+from osfarm.stream.blobs import BlobStore
+from osfarm.stream.jsonl import JsonlSink
+from osfarm.stream.record import SCHEMA, SchemaError, check_record
 
-SCHEMA = "osfarm.episode/1"
-SCHEMA_MAJOR = "osfarm.episode/1"
 RESULTS_SCHEMA = "osfarm.results/1"
 # OSWorld's folders are named libreoffice_calc etc.; its paper calls them calc etc.: both count.
 GROUPS: dict[str, tuple[str, ...]] = {
@@ -32,10 +34,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "Daily": ("vlc", "thunderbird", "chrome"),
     "Professional": ("gimp", "vs_code"),
 }
-
-
-class SchemaError(ValueError):
-    pass
 
 
 def _iso(t: float) -> str:
@@ -46,22 +44,27 @@ def task_dir(out: Path, domain: str, task_id: str) -> Path:
     return out / (domain or "_") / task_id
 
 
-class BlobStore:
-    """Content-addressed files: ``blobs/<sha[:2]>/<sha>.<ext>``; refs are relative to the run dir."""
+def step_model(call: dict[str, Any] | None, response: str, blobs: BlobStore) -> dict[str, Any]:
+    """A step's ``model`` part: the request messages as a JSON blob whose image data URLs are
+    themselves blob refs (the screenshot the step observed is the same blob), and the reply."""
+    if call is None:
+        return {"request": None, "response_text": response, "response_token_ids": None,
+                "response_logprobs": None, "policy_version": None}
+    request = None
+    if call.get("request") is not None:
+        msgs = strip_images(call["request"], blobs.put)
+        request = blobs.put(json.dumps(msgs, ensure_ascii=False).encode(), "json", "application/json")
+    return {"request": request, "response_text": call.get("response_text"),
+            "response_token_ids": call.get("response_token_ids"), "response_logprobs": call.get("response_logprobs"),
+            "policy_version": call.get("policy_version")}
 
-    def __init__(self, out: Path):
-        self.out = out
 
-    def put(self, data: bytes, ext: str, media_type: str) -> dict[str, Any]:
-        digest = hashlib.sha256(data).hexdigest()
-        rel = f"blobs/{digest[:2]}/{digest}.{ext}"
-        p = self.out / rel
-        if not p.exists():
-            p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(data)
-            tmp.replace(p)
-        return {"sha256": digest, "path": rel, "media_type": media_type, "size": len(data)}
+def _policy(res: EpisodeResult) -> dict[str, Any]:
+    versions = [s.model.get("policy_version") for s in res.steps if s.model]
+    versions = [v for v in versions if v is not None]
+    names = [s.model.get("model") for s in res.steps if s.model and s.model.get("model")]
+    return {"name": names[0] if names else res.agent, "version_start": versions[0] if versions else None,
+            "version_end": versions[-1] if versions else None}
 
 
 def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[str, Any]:
@@ -72,8 +75,7 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         steps.append({
             "index": s.index,
             "observation": {"screenshot": shot, "a11y": a11y},
-            "model": {"request": None, "response_text": s.response, "response_token_ids": None,
-                      "response_logprobs": None, "policy_version": None},
+            "model": step_model(s.model, s.response, blobs),
             "actions": s.actions,
             "action_error": s.action_error,
             "t_model_ms": s.t_model_ms,
@@ -88,7 +90,7 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "group_id": res.task.id,
         "attempt": res.attempt,
         "agent": res.agent,
-        "policy": {"name": res.agent, "version_start": None, "version_end": None},
+        "policy": _policy(res),
         "desktop": {"provider": res.desktop.get("provider", "sandbox"), "image": res.desktop.get("image")},
         "status": res.status,
         "score": res.score,
@@ -99,29 +101,6 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "finished_at": _iso(res.finished_at),
         "steps": steps,
     }
-
-
-def check_record(rec: Any) -> dict[str, Any]:
-    """Validate an ``osfarm.episode/1`` record; unknown major versions are refused clearly."""
-    if not isinstance(rec, dict):
-        raise SchemaError("an episode record must be a JSON object")
-    schema = rec.get("schema")
-    if not isinstance(schema, str) or not schema.startswith("osfarm.episode/"):
-        raise SchemaError(f"not an osfarm episode record (schema {schema!r})")
-    if schema.split(".")[1].split("/")[1].split(".")[0] != "1":
-        raise SchemaError(f"unsupported episode schema {schema!r}; this reader knows {SCHEMA}")
-    need = ["episode_id", "run_id", "task_id", "domain", "group_id", "attempt", "agent", "policy", "desktop",
-            "status", "score", "error", "started_at", "finished_at", "steps"]
-    missing = [k for k in need if k not in rec]
-    if missing:
-        raise SchemaError(f"episode {rec.get('episode_id')}: missing fields {missing}")
-    if rec["status"] not in ("success", "failure", "infra_error", "timeout"):
-        raise SchemaError(f"episode {rec['episode_id']}: bad status {rec['status']!r}")
-    for s in rec["steps"]:
-        for k in ("index", "observation", "model", "actions", "action_error", "t_model_ms", "t_env_ms"):
-            if k not in s:
-                raise SchemaError(f"episode {rec['episode_id']}: step {s.get('index')} lacks {k!r}")
-    return rec
 
 
 def read_episodes(path: Path) -> list[dict[str, Any]]:
@@ -135,8 +114,10 @@ def read_episodes(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[str, Any]:
-    """Write one finished task's files; returns its row for results.json."""
+def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
+               emit: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+    """Write one finished task's files; returns its row for results.json. The episode record is
+    appended to ``episodes.jsonl``, or handed to ``emit`` instead (a Celery worker returns it)."""
     d = task_dir(out, res.task.domain, res.task.id)
     d.mkdir(parents=True, exist_ok=True)
     for old in list(d.glob("step_*.png")) + [d / "traj.jsonl", d / "result.txt", d / "recording.mp4"]:
@@ -168,8 +149,10 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore) -> 
         row["recording_error"] = res.recording_error
     (d / "episode.json").write_text(json.dumps(row, indent=2))
     rec = episode_record(res, run_id, blobs)
-    with (out / "episodes.jsonl").open("a") as f:
-        f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    if emit is not None:
+        emit(rec)
+    else:
+        JsonlSink(out / "episodes.jsonl").publish(rec)
     return row
 
 

@@ -1,17 +1,22 @@
-"""A whole run: every task of a suite, up to ``envs`` episodes at once, then the results.
+"""A whole run: every task of a suite, up to ``max_concurrent`` episodes at once, then the results.
 
-Without a farm URL an in-process farm is started (sandbox provider, ``envs`` warm desktops) and
-stopped at the end. Episodes run as asyncio tasks gated by a semaphore, so the next task starts
-as soon as one finishes; each finished task is written at once (a killed run keeps what it
-finished, and ``resume`` skips tasks that have a ``result.txt``).
+Scheduling is rollout-wise (``RolloutScheduler``): the next episode starts the moment any
+finishes; ``sync_batches`` keeps the batch barrier instead, for comparison. Executors: in
+process (episodes are asyncio tasks on one farm; without a farm URL an in-process farm is
+started with ``envs`` warm desktops and stopped at the end) or Celery (jobs queued on Redis and
+run by ``osfarm worker`` processes on their own farms; same rows and records). Each finished
+task is written at once (a killed run keeps what it finished, and ``resume`` skips tasks that
+have a ``result.txt``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -28,7 +33,13 @@ from rich.progress import (
 
 from osfarm.agents import make_agent
 from osfarm.client import AsyncFarm
-from osfarm.runner.episode import EpisodeConfig, run_episode
+from osfarm.runner.episode import (
+    INFRA_ERROR,
+    TIMEOUT,
+    EpisodeConfig,
+    episode_id,
+    run_episode,
+)
 from osfarm.runner.results import (
     BlobStore,
     finished_row,
@@ -37,6 +48,8 @@ from osfarm.runner.results import (
     write_results,
     write_task,
 )
+from osfarm.runner.scheduler import Done, RolloutScheduler
+from osfarm.stream.jsonl import JsonlSink
 from osfarm.tasks.filecache import FileCache, load_url_map
 from osfarm.tasks.suite import OSWORLD_INDEX, Suite, load_suite
 
@@ -63,6 +76,24 @@ class RunOptions:
     record: bool = False
     farm_overrides: dict[str, Any] = field(default_factory=dict)  # FarmSettings for the in-process farm
     solutions: Path | None = None  # replay: <solutions>/<task id>.json instead of each task's trajectory
+    # vlm: the policy endpoint, its model name, the prompt format, and any other VLMAgent option
+    model_url: str | None = None
+    model: str | None = None
+    prompt_format: str | None = None
+    agent_opts: dict[str, Any] = field(default_factory=dict)
+    executor: str = "inprocess"  # inprocess | celery
+    broker: str | None = None  # celery: Redis URL
+    max_concurrent: int | None = None  # episodes in flight (default: envs)
+    sync_batches: bool = False  # batches of max_concurrent with a barrier (the comparison baseline)
+    stream_url: str | None = None  # also publish records to this Redis (in-process executor)
+    stream: str = "osfarm:episodes"
+
+    def concurrency(self, n_tasks: int = 1) -> int:
+        """Episodes in flight: --max-concurrent, else --envs in process; with Celery every task is
+        queued at once (the workers' --concurrency is the limit)."""
+        if self.max_concurrent is not None:
+            return max(1, self.max_concurrent)
+        return max(1, n_tasks if self.executor == "celery" else self.envs)
 
     def agent_options(self) -> dict[str, Any]:
         if self.solutions is not None and self.agent != "replay":
@@ -70,7 +101,64 @@ class RunOptions:
         kw: dict[str, Any] = {"action_space": self.action_space}
         if self.solutions is not None:
             kw["solutions"] = self.solutions
+        vlm = {k: v for k, v in (("base_url", self.model_url), ("model", self.model),
+                                 ("prompt_format", self.prompt_format)) if v is not None}
+        if self.agent == "vlm":
+            if self.prompt_format in ("pyautogui", "computer_13") and self.action_space == "pyautogui":
+                del kw["action_space"]  # the format fixes the action space; "pyautogui" is only the default
+            kw.update(vlm)
+            kw.update(self.agent_opts)
+        elif vlm or self.agent_opts:
+            raise ValueError(f"--model-url, --model, --prompt-format and --agent-opt are for the vlm agent, "
+                             f"not {self.agent!r}")
         return kw
+
+
+def _failed_row(task: Any, done: Done[Any, Any], run_id: str) -> dict[str, Any]:
+    """The row of an episode whose executor failed (a Celery worker error, a hard time limit)."""
+    err = done.error
+    status = TIMEOUT if getattr(err, "timed_out", False) else INFRA_ERROR
+    return {"task_id": task.id, "domain": task.domain, "status": status, "score": 0.0,
+            "error": f"{type(err).__name__}: {err}", "steps": 0, "attempts": 1,
+            "seconds": round(done.finished - done.started, 2), "episode_id": episode_id(run_id, task.id, 1)}
+
+
+async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, suite: Suite, index: Path | None,
+                          url: str | None, token: str | None, cache: FileCache, cfg: EpisodeConfig, run_id: str,
+                          out: Path, blobs: BlobStore) -> Callable[[Any], Awaitable[tuple[dict[str, Any], dict[str, Any] | None]]]:
+    """``task -> (row, record)`` for the chosen executor."""
+    if opts.executor == "inprocess":
+        farm = await stack.enter_async_context(AsyncFarm(url, token))
+
+        async def in_process(task: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+            agent = make_agent(opts.agent, **opts.agent_options())
+            res = await run_episode(farm, token or "", task, agent, cache, cfg, run_id)
+            recs: list[dict[str, Any]] = []
+            row = write_task(out, res, run_id, blobs, emit=recs.append)
+            return row, recs[0]
+
+        return in_process
+    if opts.executor != "celery":
+        raise ValueError(f"unknown executor {opts.executor!r}; use inprocess or celery")
+    from osfarm.runner.executors.celery_exec import CeleryExecutor
+
+    if not opts.broker:
+        raise ValueError("--executor celery needs --broker redis://HOST:PORT/DB (or OSFARM_BROKER)")
+    CeleryExecutor.check_limits(opts.time_limit_s, opts.infra_retries)
+    ex = CeleryExecutor(opts.broker)
+    stack.callback(ex.close)
+    agent_options = {k: str(v) if isinstance(v, Path) else v for k, v in opts.agent_options().items()}
+    base = {"run_id": run_id, "suite": str(Path(opts.suite).resolve()), "index": str(Path(index).resolve()) if index else None,
+            "agent": opts.agent, "agent_options": agent_options, "out": str(out.resolve()),
+            "cache": str(Path(opts.cache).resolve()) if opts.cache else None, "offline": opts.offline,
+            "episode": {"max_steps": opts.max_steps, "time_limit_s": opts.time_limit_s,
+                        "infra_retries": opts.infra_retries, "record": opts.record}}
+
+    async def on_celery(task: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        got = await ex.run({**base, "task_id": task.id})
+        return got["row"], got["record"]
+
+    return on_celery
 
 
 def make_cache(suite: Suite, suite_dir: Path, cache: Path | None, out: Path, offline: bool) -> FileCache:
@@ -90,7 +178,7 @@ def _progress(console: Console, enabled: bool) -> Progress:
                     TimeElapsedColumn(), console=console, disable=not enabled, transient=False)
 
 
-async def run_async(opts: RunOptions, url: str, token: str, console: Console | None = None) -> dict[str, Any]:
+async def run_async(opts: RunOptions, url: str | None, token: str | None, console: Console | None = None) -> dict[str, Any]:
     console = console or Console(stderr=True)
     index = opts.index
     if index is None and (Path(opts.suite) / OSWORLD_INDEX).is_file():
@@ -113,8 +201,13 @@ async def run_async(opts: RunOptions, url: str, token: str, console: Console | N
         else:
             todo.append(t)
     started = time.time()
-    sem = asyncio.Semaphore(max(1, opts.envs))
     counts = {"success": 0, "failure": 0, "infra_error": 0, "timeout": 0}
+    jsonl = JsonlSink(out / "episodes.jsonl")
+    stream_sink = None
+    if opts.stream_url:
+        from osfarm.stream.redis_stream import RedisStreamSink
+
+        stream_sink = RedisStreamSink(opts.stream_url, opts.stream)
 
     with _progress(console, opts.progress) as progress:
         bar = progress.add_task("", total=len(todo))
@@ -122,20 +215,31 @@ async def run_async(opts: RunOptions, url: str, token: str, console: Console | N
         def describe() -> str:
             return " ".join(f"{k}={v}" for k, v in counts.items() if v)
 
-        async with AsyncFarm(url, token) as farm:
-            async def one(task: Any) -> None:
-                async with sem:
-                    agent = make_agent(opts.agent, **opts.agent_options())
-                    res = await run_episode(farm, token, task, agent, cache, cfg, run_id)
-                rows[task.id] = write_task(out, res, run_id, blobs)
-                counts[res.status] += 1
+        async with contextlib.AsyncExitStack() as stack:
+            run_one = await _episode_runner(opts, stack, suite, index, url, token, cache, cfg, run_id, out, blobs)
+            sched: RolloutScheduler[Any, tuple[dict[str, Any], dict[str, Any] | None]] = RolloutScheduler(
+                run_one, opts.concurrency(len(todo)), sync_batches=opts.sync_batches)
+            for t in todo:
+                sched.submit(t)
+            sched.close()
+            async for done in sched.results():
+                task = done.item
+                if done.error is not None:  # the executor itself failed: counted, never a crash
+                    row, rec = _failed_row(task, done, run_id), None
+                else:
+                    row, rec = done.result  # type: ignore[misc]
+                rows[task.id] = row
+                if rec is not None:
+                    jsonl.publish(rec)
+                    if stream_sink is not None and opts.executor == "inprocess":  # workers publish their own
+                        await asyncio.to_thread(stream_sink.publish, rec)
+                counts[row["status"]] += 1
                 progress.update(bar, advance=1, description=describe())
-
-            await asyncio.gather(*(one(t) for t in todo))
 
     ordered = [rows[t.id] for t in suite]
     summary = summarize(ordered, run_id, opts.agent, {
         "suite": str(opts.suite), "index": str(index) if index else None, "envs": opts.envs,
+        "executor": opts.executor, "max_concurrent": opts.concurrency(len(todo)), "sync_batches": opts.sync_batches,
         "max_steps": opts.max_steps, "resumed": len(suite) - len(todo), "ran": len(todo),
         "started_at": started, "finished_at": time.time(), "seconds": round(time.time() - started, 2)})
     write_results(out, summary)
@@ -145,6 +249,8 @@ async def run_async(opts: RunOptions, url: str, token: str, console: Console | N
 
 def run_eval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]:
     """Run the evaluation (starting an in-process farm when ``opts.url`` is None)."""
+    if opts.executor == "celery":  # the workers bring their farms
+        return asyncio.run(run_async(opts, None, None, console))
     if opts.url is not None:
         if not opts.token:
             raise ValueError("--url needs --token (or OSFARM_TOKEN)")
