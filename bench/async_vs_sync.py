@@ -11,7 +11,7 @@ Throughput is measured from the first update to the last (the start-up and the f
 identical in all settings, are left out): learner samples/s = samples trained / wall seconds;
 environment utilisation = busy desktop-seconds / (desktops × wall seconds).
 
-    python bench/async_vs_sync.py --updates 5 --envs 2 [--etas 0,1,2,4] [--delay-ms 0] [--out figures.json]
+    python bench/async_vs_sync.py --updates 5 --envs 2 [--etas 0,1,2,4] [--delay-ms 0 --delay-sigma 0] [--out figures.json]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console) ->
     cfg = load_train_config(args.config, run_dir=run_dir, updates=args.updates, resume=False)
     cfg = cfg.model_copy(update={
         "rollout": cfg.rollout.model_copy(update={"eta": eta, "envs": args.envs, "batch_size": args.batch_size}),
-        "policy": cfg.policy.model_copy(update={"delay_ms": args.delay_ms}),
+        "policy": cfg.policy.model_copy(update={"delay_ms": args.delay_ms, "delay_sigma": args.delay_sigma}),
         "metrics": cfg.metrics.model_copy(update={"plot": False}),
         # a small step keeps the choice task from saturating: an all-success group has no GRPO
         # signal and is dropped, which would stall the run (throughput is measured, not learning)
@@ -77,7 +77,8 @@ def main() -> None:
     ap.add_argument("--envs", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--etas", default="0,1,2,4")
-    ap.add_argument("--delay-ms", type=float, default=0.0, help="artificial policy latency per request")
+    ap.add_argument("--delay-ms", type=float, default=0.0, help="artificial policy latency per request (median)")
+    ap.add_argument("--delay-sigma", type=float, default=0.0, help="lognormal sigma of that latency (0: fixed)")
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--max-episodes", type=int, default=400, help="safety stop per setting")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")

@@ -213,6 +213,13 @@ def test_too_easy_and_zero_variance_groups(run):
     for _ in range(2):
         dm.add(make_record(run, "easy", status="success"))
     assert dm.take_batch().groups == [] and dm.counters["groups_zero_variance"] == 1
+    # drop_no_signal=False keeps a solved task's group, with zero advantages (the version goes on)
+    dm = DataManager(DataConfig(group_size=2, drop_no_signal=False), blob_root=run)
+    for _ in range(2):
+        dm.add(make_record(run, "easy", status="success"))
+    groups = dm.take_batch().groups
+    assert [g.task_id for g in groups] == ["easy"] and groups[0].advantages == approx([0, 0])
+    assert dm.counters["groups_too_easy"] == 1
 
 
 def test_dynamic_group_size_follows_task_success(run):

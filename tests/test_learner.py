@@ -20,6 +20,7 @@ from osfarm.trainer.learner import (
     Learner,
     LearnerOptions,
     LoraOptions,
+    LossOptions,
     encode_sample,
     latest_checkpoint,
     read_state,
@@ -208,3 +209,18 @@ def test_pool_sample_without_ids_or_logprobs(learner: Learner) -> None:
     stats = learner.update([s])
     assert stats.tokens == len(ids)
     assert sum(learner.score(s)) > before
+
+
+def test_kl_to_the_frozen_reference(model_dir: Path) -> None:
+    """With kl_coef > 0 the loss carries KL(π_θ ‖ π_ref): 0 while the policy is the reference,
+    > 0 once an update has moved it; the reference itself never moves."""
+    lrn = Learner(model_dir, LearnerOptions(lr=1e-2, loss=LossOptions(kl_coef=0.1)))
+    s = _sample(lrn, [107, 108, 109], advantage=1.0)
+    first = lrn.update([s])
+    assert first.extra["loss/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # k3 of identical policies: e^0 - 0 - 1
+    s.behav_logprobs = lrn.score(s)
+    second = lrn.update([s])
+    assert second.extra["loss/kl_ref"] > 1e-6
+    untouched = Learner(model_dir, LearnerOptions()).score(s)
+    assert lrn.reference_logprobs(lrn.encode(s))[0].tolist() == pytest.approx(untouched, abs=1e-5)
+    assert lrn.score(s) != pytest.approx(untouched, abs=1e-5)

@@ -40,12 +40,12 @@ def test_committed_suite_matches_its_generator() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def run_suite(agent: str, out: Path, monkeypatch: pytest.MonkeyPatch) -> dict:
+def run_suite(agent: str, out: Path, monkeypatch: pytest.MonkeyPatch, index: Path | None = None) -> dict:
     monkeypatch.setenv("OSFARM_STATE_DIR", tempfile.mkdtemp(prefix="ofo", dir="/tmp"))
     app = typer.Typer()
     app.command()(eval_command)
     res = CliRunner().invoke(app, ["--suite", str(SUITE), "--agent", agent, "--envs", "2",
-                                   "--out", str(out), "--no-progress"])
+                                   "--out", str(out), "--no-progress", *(["--index", str(index)] if index else [])])
     assert res.exit_code == 0, res.output
     return json.loads((out / "results.json").read_text())
 
@@ -65,6 +65,19 @@ def test_noop_solves_nothing_and_fail_solves_exactly_the_infeasible_tasks(
     noop = run_suite("noop", tmp_path / "noop", monkeypatch)
     assert noop["infra_errors"] == 0
     assert [t["task_id"] for t in noop["tasks"] if t["status"] == "success"] == []
-    fail = run_suite("fail", tmp_path / "fail", monkeypatch)
+    # FAIL on a feasible task scores 0 by the scoring rule, before any getter runs: one feasible
+    # task per domain shows that; every infeasible task must score 1.
+    tasks = load_suite(SUITE).tasks
+    subset: dict[str, list[str]] = {}
+    feasible_taken: set[str] = set()  # domains
+    for t in tasks:
+        if t.id in infeasible or t.domain not in feasible_taken:
+            subset.setdefault(t.domain, []).append(t.id)
+            if t.id not in infeasible:
+                feasible_taken.add(t.domain)
+    index = tmp_path / "fail-index.json"
+    index.write_text(json.dumps(subset))
+    fail = run_suite("fail", tmp_path / "fail", monkeypatch, index)
     assert fail["infra_errors"] == 0
+    assert {t["task_id"] for t in fail["tasks"]} == {i for ids in subset.values() for i in ids}
     assert {t["task_id"] for t in fail["tasks"] if t["status"] == "success"} == infeasible

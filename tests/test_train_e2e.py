@@ -44,6 +44,11 @@ agent:
 learner:
   lr: 0.003
   temperature: 0.1
+data:
+  options:
+    # the choice task is often solved by version 2; its all-success groups still train (zero
+    # advantages), so the run reaches `updates` instead of waiting for a signal that never comes
+    drop_no_signal: false
 metrics:
   prometheus_port: 0
 """

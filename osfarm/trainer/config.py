@@ -39,6 +39,7 @@ class PolicySection(_Strict):
     servers: list[PolicyServer] = Field(default_factory=list, description="running policy servers to use and sync")
     spawn: int = Field(default=1, ge=0, description="CPU policy servers to start (osfarm policy serve) when servers is empty")
     delay_ms: float = Field(default=0.0, ge=0, description="spawned servers: artificial latency per request")
+    delay_sigma: float = Field(default=0.0, ge=0, description="spawned servers: lognormal sigma of that latency (0: fixed)")
     start_timeout_s: float = Field(default=120.0, gt=0)
     model_name: str = Field(default="policy", description="model name agents send")
 

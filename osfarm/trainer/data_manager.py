@@ -8,7 +8,7 @@ version window (policy_version ≥ current − window); n is the task's dynamic 
 success and one failure when it has them; a group that is all failures swaps its oldest episode
 for the newest stored success of that task from the experience pool (or is dropped this round
 when there is none; failures with differing partial scores already carry a signal and train as they are); a group whose mean reward reaches ``acc_max`` or whose rewards are all
-equal carries no GRPO signal and is dropped. Every episode is used at most once.
+equal carries no GRPO signal and is dropped (``drop_no_signal=False`` keeps it, with zero advantages). Every episode is used at most once.
 
 Each episode of a group gets its GRPO advantage (its reward vs the group's; population std, see
 advantages.py) and becomes samples: one per assistant turn (step-level GRPO: the context is the
@@ -99,6 +99,10 @@ class DataConfig:
     rollout_n: int = 8  # DART's n for tasks below the success threshold
     rollout_threshold: float = 0.6
     acc_max: float = 1.0  # a group whose mean reward is >= this is too easy (no signal)
+    # False: groups without a GRPO signal (too easy, equal rewards) train too, with zero
+    # advantages: the version still advances and the KL/entropy terms still act (a solved task
+    # otherwise stops producing updates)
+    drop_no_signal: bool = True
     std_normalize: bool = True  # False: Dr.GRPO
     unbiased_std: bool = False
     eps: float = 1e-6
@@ -539,12 +543,14 @@ class DataManager:
                 self._count("pool_replacements")
             if sum(rewards) / len(rewards) >= c.acc_max:
                 self._count("groups_too_easy")
-                self._discard(task, chosen, "too_easy")
-                continue
-            if max(rewards) == min(rewards):
+                if c.drop_no_signal:
+                    self._discard(task, chosen, "too_easy")
+                    continue
+            elif max(rewards) == min(rewards):
                 self._count("groups_zero_variance")
-                self._discard(task, chosen, "zero_variance")
-                continue
+                if c.drop_no_signal:
+                    self._discard(task, chosen, "zero_variance")
+                    continue
             adv = grpo_advantages(rewards, std_normalize=c.std_normalize, eps=c.eps, unbiased=c.unbiased_std)
             self._group_seq += 1
             groups.append(Group(task, f"{task}@v{self.version}#{self._group_seq}", chosen, adv))

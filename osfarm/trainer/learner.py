@@ -61,6 +61,8 @@ class LossOptions(BaseModel):
     dual_clip: float | None = Field(default=None, gt=1)
     aggregation: str = Field(default="token_mean", pattern="^(token_mean|seq_mean)$")
     entropy_coef: float = Field(default=0.0, ge=0.0, description="entropy bonus (0: off)")
+    kl_coef: float = Field(default=0.0, ge=0.0, description="weight of KL(π_θ ‖ π_ref) in the loss (0: off, no reference kept)")
+    kl_kind: str = Field(default="k3", pattern="^(k1|k2|k3)$", description="KL estimator (Schulman's k1/k2/k3)")
 
 
 class LearnerOptions(BaseModel):
@@ -77,6 +79,8 @@ class LearnerOptions(BaseModel):
     temperature: float = Field(default=1.0, gt=0, description="the rollouts' sampling temperature: the learner's "
                                "log-probs are of softmax(logits / T), as the server's processed log-probs are")
     full_logits: bool = Field(default=False, description="compute logits over the whole sequence (tests; costs memory)")
+    reference: Path | None = Field(default=None, description="model dir of the KL reference policy (default: the "
+                                   "model the run started from; with LoRA: the base without adapters)")
     seed: int = 0
 
 
@@ -201,6 +205,13 @@ class Learner:
             lo = self.opts.lora
             self.model = get_peft_model(self.model, LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
                                                                target_modules=lo.target_modules))
+        # The KL reference stays frozen for the whole run; with LoRA it is the base model itself
+        # (adapters switched off), so no second copy is loaded.
+        self.ref_model: Any = None
+        if self.opts.loss.kl_coef > 0 and not self.lora:
+            self.ref_model, _ = load_model_and_processor(Path(self.opts.reference or self.model_path), self.dtype,
+                                                         self.device)
+            self.ref_model.eval().requires_grad_(False)
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=self.opts.lr, weight_decay=self.opts.weight_decay,
                                            betas=self.opts.betas)
@@ -229,7 +240,8 @@ class Learner:
                              "by the learner yet; use the data manager's step granularity")
         return encode_sample(self.processor, sample.messages, self.response_ids(sample))
 
-    def token_logprobs(self, enc: Encoded, *, full: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def token_logprobs(self, enc: Encoded, *, full: bool | None = None,
+                       model: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(log-probs [1, N], loss mask [1, N], logits [1, N, V]) of the sequence's next tokens.
 
         ``full``: N = every position of prompt + response, and the mask (:func:`response_mask`)
@@ -243,7 +255,7 @@ class Learner:
             inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
         ids = inputs["input_ids"]
         keep = 0 if full else enc.response_len + 1  # 0 = all positions
-        logits = self.model(**inputs, use_cache=False, logits_to_keep=keep).logits[:, :-1, :]
+        logits = (model or self.model)(**inputs, use_cache=False, logits_to_keep=keep).logits[:, :-1, :]
         if self.opts.temperature != 1.0:  # the policy is the distribution the server samples from
             logits = logits / self.opts.temperature
         targets = ids[:, -logits.shape[1]:]  # the logit at position i predicts token i + 1
@@ -260,14 +272,25 @@ class Learner:
         return logp[mask > 0][None]
 
     @torch.no_grad()
+    def reference_logprobs(self, enc: Encoded) -> torch.Tensor:
+        """Log-probs [1, T] of the response tokens under the frozen KL reference."""
+        if self.lora:
+            with self.model.disable_adapter():
+                return self.response_logprobs(enc)
+        logp, mask, _ = self.token_logprobs(enc, model=self.ref_model)
+        return logp[mask > 0][None]
+
+    @torch.no_grad()
     def score(self, sample: Any) -> list[float]:
         """Current log-probs of a sample's response tokens (no grad)."""
         self.model.eval()
         return self.response_logprobs(self.encode(sample))[0].float().cpu().tolist()
 
-    def sample_loss(self, sample: Any, enc: Encoded, prox: torch.Tensor) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-        """(loss, loss stats, mean entropy) of one sample; ``prox`` [1, T]: its proximal log-probs."""
-        from osfarm.trainer.losses import decoupled_ppo_loss, token_entropy
+    def sample_loss(self, sample: Any, enc: Encoded, prox: torch.Tensor,
+                    ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """(loss, loss stats, mean entropy) of one sample; ``prox`` [1, T]: its proximal log-probs,
+        ``ref`` [1, T]: its KL reference's (None without a KL term)."""
+        from osfarm.trainer.losses import decoupled_ppo_loss, kl_penalty, token_entropy
 
         lo = self.opts.loss
         logp, mask, logits = self.token_logprobs(enc)
@@ -284,6 +307,12 @@ class Learner:
         loss, stats = decoupled_ppo_loss(logp, prox_full, behav, adv, mask, clip_low=lo.clip_low,
                                          clip_high=lo.clip_high, behav_cap=lo.behav_cap, behav_reject=lo.behav_reject,
                                          dual_clip=lo.dual_clip, aggregation=lo.aggregation)
+        if ref is not None and lo.kl_coef > 0:
+            ref_full = torch.zeros_like(logp)
+            ref_full[on] = ref.reshape(-1).to(logp.dtype)
+            kl = kl_penalty(logp, ref_full, mask, kind=lo.kl_kind, aggregation=lo.aggregation)  # type: ignore[arg-type]
+            loss = loss + lo.kl_coef * kl
+            stats = {**stats, "kl_ref": float(kl.detach())}
         ent = token_entropy(logits)
         ent_mean = (ent * mask).sum() / mask.sum()
         if lo.entropy_coef:
@@ -306,6 +335,8 @@ class Learner:
         self.model.eval()
         with torch.no_grad():
             prox = [self.response_logprobs(e).detach() for e in encs]
+            refs = ([self.reference_logprobs(e).detach() for e in encs] if self.opts.loss.kl_coef > 0
+                    else [None] * len(encs))
         self.model.train()
         aggregation = self.opts.loss.aggregation
         total_tokens = sum(e.response_len for e in encs)
@@ -319,7 +350,7 @@ class Learner:
             mb_tokens = sum(encs[i].response_len for i in mb)
             for i in mb:
                 s, e = samples[i], encs[i]
-                loss, stats, ent_mean = self.sample_loss(s, e, prox[i])
+                loss, stats, ent_mean = self.sample_loss(s, e, prox[i], refs[i])
                 # per-sample means re-weighted so the minibatch's loss is a token (or sequence) mean
                 share = e.response_len / mb_tokens if aggregation == "token_mean" else 1.0 / len(mb)
                 (loss * share).backward()
@@ -407,7 +438,9 @@ class Learner:
             adapter = load_file(str(ckpt / ADAPTER_DIR / "adapter_model.safetensors"))
             set_peft_model_state_dict(learner.model, adapter)
         else:
-            learner = cls(ckpt, opts.model_copy(update={"lora": None}), version=int(state["version"]))
+            # the KL reference is the model the run started from, not this checkpoint
+            ref = opts.reference or Path(state.get("base_model", ckpt))
+            learner = cls(ckpt, opts.model_copy(update={"lora": None, "reference": ref}), version=int(state["version"]))
             learner.model_path = Path(state.get("base_model", ckpt))
         opt_file = ckpt / OPTIMIZER_FILE
         if opt_file.is_file():

@@ -175,7 +175,7 @@ class Trainer:
         threads = max(1, (os.cpu_count() or 2) // 2)
         for i in range(p.spawn):
             self.processes.append(PolicyProcess(model, version, p.model_name, self.run_dir / f"policy-{i}.log",
-                                                delay_ms=p.delay_ms, threads=threads))
+                                                delay_ms=p.delay_ms, threads=threads, delay_sigma=p.delay_sigma))
         for proc in self.processes:
             try:
                 await proc.wait_ready(p.start_timeout_s)

@@ -39,14 +39,14 @@ class PolicyProcess:
     """One ``osfarm policy serve`` subprocess on a free loopback port."""
 
     def __init__(self, model: Path, version: int, name: str, log_path: Path, delay_ms: float = 0.0,
-                 threads: int | None = None):
+                 threads: int | None = None, delay_sigma: float = 0.0):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-c", "from osfarm.cli import app; app()", "policy", "serve", "--model", str(model),
                "--port", str(self.port), "--served-model-name", name, "--version", str(version),
                "--log-level", "warning"]
         if delay_ms:
-            cmd += ["--delay-ms", str(delay_ms)]
+            cmd += ["--delay-ms", str(delay_ms), "--delay-sigma", str(delay_sigma)]
         if threads:
             cmd += ["--threads", str(threads)]
         log_path.parent.mkdir(parents=True, exist_ok=True)
