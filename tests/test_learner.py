@@ -224,3 +224,16 @@ def test_kl_to_the_frozen_reference(model_dir: Path) -> None:
     untouched = Learner(model_dir, LearnerOptions()).score(s)
     assert lrn.reference_logprobs(lrn.encode(s))[0].tolist() == pytest.approx(untouched, abs=1e-5)
     assert lrn.score(s) != pytest.approx(untouched, abs=1e-5)
+
+
+def test_a_sampled_image_placeholder_token_still_trains(learner: Learner) -> None:
+    """A random model can sample <|image_pad|>: the forward pass must not count it as an image
+    token (one more than the image's features), and it is scored as the sampled token."""
+    pad = learner.processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    s = make_sample(MESSAGES, [107, pad], None, advantage=1.0)
+    enc = learner.encode(s)
+    assert enc.target_ids is not None and enc.target_ids[0, -1].item() == pad
+    assert enc.inputs["input_ids"][0, -1].item() != pad
+    lp = learner.score(s)
+    assert len(lp) == 2 and all(x < 0 for x in lp)
+    learner.update([s])

@@ -112,10 +112,14 @@ class Encoded:
     inputs: dict[str, torch.Tensor]  # input_ids etc. for the whole sequence (batch of 1)
     prompt_len: int
     response_ids: torch.Tensor  # [T]
+    target_ids: torch.Tensor | None = None  # [1, L] the tokens to score, when input_ids had to differ
 
     @property
     def response_len(self) -> int:
         return int(self.response_ids.numel())
+
+
+VISION_PLACEHOLDERS = ("<|image_pad|>", "<|video_pad|>")
 
 
 def encode_sample(processor: Any, messages: Sequence[dict[str, Any]], response_ids: Sequence[int]) -> Encoded:
@@ -126,7 +130,21 @@ def encode_sample(processor: Any, messages: Sequence[dict[str, Any]], response_i
     if resp.numel() == 0:
         raise ValueError("a sample needs at least one response token")
     prompt_len = ids.shape[1]
-    inputs["input_ids"] = torch.cat([ids, resp[None]], dim=1)
+    full = torch.cat([ids, resp[None]], dim=1)
+    inputs["input_ids"] = full
+    target_ids = None
+    # A sampled vision placeholder (a random or early model can emit <|image_pad|>) would be one
+    # image token more than the image has features, and the forward pass refuses it: as an input
+    # it becomes a plain token; it is still scored as the token the policy sampled.
+    tok = processor.tokenizer
+    placeholders = [i for i in (tok.convert_tokens_to_ids(t) for t in VISION_PLACEHOLDERS)
+                    if isinstance(i, int) and i != tok.unk_token_id]
+    if placeholders and bool(torch.isin(resp, torch.tensor(placeholders, dtype=resp.dtype)).any()):
+        plain = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        safe = resp.clone()
+        safe[torch.isin(resp, torch.tensor(placeholders, dtype=resp.dtype))] = plain
+        inputs["input_ids"] = torch.cat([ids, safe[None]], dim=1)
+        target_ids = full
     if "attention_mask" in inputs:
         am = inputs["attention_mask"]
         inputs["attention_mask"] = torch.cat([am, torch.ones(1, resp.numel(), dtype=am.dtype)], dim=1)
@@ -134,7 +152,7 @@ def encode_sample(processor: Any, messages: Sequence[dict[str, Any]], response_i
         mt = inputs["mm_token_type_ids"]
         inputs["mm_token_type_ids"] = torch.cat([mt, torch.zeros(1, resp.numel(), dtype=mt.dtype)], dim=1)
     inputs.pop("token_type_ids", None)
-    return Encoded(inputs=inputs, prompt_len=prompt_len, response_ids=resp)
+    return Encoded(inputs=inputs, prompt_len=prompt_len, response_ids=resp, target_ids=target_ids)
 
 
 # ---- the learner -------------------------------------------------------------------------------------
@@ -258,7 +276,8 @@ class Learner:
         logits = (model or self.model)(**inputs, use_cache=False, logits_to_keep=keep).logits[:, :-1, :]
         if self.opts.temperature != 1.0:  # the policy is the distribution the server samples from
             logits = logits / self.opts.temperature
-        targets = ids[:, -logits.shape[1]:]  # the logit at position i predicts token i + 1
+        scored = enc.target_ids.to(ids.device) if enc.target_ids is not None else ids
+        targets = scored[:, -logits.shape[1]:]  # the logit at position i predicts token i + 1
         logp = gather_logprobs(logits, targets)
         if full:
             mask = response_mask(enc.prompt_len - 1, enc.response_len)[None].to(logp.device)
