@@ -134,7 +134,7 @@ class VisionChatProcessor:
 
     def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True, **kw) -> str:
         if tokenize:
-            raise NotImplementedError("VisionChatProcessor.apply_chat_template renders text only (tokenize=False)")
+            raise ValueError("VisionChatProcessor.apply_chat_template renders text only: call it with tokenize=False, then the processor")
         return self.tokenizer.apply_chat_template(
             messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
         )
