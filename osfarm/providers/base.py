@@ -37,6 +37,18 @@ def take_farm_lock(path: Path, what: str, fix: str, owner: str = "") -> int:
     return fd
 
 
+def log_tail(path: str, lines: int = 30, what: str = "log") -> str:
+    """The last ``lines`` lines of a box's log (read from its last 8 KiB), for error messages."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return f"(no {what})"
+    return "\n".join(text.splitlines()[-lines:]) or f"(empty {what})"
+
+
 @dataclass(frozen=True)
 class DesktopSpec:
     width: int = 1920

@@ -51,6 +51,7 @@ from osfarm.providers.base import (
     DesktopSpec,
     GuestEndpoint,
     ProviderError,
+    log_tail,
     take_farm_lock,
 )
 
@@ -436,13 +437,13 @@ class LibvirtProvider:
                 if time.monotonic() > deadline:
                     raise ProviderError(
                         f"desktop {handle.id} VM not ready after {self.start_timeout_s:g}s "
-                        f"(last: {last}); console {handle.info['log']}:\n{_tail(handle.info['log'])}"
+                        f"(last: {last}); console {handle.info['log']}:\n{log_tail(handle.info['log'], what='console log')}"
                     )
                 n += 1
                 if n % 10 == 0 and not self._qemu_running(box):
                     raise ProviderError(
                         f"desktop {handle.id}: the VM stopped before its guest was ready; "
-                        f"console {handle.info['log']}:\n{_tail(handle.info['log'])}"
+                        f"console {handle.info['log']}:\n{log_tail(handle.info['log'], what='console log')}"
                     )
                 try:
                     r = await client.get("/v1/health")
@@ -568,7 +569,7 @@ class LibvirtProvider:
         if box is None or box.port != _port_of(handle):
             return "VM is not running (stopped or owned by another provider)"
         if not self._qemu_running(box):
-            return f"VM stopped (the desktop session exited or qemu died): {_tail(handle.info.get('log', ''), 3)}"
+            return f"VM stopped (the desktop session exited or qemu died): {log_tail(handle.info.get('log', ''), 3, what='console log')}"
         return None
 
     def pids(self, handle: DesktopHandle) -> list[int]:
@@ -611,15 +612,6 @@ async def _wait_gone(pid: int, timeout: float) -> bool:
     return False
 
 
-def _tail(path: str, lines: int = 30) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return "(no console log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty console log)"
 
 
 __all__ = ["LibvirtProvider", "domain_name", "kernel_cmdline", "netdev_arg", "read_metadata"]

@@ -39,6 +39,7 @@ from osfarm.providers.base import (
     DesktopSpec,
     GuestEndpoint,
     ProviderError,
+    log_tail,
     take_farm_lock,
 )
 
@@ -394,12 +395,12 @@ class SandboxProvider:
                 if proc.returncode is not None:
                     raise ProviderError(
                         f"desktop {handle.id}: session launcher exited with code {proc.returncode} "
-                        f"before it was ready; log {handle.info['log']}:\n{_tail(handle.info['log'])}"
+                        f"before it was ready; log {handle.info['log']}:\n{log_tail(handle.info['log'])}"
                     )
                 if time.monotonic() > deadline:
                     raise ProviderError(
                         f"desktop {handle.id} not ready after {self.settings.start_timeout_s:g}s "
-                        f"(last: {last}); log {handle.info['log']}:\n{_tail(handle.info['log'])}"
+                        f"(last: {last}); log {handle.info['log']}:\n{log_tail(handle.info['log'])}"
                     )
                 if sock.exists():
                     try:
@@ -465,7 +466,7 @@ class SandboxProvider:
         if proc is None or proc.pid != handle.pid:
             return "sandbox is not running (stopped or owned by another provider)"
         if proc.returncode is not None:
-            return f"sandbox exited with code {proc.returncode}: {_tail(handle.info.get('log', ''), 3)}"
+            return f"sandbox exited with code {proc.returncode}: {log_tail(handle.info.get('log', ''), 3)}"
         xvfb = self._xvfb.get(handle.id)
         if xvfb is not None and not _running(xvfb):
             return "Xvfb exited"
@@ -535,15 +536,6 @@ async def _wait_gone(pids: list[int], timeout: float) -> list[int]:
     return left
 
 
-def _tail(path: str, lines: int = 30) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return "(no log)"
-    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
 
 
 def _abstract_x_displays() -> list[int]:
