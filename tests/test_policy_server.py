@@ -23,6 +23,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from lora_adapters import lora_adapter
+
 from osfarm.policy.processing import encode_chat, load_processor, with_response
 from osfarm.policy.tiny import tiny_model_dir
 
@@ -309,24 +311,6 @@ def _perturbed_copy(src: Path, dst: Path, scale: float, seed: int, as_state_dict
     return dst
 
 
-def _lora_adapter(src: Path, dst: Path) -> tuple[Path, Path]:
-    """A random (non-zero) LoRA on the attention projections; returns (adapter dir, merged model dir)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    base = Qwen2VLForConditionalGeneration.from_pretrained(src)
-    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    peft_model = get_peft_model(base, config)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.mul_(20)  # a visible change of the output distribution
-    peft_model.save_pretrained(dst / "adapter")
-    peft_model.merge_and_unload().save_pretrained(dst / "merged")
-    return dst / "adapter", dst / "merged"
-
-
 def test_reload_swaps_weights_and_version(
     server: httpx.Client, reference: Reference, tiny_dir: Path, tmp_path: Path
 ) -> None:
@@ -357,7 +341,7 @@ def test_reload_swaps_weights_and_version(
     assert _ok(server.post("/v1/weights/reload", json={"path": str(sd), "version": v0 + 1}))["version"] == v0 + 1
 
     # a PEFT LoRA adapter: applied to the base weights and merged
-    lora_dir, merged = _lora_adapter(tiny_dir, tmp_path / "lora")
+    lora_dir, merged = lora_adapter(tiny_dir, tmp_path / "lora")
     assert _ok(server.post("/v1/weights/reload", json={"path": str(lora_dir), "version": v0 + 2}))["version"] == v0 + 2
     with_lora = _ok(_complete(server, temperature=0.0, logprobs=True, max_tokens=6))
     ids = with_lora["choices"][0]["token_ids"]

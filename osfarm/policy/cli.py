@@ -45,6 +45,10 @@ def serve(
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
     max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="context limit (prompt + max_tokens)")] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice)")] = None,
+    enable_lora: Annotated[
+        bool, typer.Option("--enable-lora", help="vLLM's runtime LoRA API: POST /v1/load_lora_adapter, /v1/unload_lora_adapter")
+    ] = False,
+    max_loras: Annotated[int, typer.Option("--max-loras", help="most LoRA adapters loaded at once (--enable-lora)")] = 8,
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow binding a non-loopback address")] = False,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
@@ -61,6 +65,8 @@ def serve(
         raise _fail(f"--tokenizer {tokenizer}: no tokenizer_config.json there")
     if delay_ms < 0 or delay_sigma < 0:
         raise _fail("--delay-ms and --delay-sigma must be >= 0")
+    if max_loras < 1:
+        raise _fail(f"--max-loras {max_loras}: must be >= 1")
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
@@ -88,12 +94,15 @@ def serve(
                 dtype=dtype,
                 max_model_len=max_model_len,
                 processor_path=tokenizer,
+                enable_lora=enable_lora,
+                max_loras=max_loras,
             )
         except (OSError, ValueError) as e:
             hint = "" if tokenizer else " (a bare checkpoint? pass --tokenizer DIR of the base model)"
             raise _fail(f"--model {model}: cannot load: {e}{hint}") from None
     latency = LatencyModel(delay_ms, delay_sigma, delay_seed) if delay_ms > 0 else None
-    err.print(f"serving [bold]{name}[/] (version {version}, {path}) on http://{host}:{port}", highlight=False)
+    lora = f", LoRA adapters: up to {max_loras}" if enable_lora else ""
+    err.print(f"serving [bold]{name}[/] (version {version}, {path}{lora}) on http://{host}:{port}", highlight=False)
     uvicorn.run(create_app(engine, latency), host=host, port=port, log_level=log_level.lower())
 
 

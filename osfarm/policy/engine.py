@@ -1,9 +1,16 @@
-"""The policy engine: a transformers VLM on the CPU, its policy version, generation, reloads.
+"""The policy engine: a transformers VLM on the CPU, its policy version, generation, reloads,
+LoRA adapters.
 
 Generation is blocking and runs on the server's single generation thread (one request at a
 time: seeds are reproducible and the model's mRoPE state is per call). A reload builds the new
 weights next to the old ones and then swaps one reference, so a request that already started
 finishes on the weights (and reports the version) it started with.
+
+LoRA adapters (``enable_lora``, vLLM's runtime adapter API): each one is merged into its own copy
+of the *base* weights (the ``--model`` dir, whatever reloads happened since) and served under its
+name. The adapter table is replaced, never mutated, so a request picks its adapter's weights
+once, when it starts, and a replacement (``load_inplace``) or an unload does not touch it.
+Adapters carry no policy version (vLLM's do not either): whoever loads them names the version.
 """
 
 from __future__ import annotations
@@ -39,6 +46,16 @@ class LoadedPolicy:
     loaded_at: float
 
 
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """A LoRA adapter merged into a copy of the base weights, served as model ``name``."""
+
+    name: str
+    model: Any
+    path: str
+    loaded_at: float
+
+
 @dataclass
 class Choice:
     index: int
@@ -51,7 +68,7 @@ class Choice:
 
 @dataclass
 class Generation:
-    policy_version: int
+    policy_version: int | None  # None: a LoRA adapter's generation (adapters have no version)
     prompt_token_ids: list[int]
     choices: list[Choice]
     t_generate_s: float
@@ -97,6 +114,8 @@ class PolicyEngine:
         dtype: str = "float32",
         max_model_len: int | None = None,
         processor_path: Path | None = None,
+        enable_lora: bool = False,
+        max_loras: int = 8,
     ):
         self.model_path = Path(model_path)
         self.served_name = served_name
@@ -114,6 +133,10 @@ class PolicyEngine:
         self.current = LoadedPolicy(model, version, str(self.model_path), time.time())
         self._reload_lock = threading.Lock()
         self.reloading = False
+        self.enable_lora = enable_lora
+        self.max_loras = max_loras
+        self.adapters: dict[str, LoadedAdapter] = {}  # replaced on every change, never mutated
+        self._adapter_lock = threading.Lock()  # adapter loads and unloads run one at a time
 
     # ---- loading ---------------------------------------------------------------------------
 
@@ -172,13 +195,45 @@ class PolicyEngine:
             )
         return model
 
-    def _load_lora(self, path: Path):
+    def _load_lora(self, path: Path, field: str = "path"):
+        """A PEFT LoRA adapter dir applied to a fresh copy of the base weights (``--model``), merged.
+
+        Input problems (no such dir, not an adapter) are RequestErrors naming ``field``; an adapter
+        that does not fit the base raises whatever PEFT / torch raise (or ValueError)."""
+        if not path.exists():
+            raise RequestError(field, f"{path} does not exist")
+        if not (path.is_dir() and (path / "adapter_config.json").is_file()):
+            raise RequestError(field, f"{path}: not a PEFT adapter dir (no adapter_config.json)")
         try:
-            from peft import PeftModel
+            from peft import (
+                MODEL_TYPE_TO_PEFT_MODEL_MAPPING,
+                PeftConfig,
+                PeftModel,
+                PeftType,
+            )
         except ImportError:
-            raise RequestError("path", "a LoRA adapter needs the peft package (pip install peft)") from None
+            raise RequestError(field, "a LoRA adapter needs the peft package (pip install peft)") from None
+        config = PeftConfig.from_pretrained(str(path))
+        if config.peft_type != PeftType.LORA:
+            raise RequestError(field, f"{path}: a {config.peft_type} adapter; only LoRA adapters are supported")
+        config.inference_mode = True
         base = self._load_full(self.model_path)
-        return PeftModel.from_pretrained(base, str(path)).merge_and_unload().eval()
+        # PeftModel.from_pretrained only warns when the adapter's weights do not fit the model:
+        # build it the same way, then check what load_adapter reports.
+        peft_cls = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)  # type: ignore[arg-type]
+        model = peft_cls(base, config, "default")
+        result = model.load_adapter(str(path), "default", torch_device="cpu")
+        if result.missing_keys:
+            raise ValueError(
+                f"the adapter does not fit the base model: {len(result.missing_keys)} of its LoRA weights are "
+                f"missing from the checkpoint, e.g. {sorted(result.missing_keys)[:2]}"
+            )
+        if result.unexpected_keys:
+            raise ValueError(
+                f"the adapter does not fit the base model: {len(result.unexpected_keys)} of its weights name modules "
+                f"the model lacks, e.g. {sorted(result.unexpected_keys)[:2]}"
+            )
+        return model.merge_and_unload().eval()
 
     def reload(self, path: Path, version: int, force: bool = False) -> LoadedPolicy:
         """Load new weights and make them current (blocking; call from a thread)."""
@@ -198,13 +253,68 @@ class PolicyEngine:
             log.info("policy version %d -> %d from %s", old.version, version, path)
             return new
 
+    # ---- LoRA adapters (vLLM's runtime adapter API) -----------------------------------------
+
+    def load_adapter(self, name: str, path: Path, load_inplace: bool = False) -> LoadedAdapter:
+        """Merge the LoRA adapter at ``path`` into a copy of the base weights and serve it as model
+        ``name`` (blocking; call from a thread). ``load_inplace`` replaces an adapter of that name:
+        requests that already started finish on the old weights."""
+        if not self.enable_lora:
+            raise RequestError("lora_name", "LoRA adapters are disabled on this server; start it with --enable-lora", 404)
+        if name == self.served_name:
+            raise RequestError("lora_name", f"'{name}' is the base model's served name; give the adapter another name")
+        with self._adapter_lock:
+            if name in self.adapters and not load_inplace:
+                raise RequestError(
+                    "lora_name",
+                    f"the LoRA adapter '{name}' has already been loaded; set load_inplace to true to replace it",
+                )
+            if name not in self.adapters and len(self.adapters) >= self.max_loras:
+                raise RequestError(
+                    "lora_name",
+                    f"this server holds at most {self.max_loras} LoRA adapters (--max-loras {self.max_loras}) and "
+                    f"{len(self.adapters)} are loaded; unload one first (or load one in place)",
+                )
+            model = self._load_lora(Path(path), "lora_path")
+            adapter = LoadedAdapter(name, model, str(path), time.time())
+            replaced = name in self.adapters
+            self.adapters = {**self.adapters, name: adapter}  # one reference swap: running requests keep theirs
+        log.info("LoRA adapter %r %s from %s", name, "replaced" if replaced else "loaded", path)
+        return adapter
+
+    def unload_adapter(self, name: str) -> LoadedAdapter:
+        """Stop serving adapter ``name``; requests already running on it finish (blocking: it waits
+        for an adapter load in progress)."""
+        if not self.enable_lora:
+            raise RequestError("lora_name", "LoRA adapters are disabled on this server; start it with --enable-lora", 404)
+        with self._adapter_lock:
+            adapter = self.adapters.get(name)
+            if adapter is None:
+                loaded = ", ".join(f"'{n}'" for n in self.adapters) or "none"
+                raise RequestError("lora_name", f"the LoRA adapter '{name}' cannot be found (loaded: {loaded})", 404)
+            self.adapters = {n: a for n, a in self.adapters.items() if n != name}
+        log.info("LoRA adapter %r unloaded", name)
+        return adapter
+
+    def served_names(self) -> list[str]:
+        return [self.served_name, *self.adapters]
+
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, messages: list[dict[str, Any]], params: SamplingParams) -> Generation:
-        """Messages are OpenAI chat messages (plain dicts); raises MessageError / RequestError."""
+    def generate(self, messages: list[dict[str, Any]], params: SamplingParams, adapter: str | None = None) -> Generation:
+        """Messages are OpenAI chat messages (plain dicts); ``adapter``: a loaded LoRA adapter's name
+        (None: the base model). Raises MessageError / RequestError."""
         import torch
 
-        policy = self.current  # the weights this request runs on, whatever reloads happen meanwhile
+        # the weights this request runs on, whatever reloads / adapter swaps happen meanwhile
+        if adapter is None:
+            policy = self.current
+            model, version = policy.model, policy.version
+        else:
+            lora = self.adapters.get(adapter)
+            if lora is None:  # unloaded while the request waited for the generation thread
+                raise RequestError("model", f"the LoRA adapter `{adapter}` has been unloaded", 404)
+            model, version = lora.model, None
         inputs = encode_chat(self.processor, messages)
         prompt_ids = inputs["input_ids"][0].tolist()
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
@@ -224,7 +334,7 @@ class PolicyEngine:
         if params.stop:
             kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
         with torch.inference_mode():
-            out = policy.model.generate(
+            out = model.generate(
                 **inputs,
                 **kwargs,
                 max_new_tokens=params.max_tokens,
@@ -245,7 +355,7 @@ class PolicyEngine:
         steps = out.scores if self.logprobs_mode == "processed" else out.logits
         generated = out.sequences[:, len(prompt_ids) :]
         choices = [self._choice(i, generated[i % n_runs].tolist(), steps, params, i % n_runs) for i in range(params.n)]
-        return Generation(policy.version, prompt_ids, choices, time.perf_counter() - t0)
+        return Generation(version, prompt_ids, choices, time.perf_counter() - t0)
 
     def _choice(self, index: int, ids: list[int], steps, params: SamplingParams, row: int) -> Choice:
         """Choice ``index`` from row ``row`` of the generated batch (and of the per-step scores)."""

@@ -136,7 +136,11 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
-    policy_version: int = Field(description="osfarm extension: the weights' version that generated this")
+    policy_version: int | None = Field(
+        None,
+        description="osfarm extension: the weights' version that generated this; absent when `model` is a LoRA "
+        "adapter (as vLLM: adapters have no version, their name carries it)",
+    )
     logprobs_mode: Literal["processed", "raw"] = Field(description="osfarm extension: see docs/policy.md")
     prompt_token_ids: list[int] | None = None
 
@@ -146,9 +150,10 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "osfarm"
-    root: str
+    root: str = Field(description="the weights' source: the model dir, or a LoRA adapter's lora_path")
+    parent: str | None = Field(None, description="a LoRA adapter's base model (its served name); null for the base")
     max_model_len: int
-    policy_version: int
+    policy_version: int | None = Field(None, description="the base model's version; null for a LoRA adapter")
 
 
 class ModelList(BaseModel):
@@ -166,6 +171,25 @@ class ReloadResponse(BaseModel):
     version: int
     previous_version: int
     load_s: float
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/load_lora_adapter`` body (other vLLM fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1, description="the name requests send as `model`")
+    lora_path: str = Field(min_length=1, description="a PEFT LoRA adapter dir on the server's disk")
+    load_inplace: bool = Field(False, description="replace an adapter of that name (else: 400 if it exists)")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """vLLM's ``POST /v1/unload_lora_adapter`` body."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = Field(None, description="accepted for vLLM compatibility, ignored")
 
 
 class Health(BaseModel):

@@ -1,10 +1,12 @@
 """The policy server: FastAPI app over a PolicyEngine.
 
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/weights/reload``,
-``GET /health``, ``GET /metrics`` (Prometheus), OpenAPI at ``/docs``. Generation runs on one
-dedicated thread (requests queue for it; the event loop never blocks); a reload loads in
-another thread and swaps the weights between requests. Every response carries the policy
-version (JSON ``policy_version`` and the ``X-Policy-Version`` header).
+``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's runtime LoRA API, with
+``--enable-lora``), ``GET /health``, ``GET /metrics`` (Prometheus), OpenAPI at ``/docs``.
+Generation runs on one dedicated thread (requests queue for it; the event loop never blocks); a
+reload or an adapter load runs in another thread and swaps the weights between requests. Every
+response carries the policy version (JSON ``policy_version`` and the ``X-Policy-Version``
+header), except those of LoRA adapters and of the adapter routes: as from vLLM, none there.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from osfarm.policy.engine import Generation, PolicyEngine, RequestError
@@ -32,18 +34,21 @@ from osfarm.policy.schemas import (
     ChatCompletionResponse,
     ChoiceLogprobs,
     Health,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     ReloadRequest,
     ReloadResponse,
     TokenLogprob,
     TopLogprob,
+    UnloadLoRAAdapterRequest,
     Usage,
     error_body,
 )
 
 DEFAULT_MAX_TOKENS = 256
 VERSION_HEADER = "X-Policy-Version"
+LORA_ROUTES = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 log = logging.getLogger(__name__)
 
 
@@ -67,6 +72,9 @@ class PolicyMetrics:
         self.version = Gauge("osfarm_policy_version", "served policy version", registry=r)
         self.reloads = Counter("osfarm_policy_reloads", "weight reloads", ["result"], registry=r)
         self.reload_s = Histogram("osfarm_policy_reload_seconds", "weight reload time", registry=r)
+        self.lora_adapters = Gauge("osfarm_policy_lora_adapters", "LoRA adapters loaded", registry=r)
+        self.lora_loads = Counter("osfarm_policy_lora_loads", "LoRA adapter loads", ["result"], registry=r)
+        self.lora_load_s = Histogram("osfarm_policy_lora_load_seconds", "LoRA adapter load time", registry=r)
 
 
 def _error(status: int, message: str, param: str | None, version: int | None = None, detail=None) -> JSONResponse:
@@ -112,6 +120,10 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> Fas
     app.state.engine = engine
     app.state.metrics = metrics
 
+    def version_of(model: str | None) -> int | None:
+        """The version an answer about ``model`` carries: none for a LoRA adapter (as vLLM)."""
+        return None if model in engine.adapters else engine.current.version
+
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         errors = exc.errors()
@@ -121,7 +133,10 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> Fas
         param = _loc(tuple(errors[0].get("loc", ()))) if errors else None
         metrics.requests.labels(request.url.path, "400").inc()
         detail = [{"loc": list(e.get("loc", ())), "msg": e.get("msg"), "type": e.get("type")} for e in errors]
-        return _error(400, "; ".join(parts), param, engine.current.version, detail)
+        body = exc.body if isinstance(exc.body, dict) else {}
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        version = None if request.url.path in LORA_ROUTES else version_of(model)
+        return _error(400, "; ".join(parts), param, version, detail)
 
     @app.get("/health", response_model=Health)
     async def health(response: Response) -> Health:
@@ -143,17 +158,31 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> Fas
             max_model_len=engine.max_model_len,
             policy_version=policy.version,
         )
-        return ModelList(data=[card])
+        adapters = [
+            ModelCard(
+                id=a.name, created=int(a.loaded_at), root=a.path, parent=engine.served_name,
+                max_model_len=engine.max_model_len,
+            )
+            for a in engine.adapters.values()
+        ]
+        return ModelList(data=[card, *adapters])
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(req: ChatCompletionRequest):
         route = "/v1/chat/completions"
-        if req.model != engine.served_name:
+        # a LoRA adapter's name: its weights, and no version in the answer (as vLLM)
+        adapter = None if req.model == engine.served_name else req.model
+        if adapter is not None and adapter not in engine.adapters:
             metrics.requests.labels(route, "404").inc()
+            served = ", ".join(f"`{n}`" for n in engine.served_names())
             return _error(
-                404, f"model: the model `{req.model}` does not exist; this server serves `{engine.served_name}`",
+                404, f"model: the model `{req.model}` does not exist; this server serves {served}",
                 "model", engine.current.version,
             )
+
+        def version() -> int | None:
+            return None if adapter is not None else engine.current.version
+
         params = SamplingParams(
             max_tokens=req.max_tokens or req.max_completion_tokens or DEFAULT_MAX_TOKENS,
             n=req.n,
@@ -176,19 +205,19 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> Fas
 
             def job() -> Generation:
                 metrics.queue_s.observe(time.perf_counter() - queued)
-                return engine.generate(messages, params)
+                return engine.generate(messages, params, adapter)
 
             result = await asyncio.get_running_loop().run_in_executor(gen_pool, job)
         except MessageError as e:
             metrics.requests.labels(route, "400").inc()
-            return _error(400, str(e), e.field, engine.current.version)
+            return _error(400, str(e), e.field, version())
         except RequestError as e:
             metrics.requests.labels(route, str(e.status)).inc()
-            return _error(e.status, str(e), e.field, engine.current.version)
+            return _error(e.status, str(e), e.field, version())
         except Exception as e:  # one failed generation must not look like a crash to the agent
             log.exception("generation failed")
             metrics.requests.labels(route, "500").inc()
-            return _error(500, f"generation failed: {type(e).__name__}: {e}", None, engine.current.version)
+            return _error(500, f"generation failed: {type(e).__name__}: {e}", None, version())
         finally:
             metrics.inflight.dec()
         metrics.generate_s.observe(result.t_generate_s)
@@ -199,7 +228,7 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> Fas
         body = ChatCompletionResponse(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             created=int(time.time()),
-            model=engine.served_name,
+            model=req.model,
             choices=[_choice(engine, c, req) for c in result.choices],
             usage=Usage(
                 prompt_tokens=len(result.prompt_token_ids),
@@ -210,9 +239,8 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> Fas
             logprobs_mode=engine.logprobs_mode,
             prompt_token_ids=result.prompt_token_ids if req.return_token_ids else None,
         )
-        return JSONResponse(
-            body.model_dump(exclude_none=True), headers={VERSION_HEADER: str(result.policy_version)}
-        )
+        headers = {VERSION_HEADER: str(result.policy_version)} if result.policy_version is not None else None
+        return JSONResponse(body.model_dump(exclude_none=True), headers=headers)
 
     @app.post("/v1/weights/reload", response_model=ReloadResponse)
     async def reload(req: ReloadRequest):
@@ -238,6 +266,52 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> Fas
             ReloadResponse(version=new.version, previous_version=previous, load_s=round(load_s, 3)).model_dump(),
             headers={VERSION_HEADER: str(new.version)},
         )
+
+    # ---- vLLM's runtime LoRA adapter API: plain-text success, no policy version -----------------
+
+    def lora_disabled(route: str) -> JSONResponse:
+        metrics.requests.labels(route, "404").inc()
+        return _error(404, "LoRA adapters are disabled on this server: start it with --enable-lora", None)
+
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        """Load a PEFT LoRA adapter on top of the base model, served as model ``lora_name``."""
+        route = "/v1/load_lora_adapter"
+        if not engine.enable_lora:
+            return lora_disabled(route)
+        t0 = time.perf_counter()
+        try:
+            await asyncio.to_thread(engine.load_adapter, req.lora_name, Path(req.lora_path), req.load_inplace)
+        except RequestError as e:
+            metrics.lora_loads.labels("refused").inc()
+            metrics.requests.labels(route, str(e.status)).inc()
+            return _error(e.status, str(e), e.field)
+        except Exception as e:  # noqa: BLE001 -- an adapter that does not fit must not take the server down
+            log.warning("LoRA adapter %r from %s failed to load: %s: %s", req.lora_name, req.lora_path, type(e).__name__, e)
+            metrics.lora_loads.labels("failed").inc()
+            metrics.requests.labels(route, "400").inc()
+            message = f"lora_path: could not load the LoRA adapter {req.lora_path}: {type(e).__name__}: {e}"
+            return _error(400, message, "lora_path")
+        metrics.lora_loads.labels("ok").inc()
+        metrics.lora_load_s.observe(time.perf_counter() - t0)
+        metrics.lora_adapters.set(len(engine.adapters))
+        metrics.requests.labels(route, "200").inc()
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        """Stop serving a LoRA adapter (requests already running on it finish)."""
+        route = "/v1/unload_lora_adapter"
+        if not engine.enable_lora:
+            return lora_disabled(route)
+        try:
+            await asyncio.to_thread(engine.unload_adapter, req.lora_name)  # waits for a load in progress
+        except RequestError as e:
+            metrics.requests.labels(route, str(e.status)).inc()
+            return _error(e.status, str(e), e.field)
+        metrics.lora_adapters.set(len(engine.adapters))
+        metrics.requests.labels(route, "200").inc()
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     return app
 
