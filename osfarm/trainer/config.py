@@ -54,6 +54,7 @@ class AgentSection(_Strict):
     max_tokens: int = Field(default=64, ge=1)
     timeout_s: float = Field(default=120.0, gt=0)
     choices: list[str] = Field(default_factory=list, description="choice agent: the actions (default: the suite's)")
+    screenshot: bool = Field(default=True, description="choice agent: send the screenshot with the menu")
 
 
 class RolloutSection(_Strict):
@@ -84,6 +85,11 @@ class TrainConfig(_Strict):
     tasks: list[str] = Field(default_factory=list, description="task ids (default: all of the suite)")
     keep_checkpoints: int = Field(default=3, ge=1)
     seed: int = 0
+    learner_cpus: list[int] | None = Field(
+        default=None, min_length=1,
+        description="pin the learner to these CPUs and everything else the trainer starts (farm, desktops, "
+                    "spawned policy servers) to the others: training and rollouts on disjoint cores, as the "
+                    "trainer and inference devices of a GPU cluster are")
     farm: FarmSection = Field(default_factory=FarmSection)
     policy: PolicySection = Field(default_factory=PolicySection)
     agent: AgentSection = Field(default_factory=AgentSection)
@@ -101,6 +107,12 @@ class TrainConfig(_Strict):
         if self.agent.temperature > 0 and abs(self.agent.temperature - self.learner.temperature) > 1e-9:
             raise ValueError(f"learner.temperature ({self.learner.temperature}) must equal agent.temperature "
                              f"({self.agent.temperature}): the behaviour log-probs are of the tempered distribution")
+        if self.learner.lora is None and any(s.kind == "vllm_lora" for s in self.policy.servers):
+            raise ValueError("policy.servers: kind vllm_lora loads LoRA adapters; set learner.lora")
+        for s in self.policy.servers:
+            if s.kind == "vllm_lora" and not s.lora_versioned and s.lora_name == self.policy.model_name:
+                raise ValueError(f"policy.servers: {s.url}: lora_name {s.lora_name!r} is the base model's name "
+                                 "(policy.model_name); an in-place adapter needs a name of its own")
         return self
 
 

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import shutil
 import signal
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -94,6 +96,29 @@ def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
     return max(0.0, min(a1, b1) - max(a0, b0))
 
 
+def pin_learner(cpus: set[int]) -> None:
+    """Learner thread setup: its CPUs, and as many torch threads as it has CPUs."""
+    import torch
+
+    os.sched_setaffinity(0, cpus)
+    torch.set_num_threads(len(cpus))
+
+
+def tag_versions(steps: list[Any], version: int) -> int:
+    """Give ``version`` to the steps whose model call reported none (a server that does not say
+    which weights answered, e.g. vLLM); returns how many were tagged.
+
+    The version is the one the episode's model name stood for when it started: exact for a
+    versioned LoRA adapter, a lower bound where weights are replaced in place (versions only rise,
+    so the staleness computed from it is never too small)."""
+    n = 0
+    for s in steps:
+        if s.model is not None and s.model.get("policy_version") is None:
+            s.model["policy_version"] = version
+            n += 1
+    return n
+
+
 def staleness_of(samples: list[Any], version: int) -> list[int]:
     return [version - int(s.policy_version) for s in samples if s.policy_version is not None]
 
@@ -115,8 +140,10 @@ class Trainer:
                                        "stale_dropped": 0, "sync_failures": 0}
         self.processes: list[PolicyProcess] = []
         self.in_flight: dict[int, float] = {}  # running episodes: id -> monotonic start
+        self.in_flight_versions: dict[int, int] = {}  # running episodes: id -> version of the model they request
         self.farm_client: dict[str, Any] = {}  # the AsyncFarm, opened by the first rollout on the loop
         self.stop = asyncio.Event()
+        self.learner_pool: ThreadPoolExecutor | None = None  # None: asyncio's default executor
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -155,13 +182,13 @@ class Trainer:
             raise TrainError(f"{suite_dir}: no tasks")
         return suite, tasks
 
-    def make_agent(self, base_url: str) -> Any:
+    def make_agent(self, base_url: str, name: str) -> Any:
         a = self.cfg.agent
-        name = self.cfg.policy.model_name
         if a.kind == "choice":
             from osfarm.trainer.choice_agent import ChoiceAgent
 
-            return ChoiceAgent(base_url, name, choices=a.choices, temperature=a.temperature, timeout_s=a.timeout_s)
+            return ChoiceAgent(base_url, name, choices=a.choices, temperature=a.temperature, timeout_s=a.timeout_s,
+                               screenshot=a.screenshot)
         from osfarm.agents import make_agent
 
         return make_agent("vlm", base_url=base_url, model=name, prompt_format=a.prompt_format, observation=a.observation,
@@ -203,6 +230,36 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
+        restore_cpus = self.split_cpus()
+        try:
+            return await self._run()
+        finally:
+            if restore_cpus is not None:
+                os.sched_setaffinity(0, restore_cpus)
+            if self.learner_pool is not None:
+                self.learner_pool.shutdown(wait=False)
+
+    def split_cpus(self) -> set[int] | None:
+        """With ``learner_cpus``: this thread (and every thread and process started from it from now
+        on) goes to the other CPUs, the learner gets a thread of its own on those. Returns the
+        thread's previous CPUs (to restore), None when nothing is pinned."""
+        cpus = self.cfg.learner_cpus
+        if not cpus:
+            return None
+        allowed = os.sched_getaffinity(0)
+        if not set(cpus) < allowed:
+            raise TrainError(f"learner_cpus {cpus}: must be a proper subset of this process's CPUs {sorted(allowed)} "
+                             "(the farm, desktops and policy servers need the others)")
+        os.sched_setaffinity(0, allowed - set(cpus))
+        self.learner_pool = ThreadPoolExecutor(1, thread_name_prefix="learner", initializer=pin_learner,
+                                               initargs=(set(cpus),))
+        return allowed
+
+    async def in_learner(self, fn: Any, *args: Any) -> Any:
+        """Run blocking learner work on the learner's thread (its own CPUs when pinned)."""
+        return await asyncio.get_running_loop().run_in_executor(self.learner_pool, functools.partial(fn, *args))
+
+    async def _run(self) -> dict[str, Any]:
         from osfarm.runner.episode import EpisodeConfig, run_episode
         from osfarm.runner.run import make_cache
         from osfarm.runner.scheduler import RolloutScheduler
@@ -219,7 +276,7 @@ class Trainer:
         (self.run_dir / "train_config.json").write_text(cfg.model_dump_json(indent=2))
         suite, tasks = self.load_tasks()
         by_id = {t.id: t for t in tasks}
-        learner, ckpt, _state = await asyncio.to_thread(self.load_learner)
+        learner, ckpt, _state = await self.in_learner(self.load_learner)
         self.learner = learner
         start_version = learner.version
         if learner.version >= cfg.updates:
@@ -231,7 +288,8 @@ class Trainer:
         farm_server = None
         try:
             servers = await self.start_policy(ckpt or learner.model_path, learner.version)
-            sync = WeightSync(servers)
+            sync = WeightSync(servers, base_model=cfg.policy.model_name)
+            self.sync = sync
             if ckpt is not None and cfg.policy.servers:  # running servers: bring them to the resumed weights
                 await self._sync(sync, ckpt, learner.version)
             for s in servers:
@@ -320,8 +378,16 @@ class Trainer:
                 await farm_holder["farm"].__aenter__()
             task_id, seq = item.task_id, item.seq
             server = servers[seq % len(servers)]
-            agent = self.make_agent(server.url)
-            res = await run_episode(farm_holder["farm"], token, by_id[task_id], agent, cache, ecfg, self.run_id)
+            model, version = self.sync.route(server)
+            if version is not None:
+                self.in_flight_versions[id(item)] = version
+            agent = self.make_agent(server.url, model)
+            try:
+                res = await run_episode(farm_holder["farm"], token, by_id[task_id], agent, cache, ecfg, self.run_id)
+            finally:
+                self.in_flight_versions.pop(id(item), None)
+            if version is not None:
+                tag_versions(res.steps, version)
             # every rollout of a task is its own episode (the runner's ids are per task and attempt)
             res.episode_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{self.run_id}:{task_id}:{seq}"))
             rec = await asyncio.to_thread(episode_record, res, self.run_id, blobs)
@@ -378,7 +444,7 @@ class Trainer:
                 continue
             stale = staleness_of(samples, learner.version)
             t_update = time.monotonic()
-            stats = await asyncio.to_thread(learner.update, samples)
+            stats = await self.in_learner(learner.update, samples)
             update_s = time.monotonic() - t_update
             version = stats.version
             t_sync = time.monotonic()
@@ -388,9 +454,11 @@ class Trainer:
                 dm.save_state(d)
                 controller.save(d / RC_STATE)
 
-            ckpt = await asyncio.to_thread(learner.save, self.ckpt_root / f"v{version}",
+            ckpt = await self.in_learner(learner.save, self.ckpt_root / f"v{version}",
                                            {"run_dir": str(self.run_dir), "totals": self.totals}, write_states)
             results = await self._sync(sync, ckpt, version)
+            for err in await sync.prune(set(self.in_flight_versions.values())):
+                self.console.print(f"[yellow]adapter unload failed[/]: {err}", highlight=False)
             sync_s = time.monotonic() - t_sync
             controller.set_version(version)  # only now may rollouts count on the new weights
             await asyncio.to_thread(controller.save, ckpt / RC_STATE)  # the checkpoint's copy at the new version

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -39,7 +40,7 @@ class PolicyProcess:
     """One ``osfarm policy serve`` subprocess on a free loopback port."""
 
     def __init__(self, model: Path, version: int, name: str, log_path: Path, delay_ms: float = 0.0,
-                 threads: int | None = None, delay_sigma: float = 0.0):
+                 threads: int | None = None, delay_sigma: float = 0.0, extra_args: Sequence[str] = ()):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-c", "from osfarm.cli import app; app()", "policy", "serve", "--model", str(model),
@@ -49,6 +50,7 @@ class PolicyProcess:
             cmd += ["--delay-ms", str(delay_ms), "--delay-sigma", str(delay_sigma)]
         if threads:
             cmd += ["--threads", str(threads)]
+        cmd += list(extra_args)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = log_path.open("ab")

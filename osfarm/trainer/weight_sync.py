@@ -9,16 +9,19 @@ Each server has an adapter for its kind:
 
 * ``osfarm``: our CPU policy server: ``POST /v1/weights/reload {"path", "version"}`` answers
   ``{"version"}``.
-* ``vllm_lora``: vLLM with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``:
-  ``POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace": true}`` with the
-  checkpoint's ``adapter/`` dir (``learner.lora`` must be set). Agents request
-  ``model = lora_name``. vLLM does not report a version: the sync remembers which version each
-  server holds and the trainer tags what it can.
+* ``vllm_lora``: vLLM with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``:
+  ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` with the checkpoint's ``adapter/``
+  dir (``learner.lora`` must be set). vLLM's responses carry no policy version, so by default
+  every version is its own adapter, ``<lora_name>-v<N>``: an episode requests the newest name when
+  it starts and keeps it, so each of its steps was produced by exactly version N. Adapters no
+  episode uses any more are unloaded (``prune``). ``lora_versioned: false`` instead reloads one
+  name in place (``load_inplace``); steps are then tagged with a lower bound of their version.
 * ``command``: anything else (a vLLM restart, a ``/collective_rpc`` reload, a k8s rollout): a
   shell command template run with ``{path}``, ``{version}`` and ``{url}`` filled in; when it
   exits 0 the server is waited on until healthy.
 
-Every call has a timeout and is followed by a health check (``GET /health``); a server that
+Every call has a timeout and is followed by a health check (``GET /health``; the adapters of
+our servers and vLLM are also checked before); a server that
 fails keeps its old version, the failure is reported and logged, and the sync goes on with the
 next server (weight syncs that hang forever are the most reported failure of RL trainers).
 """
@@ -46,7 +49,9 @@ class PolicyServer(BaseModel):
     kind: Literal["osfarm", "vllm_lora", "command"] = "osfarm"
     timeout_s: float = Field(default=300.0, gt=0, description="limit for one reload call")
     health_timeout_s: float = Field(default=60.0, gt=0, description="limit for the server to answer /health after it")
-    lora_name: str = Field(default="policy", description="vllm_lora: the adapter name agents request")
+    lora_name: str = Field(default="policy", description="vllm_lora: the adapter name (versioned: its prefix)")
+    lora_versioned: bool = Field(default=True, description="vllm_lora: one adapter per version, <lora_name>-v<N> "
+                                 "(exact version of every step); false: reload lora_name in place")
     command: str | None = Field(default=None, description="command: template with {path} {version} {url}")
     api_key: str | None = None
 
@@ -95,15 +100,28 @@ async def _reload_osfarm(client: httpx.AsyncClient, server: PolicyServer, path: 
         raise SyncError(f"{server.url} reports version {got} after reloading version {version}")
 
 
+def adapter_name(server: PolicyServer, version: int) -> str:
+    """The adapter name a vllm_lora server serves ``version`` under."""
+    return f"{server.lora_name}-v{version}" if server.lora_versioned else server.lora_name
+
+
 async def _reload_vllm_lora(client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> None:
     adapter = path / ADAPTER_DIR
     if not adapter.is_dir():
         raise SyncError(f"{path}: no {ADAPTER_DIR}/ (vllm_lora needs learner.lora)")
-    body = {"lora_name": server.lora_name, "lora_path": str(adapter), "load_inplace": True}
+    body = {"lora_name": adapter_name(server, version), "lora_path": str(adapter),
+            "load_inplace": not server.lora_versioned}
     r = await client.post(f"{server.url}/v1/load_lora_adapter", json=body, headers=_headers(server),
                           timeout=server.timeout_s)
     if r.status_code != 200:
         raise SyncError(f"{server.url}/v1/load_lora_adapter: HTTP {r.status_code}: {r.text[:300]}")
+
+
+async def _unload_vllm_lora(client: httpx.AsyncClient, server: PolicyServer, name: str) -> None:
+    r = await client.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": name},
+                          headers=_headers(server), timeout=server.timeout_s)
+    if r.status_code != 200:
+        raise SyncError(f"{server.url}/v1/unload_lora_adapter {name}: HTTP {r.status_code}: {r.text[:300]}")
 
 
 async def _reload_command(server: PolicyServer, path: Path, version: int) -> None:
@@ -124,15 +142,32 @@ async def _reload_command(server: PolicyServer, path: Path, version: int) -> Non
 class WeightSync:
     """Pushes checkpoints to ``servers`` one at a time and remembers each one's version."""
 
-    def __init__(self, servers: Sequence[PolicyServer]):
+    def __init__(self, servers: Sequence[PolicyServer], base_model: str = "policy"):
         self.servers = list(servers)
+        self.base_model = base_model  # what a server serves before its first adapter (vllm_lora)
         self.versions: dict[str, int | None] = {s.url: None for s in self.servers}
+        self.adapters: dict[str, dict[int, str]] = {s.url: {} for s in self.servers}  # versioned adapters loaded
         self.failures = 0
+
+    def route(self, server: PolicyServer) -> tuple[str, int | None]:
+        """The model name an episode starting now requests from ``server``, and the version it
+        stands for when the server's answers do not say (None: they do, or it is unknown)."""
+        version = self.versions.get(server.url)
+        if server.kind == "osfarm":
+            return self.base_model, None
+        if server.kind == "vllm_lora":
+            loaded = self.adapters[server.url]
+            if not loaded:  # no adapter yet: the base model, the run's version 0
+                return self.base_model, 0
+            v = version if version in loaded else max(loaded)
+            return loaded[v], v
+        return self.base_model, version
 
     async def sync_one(self, client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> SyncResult:
         t0 = time.perf_counter()
         try:
-            await wait_healthy(client, server, server.health_timeout_s)
+            if server.kind != "command":  # a restart command may be what revives a dead server
+                await wait_healthy(client, server, server.health_timeout_s)
             if server.kind == "osfarm":
                 await _reload_osfarm(client, server, path, version)
             elif server.kind == "vllm_lora":
@@ -145,6 +180,10 @@ class WeightSync:
             msg = str(e) if isinstance(e, SyncError) else f"{server.url}: {type(e).__name__}: {e}"
             return SyncResult(server.url, version, False, time.perf_counter() - t0, msg)
         self.versions[server.url] = version
+        if server.kind == "vllm_lora":
+            if not server.lora_versioned:  # one name, replaced in place
+                self.adapters[server.url].clear()
+            self.adapters[server.url][version] = adapter_name(server, version)
         return SyncResult(server.url, version, True, time.perf_counter() - t0)
 
     async def sync(self, path: Path, version: int) -> list[SyncResult]:
@@ -154,6 +193,27 @@ class WeightSync:
             for server in self.servers:
                 results.append(await self.sync_one(client, server, Path(path).resolve(), version))
         return results
+
+    async def prune(self, in_use: set[int]) -> list[str]:
+        """Unload the versioned adapters that are neither a server's current one nor in ``in_use``
+        (versions episodes still run on); returns what failed (an adapter left loaded only costs
+        memory, so a failure is reported, never raised)."""
+        errors: list[str] = []
+        async with httpx.AsyncClient() as client:
+            for server in self.servers:
+                if server.kind != "vllm_lora" or not server.lora_versioned:
+                    continue
+                loaded = self.adapters[server.url]
+                for v in sorted(loaded):
+                    if v == self.versions[server.url] or v in in_use:
+                        continue
+                    try:
+                        await _unload_vllm_lora(client, server, loaded[v])
+                    except (SyncError, httpx.HTTPError) as e:
+                        errors.append(str(e) if isinstance(e, SyncError) else f"{server.url}: {type(e).__name__}: {e}")
+                        continue
+                    del loaded[v]
+        return errors
 
     def min_version(self) -> int | None:
         """The oldest version any server holds (None while one has never been synced)."""
