@@ -5,7 +5,11 @@ action space it can explore: the policy server samples exactly one token (with i
 policy version, like any VLM call) and the token id modulo the number of choices selects the
 action. The desktop really runs it and the task's real evaluator scores it; what the model must
 learn is to put its probability mass on the tokens that map to the right action. The candidate
-actions come from the task's ``osfarm_choices`` list (or the agent's ``choices``).
+actions come from the task's ``osfarm_choices`` list (or the agent's ``choices``); a task's
+``osfarm_choice_steps`` (default 1) is how many choices an episode makes before DONE.
+
+The model call is async (``apredict``, our chat client): an episode waiting for the policy holds
+no thread.
 
 Like the VLM agent it leaves ``last_model_call`` (request messages, response text, token ids,
 log-probs, policy version) after each ``predict`` for the episode record.
@@ -13,13 +17,12 @@ log-probs, policy version) after each ``predict`` for the episode record.
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import time
 from typing import Any
 
-import httpx
-
 from osfarm.agents.base import Action
+from osfarm.agents.chat_client import ChatClient, ChatResult, PolicyBadResponse
 
 SYSTEM_PROMPT = "You control a Linux desktop. Answer with the number of the action to take."
 
@@ -30,10 +33,12 @@ class ChoiceAgent:
 
     def __init__(self, base_url: str, model: str = "policy", *, choices: list[str] | None = None,
                  temperature: float = 1.0, timeout_s: float = 120.0, screenshot: bool = True, **_: Any):
-        self.url = base_url.rstrip("/").removesuffix("/v1") + "/v1/chat/completions"
+        self.client = ChatClient(base_url, model, timeout_s=timeout_s)
         self.model = model
         self.default_choices = list(choices or [])
         self.choices = list(self.default_choices)
+        self.steps = 1
+        self.taken = 0
         self.temperature = temperature
         self.timeout_s = timeout_s
         self.screenshot = screenshot
@@ -44,6 +49,11 @@ class ChoiceAgent:
         self.choices = list(extra.get("osfarm_choices") or self.default_choices)
         if not self.choices:
             raise ValueError("the choice agent needs candidate actions: the task's osfarm_choices or agent.choices")
+        steps = extra.get("osfarm_choice_steps", 1)
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"osfarm_choice_steps: expected an integer >= 1, got {steps!r}")
+        self.steps = steps
+        self.taken = 0
         self.last_model_call = None
 
     def messages(self, instruction: str, obs: dict[str, Any]) -> list[dict[str, Any]]:
@@ -55,23 +65,25 @@ class ChoiceAgent:
                           "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}})
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": parts}]
 
-    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    def _act(self, messages: list[dict[str, Any]], res: ChatResult) -> tuple[str, list[Action]]:
+        if not res.token_ids or res.logprobs is None:
+            raise PolicyBadResponse("policy server sent no token ids / log-probs for the choice token")
+        self.last_model_call = {"request": messages, "response_text": res.text, "response_token_ids": res.token_ids,
+                                "response_logprobs": res.logprobs, "policy_version": res.policy_version,
+                                "t_ms": res.t_ms, "error": None}
+        self.taken += 1
+        action = self.choices[res.token_ids[0] % len(self.choices)]
+        return res.text, [action, "DONE"] if self.taken >= self.steps else [action]
+
+    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+        """One sampled token (through :class:`ChatClient`: transient failures retried, a server that
+        stays unreachable is an infra error, not the agent's)."""
         messages = self.messages(instruction, obs)
-        body = {"model": self.model, "messages": messages, "max_tokens": 1, "temperature": self.temperature,
-                "n": 1, "logprobs": True, "return_tokens_as_token_ids": True}
-        t0 = time.perf_counter()
-        r = httpx.post(self.url, json=body, timeout=self.timeout_s)
-        r.raise_for_status()
-        data = r.json()
-        choice = data["choices"][0]
-        ids = choice.get("token_ids") or [int(t["token"].split(":", 1)[1]) for t in choice["logprobs"]["content"]]
-        logprobs = [float(t["logprob"]) for t in choice["logprobs"]["content"]]
-        version = data.get("policy_version")
-        if version is None and r.headers.get("x-policy-version") is not None:
-            version = int(r.headers["x-policy-version"])
-        text = choice["message"].get("content") or ""
-        self.last_model_call = {"request": messages, "response_text": text, "response_token_ids": ids,
-                                "response_logprobs": logprobs, "policy_version": version,
-                                "t_ms": round((time.perf_counter() - t0) * 1000, 1), "error": None}
-        action = self.choices[ids[0] % len(self.choices)]
-        return text, [action, "DONE"]
+        res = await self.client.complete(messages, temperature=self.temperature, max_tokens=1, logprobs=True)
+        return self._act(messages, res)
+
+    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+        return asyncio.run(self.apredict(instruction, obs))
+
+    async def aclose(self) -> None:
+        await self.client.aclose()

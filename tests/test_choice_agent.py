@@ -1,0 +1,67 @@
+"""The trainer's choice agent against a real policy server (``osfarm policy serve --model tiny``):
+one sampled token per step picks an action, ``osfarm_choice_steps`` steps per episode, every
+call recorded with token ids, log-probs and the policy version; a server that stays down is an
+infra error (never the agent's failure)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("torch")
+
+from vlm_servers import closed_port_url, policy_server
+
+from osfarm.agents.chat_client import PolicyUnavailable
+from osfarm.trainer.choice_agent import ChoiceAgent
+
+CHOICES = [f"open('/tmp/x', 'a').write('{c}')" for c in "ABCD"]
+
+
+def _task(**extra: object) -> SimpleNamespace:
+    return SimpleNamespace(model_extra={"osfarm_choices": CHOICES, **extra})
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    with policy_server() as url:
+        yield url
+
+
+def test_one_choice_per_step_then_done(server: str) -> None:
+    agent = ChoiceAgent(server, "tiny", temperature=1.0, screenshot=False)
+    agent.reset(_task(osfarm_choice_steps=3))
+
+    async def episode() -> list[list[str]]:
+        out = []
+        for _ in range(3):
+            _, actions = await agent.apredict("spell CAB", {"screenshot": None})
+            call = agent.last_model_call
+            assert call is not None and len(call["response_token_ids"]) == 1 and len(call["response_logprobs"]) == 1
+            assert call["policy_version"] == 0
+            assert actions[0] == CHOICES[call["response_token_ids"][0] % 4]
+            out.append(actions)
+        await agent.aclose()
+        return out
+
+    steps = asyncio.run(episode())
+    assert [len(a) for a in steps] == [1, 1, 2] and steps[-1][-1] == "DONE"
+
+
+def test_bad_step_count_is_refused() -> None:
+    agent = ChoiceAgent(closed_port_url(), "tiny")
+    for bad in (0, "3", True):
+        with pytest.raises(ValueError, match="osfarm_choice_steps"):
+            agent.reset(_task(osfarm_choice_steps=bad))
+
+
+def test_server_down_is_an_infra_error() -> None:
+    agent = ChoiceAgent(closed_port_url(), "tiny")
+    agent.client.retries, agent.client.backoff_s = 1, 0.05
+    agent.reset(_task())
+    with pytest.raises(PolicyUnavailable) as e:
+        asyncio.run(agent.apredict("x", {"screenshot": None}))
+    assert e.value.infra
