@@ -7,11 +7,17 @@ same farm (``--envs`` sandbox desktops), policy server, model and task suite; on
   desktops sit idle while the learner trains and while the slowest episode of a batch finishes);
 * η = 1, 2, 4: asynchronous (rollouts keep running while the learner trains, bounded staleness).
 
+By default the learner runs on CPU 0 and everything else (farm, desktops, policy server) on the
+other CPUs, in every setting: the machine is split the way a cluster splits trainer and inference
+devices, so a mode that leaves one side idle pays for it (``--learner-cpus none`` shares all
+CPUs: on a 2-core machine rollouts and learner then slow each other down and async gains little).
+
 Throughput is measured from the first update to the last (the start-up and the first batch,
 identical in all settings, are left out): learner samples/s = samples trained / wall seconds;
 environment utilisation = busy desktop-seconds / (desktops × wall seconds).
 
-    python bench/async_vs_sync.py --updates 5 --envs 2 [--etas 0,1,2,4] [--delay-ms 0 --delay-sigma 0] [--out figures.json]
+    python bench/async_vs_sync.py --updates 5 --envs 8 --batch-size 8 --delay-ms 1500 --delay-sigma 1 \
+        [--etas 0,1,2,4] [--learner-cpus 0|none] [--suite DIR --max-steps N] [--out figures.json]
 """
 
 from __future__ import annotations
@@ -54,13 +60,20 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console) ->
     run_dir = root / f"eta{eta}"
     cfg = load_train_config(args.config, run_dir=run_dir, updates=args.updates, resume=False)
     cfg = cfg.model_copy(update={
-        "rollout": cfg.rollout.model_copy(update={"eta": eta, "envs": args.envs, "batch_size": args.batch_size}),
+        "rollout": cfg.rollout.model_copy(update={"eta": eta, "envs": args.envs, "batch_size": args.batch_size,
+                                                  "max_steps": args.max_steps}),
+        "agent": cfg.agent.model_copy(update={"screenshot": args.screenshot}),
+        "suite": args.suite,
+        # most groups of the multi-step task are all failures: they still train (zero advantages),
+        # so every setting does the same learner work per update
+        "data": cfg.data.model_copy(update={"options": {**cfg.data.options, "drop_no_signal": False}}),
         "policy": cfg.policy.model_copy(update={"delay_ms": args.delay_ms, "delay_sigma": args.delay_sigma}),
         "metrics": cfg.metrics.model_copy(update={"plot": False}),
         # a small step keeps the choice task from saturating: an all-success group has no GRPO
         # signal and is dropped, which would stall the run (throughput is measured, not learning)
         "learner": cfg.learner.model_copy(update={"lr": args.lr}),
         "max_episodes": args.max_episodes,
+        "learner_cpus": args.learner_cpus,
     })
     console.rule(f"η = {eta}")
     t0 = time.time()
@@ -80,9 +93,19 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=0.0, help="artificial policy latency per request (median)")
     ap.add_argument("--delay-sigma", type=float, default=0.0, help="lognormal sigma of that latency (0: fixed)")
     ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--suite", type=Path, default=Path(__file__).parent / "fixtures" / "multistep_suite",
+                    help="task suite (default: one choice task of 3 policy calls per episode)")
+    ap.add_argument("--max-steps", type=int, default=3)
+    ap.add_argument("--screenshot", action=argparse.BooleanOptionalAction, default=False,
+                    help="send the screenshot to the policy (the choice task does not need it; on 2 CPUs the tiny "
+                         "model's vision pass would be rollout CPU a GPU server does not cost)")
     ap.add_argument("--max-episodes", type=int, default=400, help="safety stop per setting")
+    ap.add_argument("--learner-cpus", default="0",
+                    help="CPUs of the learner, the rest run the rollouts (as a cluster's trainer and inference "
+                         "devices); 'none': everything shares every CPU")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
+    args.learner_cpus = None if args.learner_cpus == "none" else [int(c) for c in args.learner_cpus.split(",")]
     os.environ.setdefault("OSFARM_STATE_DIR", "/tmp/of-bench-async")
     console = Console(stderr=True)
     etas = [int(x) for x in args.etas.split(",")]
@@ -91,7 +114,9 @@ def main() -> None:
         for eta in etas:
             results[eta] = run_one(eta, args, Path(tmp), console)
     base = results.get(0)
-    table = Table(title=f"async vs sync: {args.updates} updates, {args.envs} desktops, batch {args.batch_size}")
+    split = f"learner on CPUs {args.learner_cpus}, rollouts on the rest" if args.learner_cpus else "shared CPUs"
+    table = Table(title=f"async vs sync: {args.updates} updates, {args.envs} desktops, batch {args.batch_size}, "
+                        f"policy latency {args.delay_ms:g} ms σ {args.delay_sigma:g}, {split}")
     for col in ("η", "samples/s", "× sync", "episodes/s", "env utilisation", "update s", "max staleness", "wall s"):
         table.add_column(col, justify="right")
     for eta, r in results.items():
