@@ -16,8 +16,8 @@ Throughput is measured from the first update to the last (the start-up and the f
 identical in all settings, are left out): learner samples/s = samples trained / wall seconds;
 environment utilisation = busy desktop-seconds / (desktops × wall seconds).
 
-    python bench/async_vs_sync.py --updates 5 --envs 8 --batch-size 8 --delay-ms 1500 --delay-sigma 1 \
-        [--etas 0,1,2,4] [--learner-cpus 0|none] [--suite DIR --max-steps N] [--out figures.json]
+    python bench/async_vs_sync.py [--updates 5 --envs 8 --batch-size 8 --delay-ms 4000 --delay-sigma 1]
+        [--etas 0,1,2] [--learner-cpus 0|none] [--suite DIR --max-steps N] [--out figures.json]
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console) ->
         "rollout": cfg.rollout.model_copy(update={"eta": eta, "envs": args.envs, "batch_size": args.batch_size,
                                                   "max_steps": args.max_steps}),
         "agent": cfg.agent.model_copy(update={"screenshot": args.screenshot}),
-        "suite": args.suite,
-        # most groups of the multi-step task are all failures: they still train (zero advantages),
-        # so every setting does the same learner work per update
+        "suite": args.suite or cfg.suite,
+        # a group whose rewards are all equal still trains (zero advantages): every setting does the
+        # same learner work per update and none stalls on a solved or hopeless task
         "data": cfg.data.model_copy(update={"options": {**cfg.data.options, "drop_no_signal": False}}),
         "policy": cfg.policy.model_copy(update={"delay_ms": args.delay_ms, "delay_sigma": args.delay_sigma}),
         "metrics": cfg.metrics.model_copy(update={"plot": False}),
@@ -86,16 +86,16 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, default=None, help="train.yaml (default: the embedded tiny setup)")
-    ap.add_argument("--updates", type=int, default=4)
-    ap.add_argument("--envs", type=int, default=2)
+    ap.add_argument("--updates", type=int, default=5)
+    ap.add_argument("--envs", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--etas", default="0,1,2,4")
-    ap.add_argument("--delay-ms", type=float, default=0.0, help="artificial policy latency per request (median)")
-    ap.add_argument("--delay-sigma", type=float, default=0.0, help="lognormal sigma of that latency (0: fixed)")
+    ap.add_argument("--etas", default="0,1,2")
+    ap.add_argument("--delay-ms", type=float, default=4000.0,
+                    help="policy latency per request, median (a GPU server's generation time; 0: none)")
+    ap.add_argument("--delay-sigma", type=float, default=1.0, help="lognormal sigma of that latency (0: fixed)")
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--suite", type=Path, default=Path(__file__).parent / "fixtures" / "multistep_suite",
-                    help="task suite (default: one choice task of 3 policy calls per episode)")
-    ap.add_argument("--max-steps", type=int, default=3)
+    ap.add_argument("--suite", type=Path, default=None, help="task suite (default: the trainer's, a one-step choice task)")
+    ap.add_argument("--max-steps", type=int, default=1, help="steps per episode (tasks with osfarm_choice_steps)")
     ap.add_argument("--screenshot", action=argparse.BooleanOptionalAction, default=False,
                     help="send the screenshot to the policy (the choice task does not need it; on 2 CPUs the tiny "
                          "model's vision pass would be rollout CPU a GPU server does not cost)")
