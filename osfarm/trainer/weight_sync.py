@@ -20,10 +20,10 @@ Each server has an adapter for its kind:
   shell command template run with ``{path}``, ``{version}`` and ``{url}`` filled in; when it
   exits 0 the server is waited on until healthy.
 
-Every call has a timeout and is followed by a health check (``GET /health``; the adapters of
-our servers and vLLM are also checked before); a server that
-fails keeps its old version, the failure is reported and logged, and the sync goes on with the
-next server (weight syncs that hang forever are the most reported failure of RL trainers).
+Every call has a timeout and is followed by a health check (``GET /health``; one before it too,
+except for a command, which may be what revives a dead server); a server that fails keeps its
+old version, the failure is reported and logged, and the sync goes on with the next server
+(weight syncs that hang forever are the most reported failure of RL trainers).
 """
 
 from __future__ import annotations
