@@ -17,7 +17,11 @@ identical in all settings, are left out): learner samples/s = samples trained / 
 environment utilisation = busy desktop-seconds / (desktops × wall seconds).
 
     python bench/async_vs_sync.py [--updates 5 --envs 8 --batch-size 8 --delay-ms 4000 --delay-sigma 1]
-        [--etas 0,1,2] [--learner-cpus 0|none] [--suite DIR --max-steps N] [--out figures.json]
+        [--etas 0,1,2,4] [--learner-cpus 0|none] [--suite DIR --max-steps N] [--out figures.json]
+
+Default workload: the 5-step choice task of ``bench/fixtures/multistep_suite`` (each step a policy
+call with lognormal latency, median 4 s, σ 1, as a GPU server's generation time varies with the
+length of what it writes), 8 desktops, GRPO batch 8.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console) ->
         "rollout": cfg.rollout.model_copy(update={"eta": eta, "envs": args.envs, "batch_size": args.batch_size,
                                                   "max_steps": args.max_steps}),
         "agent": cfg.agent.model_copy(update={"screenshot": args.screenshot}),
-        "suite": args.suite or cfg.suite,
+        "suite": args.suite,
         # a group whose rewards are all equal still trains (zero advantages): every setting does the
         # same learner work per update and none stalls on a solved or hopeless task
         "data": cfg.data.model_copy(update={"options": {**cfg.data.options, "drop_no_signal": False}}),
@@ -89,13 +93,15 @@ def main() -> None:
     ap.add_argument("--updates", type=int, default=5)
     ap.add_argument("--envs", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--etas", default="0,1,2")
+    ap.add_argument("--etas", default="0,1,2,4")
     ap.add_argument("--delay-ms", type=float, default=4000.0,
                     help="policy latency per request, median (a GPU server's generation time; 0: none)")
     ap.add_argument("--delay-sigma", type=float, default=1.0, help="lognormal sigma of that latency (0: fixed)")
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--suite", type=Path, default=None, help="task suite (default: the trainer's, a one-step choice task)")
-    ap.add_argument("--max-steps", type=int, default=1, help="steps per episode (tasks with osfarm_choice_steps)")
+    ap.add_argument("--suite", type=Path, default=Path(__file__).parent / "fixtures" / "multistep_suite",
+                    help="task suite (default: a choice task of 5 policy calls per episode; a GUI agent's "
+                         "episodes have many steps, each waiting on the policy)")
+    ap.add_argument("--max-steps", type=int, default=5, help="steps per episode (at least the task's osfarm_choice_steps)")
     ap.add_argument("--screenshot", action=argparse.BooleanOptionalAction, default=False,
                     help="send the screenshot to the policy (the choice task does not need it; on 2 CPUs the tiny "
                          "model's vision pass would be rollout CPU a GPU server does not cost)")
