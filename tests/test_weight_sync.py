@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import textwrap
 import threading
@@ -27,6 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
+from vlm_servers import free_port
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
@@ -38,12 +38,6 @@ from osfarm.trainer.weight_sync import PolicyServer, WeightSync
 pytestmark = pytest.mark.timeout(600)
 
 CHAT = [{"role": "user", "content": "Click the Save button."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +161,7 @@ def test_command_restarts_the_server_on_the_checkpoint(checkpoints: dict[int, Pa
     script = tmp_path / "restart.sh"
     script.write_text(RESTART.format(python=sys.executable))
     script.chmod(0o755)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = PolicyServer(url=url, kind="command", command=f"{script} {{path}} {{version}} {port}",
                           health_timeout_s=120)
@@ -211,7 +205,7 @@ def health_urls():
 
 def test_failures_are_reported_per_server_and_the_sync_goes_on(lora_server: PolicyProcess, health_urls: list[str],
                                                               tmp_path: Path) -> None:
-    dead = [f"http://127.0.0.1:{_free_port()}" for _ in range(3)]  # nothing listens there
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(3)]  # nothing listens there
     servers = [
         PolicyServer(url=dead[0], kind="osfarm", health_timeout_s=1),
         PolicyServer(url=dead[1], kind="command", command="echo broken checkpoint >&2; exit 3"),
