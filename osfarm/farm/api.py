@@ -12,19 +12,17 @@ command and the tests use it.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import socket
 import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Annotated, Any
 from urllib.parse import quote
 
 import httpx
-from fastapi import Body, FastAPI, Header, Query, Request
+from fastapi import Body, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -35,8 +33,8 @@ from osfarm.config import FarmSettings
 from osfarm.desktop.actions import ActionError, check_on_screen, parse_action
 from osfarm.desktop.models import ImageFormat, Observation, ObserveOptions, StepRequest, StepResult
 from osfarm.farm.auth import TokenAuth
-from osfarm.farm.errors import CapacityError, FarmError
-from osfarm.farm.guest_link import GuestLink, GuestReply, GuestTimeout, GuestUnreachable
+from osfarm.farm.errors import ApiError, CapacityError, FarmError, describe
+from osfarm.farm.state import FarmState, OwnerHeader
 from osfarm.farm.schemas import (
     DESKTOP_ERRORS,
     ErrorBody,
@@ -46,146 +44,17 @@ from osfarm.farm.schemas import (
     LeaseRequest,
     PoolStatus,
 )
-from osfarm.providers.base import GuestEndpoint
 
 log = logging.getLogger("osfarm.farm.api")
 
 # Guest calls that may legitimately block for long (OSWorld's /setup/open_file waits up to 30
 # min for a window; /execute runs commands for up to 120 s): no read timeout beyond this.
 PASSTHROUGH_TIMEOUT = httpx.Timeout(connect=10.0, read=1900.0, write=120.0, pool=60.0)
-NATIVE_TIMEOUT = httpx.Timeout(connect=10.0, read=120.0, write=60.0, pool=60.0)
-NATIVE_TIMEOUT_S = 120.0
 # Errors that mean "the guest did not answer at all" (socket gone, process died mid-reply).
 _UNREACHABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 # Hop-by-hop or recomputed headers that must not be copied between the two connections.
 _REQUEST_HEADERS = ("content-type", "content-length", "accept", "content-encoding")
 _RESPONSE_HEADERS = ("content-type", "content-length", "content-encoding", "content-disposition", "cache-control")
-
-OwnerHeader = Annotated[
-    str | None,
-    Header(alias="X-Osfarm-Owner", description="if set, must match the lease's owner (403 otherwise)"),
-]
-
-
-class ApiError(Exception):
-    """An HTTP error raised inside a route; answered as ``{"detail": message}``."""
-
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.headers = headers
-
-
-@dataclass
-class _GuestConn:
-    endpoint: GuestEndpoint
-    client: httpx.AsyncClient  # passthrough (streaming)
-    link: GuestLink  # native hot path
-
-
-class FarmState:
-    """What the routes share: the pool, and one pooled HTTP client per desktop.
-
-    Only touched from the event loop's thread, so the dict needs no lock.
-    """
-
-    def __init__(self, settings: FarmSettings, provider: Any = None):
-        self.settings = settings
-        # The farm owns the provider, given or made: it is closed at shutdown.
-        self.provider = provider
-        self.pool: Any = None
-        self.started_at = time.time()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.start_error: BaseException | None = None
-        self._guests: dict[str, _GuestConn] = {}
-
-    async def start(self) -> None:
-        from osfarm.farm.pool import LeasePool  # imported late: the pool imports the providers
-
-        self.loop = asyncio.get_running_loop()
-        try:
-            if self.provider is None:
-                from osfarm.providers import make_provider
-
-                self.provider = make_provider(self.settings)
-            self.pool = LeasePool(self.provider, self.settings)
-            await self.pool.start()
-        except BaseException as e:
-            self.start_error = e
-            await self.close()
-            raise
-
-    async def close(self) -> None:
-        for conn in list(self._guests.values()):
-            await conn.client.aclose()
-            await conn.link.aclose()
-        self._guests.clear()
-        pool, provider = self.pool, self.provider
-        self.pool = self.provider = None
-        if pool is not None:
-            await pool.close()  # stops every desktop, then closes the provider
-        elif provider is not None:
-            await provider.close()
-
-    def require_pool(self) -> Any:
-        if self.pool is None:
-            raise ApiError(503, "the farm is starting or stopping", {"Retry-After": "1"})
-        return self.pool
-
-    def guest(self, lease: Any) -> _GuestConn:
-        """The desktop's pooled connections; new ones when the desktop's endpoint changed (reset)."""
-        conn = self._guests.get(lease.desktop_id)
-        if conn is not None and conn.endpoint == lease.endpoint:
-            return conn
-        if conn is not None:
-            loop = asyncio.get_running_loop()
-            loop.create_task(conn.client.aclose())
-            loop.create_task(conn.link.aclose())
-        conn = _GuestConn(lease.endpoint, lease.endpoint.client(timeout=NATIVE_TIMEOUT.read or 120.0),
-                          GuestLink(lease.endpoint))
-        self._guests[lease.desktop_id] = conn
-        return conn
-
-    async def drop_guest(self, desktop_id: str) -> None:
-        conn = self._guests.pop(desktop_id, None)
-        if conn is not None:
-            await conn.client.aclose()
-            await conn.link.aclose()
-
-    async def unreachable(self, lease: Any, exc: Exception) -> ApiError:
-        """Decide what a failed guest call means, and return the error to answer.
-
-        A dropped keep-alive connection can race a request, so before declaring the desktop dead
-        we ask its health route on a fresh connection: if it answers, the caller may retry (502);
-        if not, the desktop is marked failed (the pool replaces it) and the lease is gone (410).
-        """
-        await self.drop_guest(lease.desktop_id)
-        probe = lease.endpoint.client(timeout=3.0)
-        try:
-            r = await probe.get("/v1/health")
-            alive = r.status_code == 200
-        except httpx.HTTPError:
-            alive = False
-        finally:
-            await probe.aclose()
-        if alive:
-            return ApiError(502, f"connection to the desktop's guest server dropped ({_describe(exc)}); retry the call")
-        reason = f"guest server unreachable: {_describe(exc)}"
-        log.warning("desktop %s of lease %s crashed: %s", lease.desktop_id, lease.id, reason)
-        try:
-            r = self.pool.mark_failed(lease.id, reason)
-            if inspect.isawaitable(r):
-                await r
-        except FarmError:
-            pass  # already released or replaced: the lease is gone either way
-        return ApiError(410, f"desktop crashed ({reason}); the lease is gone, lease a new desktop")
-
-
-def _describe(exc: Exception) -> str:
-    text = str(exc) or ""
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
 
 def _lease_info(lease: Any) -> LeaseInfo:
     width, height = lease.screen
@@ -218,19 +87,6 @@ def _format_validation(errors: list[dict[str, Any]]) -> tuple[int, str]:
             continue
         parts.append(f"{'.'.join(loc)}: {err.get('msg', 'invalid')}")
     return 422, "; ".join(parts) or "invalid request"
-
-
-def _guest_error(r: httpx.Response | GuestReply) -> ApiError:
-    """Map a guest's error reply to ours: its 4xx stay (bad input), anything else is 502."""
-    try:
-        body = r.json()
-        detail = body.get("detail") or body.get("message") or body.get("error") if isinstance(body, dict) else None
-    except ValueError:
-        detail = None
-    detail = str(detail) if detail else (r.text[:500] or r.reason_phrase)
-    if 400 <= r.status_code < 500 and r.status_code not in (401, 403):
-        return ApiError(r.status_code, detail)
-    return ApiError(502, f"guest server error {r.status_code}: {detail}")
 
 
 def _observe_step(seconds: float) -> None:
@@ -299,21 +155,11 @@ def create_app(settings: FarmSettings, provider: Any = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse({"detail": f"internal error: {_describe(exc)}"}, status_code=500)
+        return JSONResponse({"detail": f"internal error: {describe(exc)}"}, status_code=500)
 
     # ---- helpers shared by the desktop routes ----
 
-    async def guest_call(lease: Any, method: str, path: str, timeout_s: float = NATIVE_TIMEOUT_S, **kw: Any) -> GuestReply:
-        link = state.guest(lease).link
-        try:
-            r = await link.request(method, path, timeout_s=timeout_s, **kw)
-        except GuestUnreachable as e:
-            raise await state.unreachable(lease, e) from None
-        except GuestTimeout as e:
-            raise ApiError(504, f"the desktop's guest server did not answer in time ({e})") from None
-        if r.status_code >= 400:
-            raise _guest_error(r)
-        return r
+    guest_call = state.guest_call
 
     def get_lease(lease_id: str, owner: str | None) -> Any:
         return state.require_pool().get(lease_id, owner)
@@ -341,10 +187,6 @@ def create_app(settings: FarmSettings, provider: Any = None) -> FastAPI:
 
         from osfarm.farm.metrics import REGISTRY
 
-        pool = state.pool
-        refresh = getattr(pool, "update_metrics", None)
-        if callable(refresh):  # let the pool set its gauges right before a scrape
-            refresh()
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/desktops", status_code=201, response_model=LeaseInfo, tags=["desktops"],
@@ -437,7 +279,7 @@ def create_app(settings: FarmSettings, provider: Any = None) -> FastAPI:
         except _UNREACHABLE as e:
             raise await state.unreachable(lease, e) from None
         except httpx.TimeoutException as e:
-            raise ApiError(504, f"the desktop's guest server did not answer in time ({_describe(e)})") from None
+            raise ApiError(504, f"the desktop's guest server did not answer in time ({describe(e)})") from None
         out = {k: r.headers[k] for k in _RESPONSE_HEADERS if k in r.headers}
         return StreamingResponse(r.aiter_raw(), status_code=r.status_code, headers=out, background=BackgroundTask(r.aclose))
 

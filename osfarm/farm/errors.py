@@ -1,4 +1,5 @@
-"""Errors the pool raises; the API maps each to an HTTP status with the message as detail."""
+"""Errors of the farm: the pool's (``FarmError`` and kin) and the routes' (``ApiError``); the app
+maps each to an HTTP status with the message as ``{"detail": ...}``."""
 
 from __future__ import annotations
 
@@ -49,3 +50,19 @@ class CapacityError(FarmError):
         super().__init__(message)
         self.status = status
         self.retry_after_s = retry_after_s
+
+
+class ApiError(Exception):
+    """An HTTP error raised inside a route (not by the pool); answered as ``{"detail": message}``."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` (or just the type when the message is empty), for error details."""
+    text = str(exc) or ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
