@@ -30,19 +30,12 @@ from pydantic import BaseModel, Field
 from osfarm.config import FarmSettings
 from osfarm.farm.api import ApiError, FarmState, OwnerHeader
 from osfarm.farm.schemas import ErrorBody
-from osfarm.runner.episode import HarnessError
-from osfarm.runner.episode import evaluate as evaluate_task
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import AssetMissing, FileCache
+from osfarm.tasks.lifecycle import EvaluationError, TaskRun, run_postconfig, run_setup
+from osfarm.tasks.lifecycle import evaluate as evaluate_task
 from osfarm.tasks.model import Task, TaskError, parse_task
-from osfarm.tasks.setup import (
-    POSTCONFIG_WINDOW_S,
-    SETUP_TYPES,
-    UNSUPPORTED_TYPES,
-    SetupExecutor,
-    SetupFailed,
-    SetupUnsupported,
-)
+from osfarm.tasks.setup import SETUP_TYPES, UNSUPPORTED_TYPES, SetupFailed, SetupUnsupported
 
 log = logging.getLogger("osfarm.farm.task_routes")
 
@@ -146,9 +139,9 @@ def add_task_routes(app: FastAPI, state: FarmState, settings: FarmSettings) -> N
         cache = _Cache(req.cache_dir, req.offline)
         controller = GuestController.from_endpoint(lease.endpoint)
         try:
-            setup = SetupExecutor(controller, cache.cache, task.id, lease.screen, offline=req.offline)
+            run = TaskRun(task, controller, cache.cache, lease.screen, offline=req.offline)
             try:
-                reports = await asyncio.to_thread(setup.run, task.config)
+                reports = await asyncio.to_thread(run_setup, run)
             except SetupFailed as e:
                 raise setup_error(e) from None
         finally:
@@ -166,18 +159,15 @@ def add_task_routes(app: FastAPI, state: FarmState, settings: FarmSettings) -> N
         work = tempfile.mkdtemp(prefix="osfarm-eval-")  # the getters' cache_dir, per call
         controller = GuestController.from_endpoint(lease.endpoint)
         try:
+            run = TaskRun(task, controller, cache.cache, lease.screen, offline=req.offline, work_dir=Path(work))
             if task.evaluator.postconfig:
-                setup = SetupExecutor(controller, cache.cache, task.id, lease.screen, offline=req.offline,
-                                      output_dir=work)
                 try:
-                    setup.window_timeout = POSTCONFIG_WINDOW_S
-                    await asyncio.to_thread(setup.run, task.evaluator.postconfig)
+                    await asyncio.to_thread(run_postconfig, run)
                 except SetupFailed as e:
                     raise setup_error(e, "postconfig") from None
             try:
-                score = await asyncio.to_thread(evaluate_task, task, controller, cache.cache, Path(work),
-                                                lease.screen, req.last_action, req.offline)
-            except HarnessError as e:
+                score = await asyncio.to_thread(evaluate_task, run, req.last_action)
+            except EvaluationError as e:
                 raise ApiError(502, str(e)) from None
             except GuestError as e:
                 raise ApiError(502, f"evaluation: {e}") from None

@@ -20,9 +20,15 @@ import os
 import tempfile
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 import httpx
+
+if TYPE_CHECKING:
+    from osfarm.tasks.suite import Suite
+
+URL_MAP_NAMES = ("url_map.json", "url_map.yaml", "url_map.yml")
 
 
 class AssetMissing(FileNotFoundError):
@@ -148,4 +154,17 @@ class FileCache:
         return dest
 
 
-__all__ = ["AssetMissing", "FileCache", "cache_name", "load_url_map"]
+def suite_cache(suite: Suite, suite_dir: Path, cache: Path | None, out: Path, offline: bool) -> FileCache:
+    """A suite's file cache: ``cache`` or else ``<suite_dir>/cache`` (OSWorld's ``cache/<task>/<file>``
+    layout, plus an optional ``url_map.json``/``.yaml``), else ``<out>/cache``; relative task paths
+    resolve against the suite's task root."""
+    root = cache if cache is not None else (suite_dir / "cache" if (suite_dir / "cache").is_dir() else out / "cache")
+    url_map: dict[str, str] = {}
+    for name in URL_MAP_NAMES:
+        if (root / name).is_file():
+            url_map = load_url_map(root / name)
+            break
+    return FileCache(root, url_map, suite_dir=suite.root, offline=offline)
+
+
+__all__ = ["URL_MAP_NAMES", "AssetMissing", "FileCache", "cache_name", "load_url_map", "suite_cache"]
