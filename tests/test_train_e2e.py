@@ -158,8 +158,9 @@ def test_server_logprobs_change_after_a_sync(run: dict[str, Any], tmp_path: Path
     import httpx
 
     from osfarm.policy.tiny import tiny_model_dir
-    from osfarm.trainer.policy_process import PolicyProcess
-    from osfarm.trainer.weight_sync import PolicyServer, WeightSync
+    from osfarm.policy.client import PolicyServer
+    from osfarm.policy.process import PolicyProcess
+    from osfarm.trainer.weight_sync import WeightSync
 
     proc = PolicyProcess(tiny_model_dir(), 0, "policy", tmp_path / "policy.log")
     body = {"model": "policy", "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": 3,

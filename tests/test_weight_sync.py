@@ -31,9 +31,10 @@ from vlm_servers import free_port
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
+from osfarm.policy.client import PolicyServer
+from osfarm.policy.process import PolicyProcess
 from osfarm.trainer.learner import Learner, LearnerOptions, LoraOptions
-from osfarm.trainer.policy_process import PolicyProcess
-from osfarm.trainer.weight_sync import PolicyServer, WeightSync
+from osfarm.trainer.weight_sync import WeightSync
 
 pytestmark = pytest.mark.timeout(600)
 

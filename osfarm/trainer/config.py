@@ -15,7 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from osfarm.trainer.learner import LearnerOptions
-from osfarm.trainer.weight_sync import PolicyServer
+from osfarm.policy.client import PolicyServer
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SUITE = REPO_ROOT / "tests" / "fixtures" / "train_suite"

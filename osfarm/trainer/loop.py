@@ -41,11 +41,12 @@ from typing import Any
 
 from rich.console import Console
 
+from osfarm.policy.client import PolicyServer
+from osfarm.policy.process import PolicyProcess, PolicyStartError
 from osfarm.trainer.config import TrainConfig
 from osfarm.trainer.learner import Learner, latest_checkpoint, read_state
 from osfarm.trainer.metrics import TrainMetrics
-from osfarm.trainer.policy_process import PolicyProcess, PolicyStartError
-from osfarm.trainer.weight_sync import PolicyServer, WeightSync
+from osfarm.trainer.weight_sync import WeightSync
 
 CHECKPOINTS = "checkpoints"
 DM_STATE = "data_manager.json"
@@ -218,7 +219,7 @@ class Trainer:
                 raise TrainError("farm.url needs farm.token (or OSFARM_TOKEN)")
             return f.url, token, None
         from osfarm.config import load_settings
-        from osfarm.farm.api import FarmServer
+        from osfarm.farm.server import FarmServer
         from osfarm.providers import make_provider
 
         n = self.cfg.rollout.envs

@@ -34,26 +34,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import httpx
-from pydantic import BaseModel, Field
 
+from osfarm.policy.client import PolicyServer, PolicyUnavailable, wait_healthy
 from osfarm.trainer.learner import ADAPTER_DIR
-
-
-class PolicyServer(BaseModel):
-    """One policy server the trainer keeps up to date."""
-
-    url: str = Field(description="base URL, e.g. http://127.0.0.1:8000 (no /v1)")
-    kind: Literal["osfarm", "vllm_lora", "command"] = "osfarm"
-    timeout_s: float = Field(default=300.0, gt=0, description="limit for one reload call")
-    health_timeout_s: float = Field(default=60.0, gt=0, description="limit for the server to answer /health after it")
-    lora_name: str = Field(default="policy", description="vllm_lora: the adapter name (versioned: its prefix)")
-    lora_versioned: bool = Field(default=True, description="vllm_lora: one adapter per version, <lora_name>-v<N> "
-                                 "(exact version of every step); false: reload lora_name in place")
-    command: str | None = Field(default=None, description="command: template with {path} {version} {url}")
-    api_key: str | None = None
 
 
 @dataclass
@@ -69,30 +54,9 @@ class SyncError(RuntimeError):
     pass
 
 
-def _headers(server: PolicyServer) -> dict[str, str]:
-    return {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
-
-
-async def wait_healthy(client: httpx.AsyncClient, server: PolicyServer, timeout_s: float) -> None:
-    """Poll ``GET /health`` until it answers 200 (or raise SyncError after ``timeout_s``)."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while True:
-        try:
-            r = await client.get(f"{server.url}/health", headers=_headers(server), timeout=5.0)
-            if r.status_code == 200:
-                return
-            last = f"HTTP {r.status_code}"
-        except httpx.HTTPError as e:
-            last = f"{type(e).__name__}: {e}"
-        if time.monotonic() > deadline:
-            raise SyncError(f"{server.url} not healthy after {timeout_s:g} s ({last})")
-        await asyncio.sleep(0.2)
-
-
 async def _reload_osfarm(client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> None:
     r = await client.post(f"{server.url}/v1/weights/reload", json={"path": str(path), "version": version},
-                          headers=_headers(server), timeout=server.timeout_s)
+                          headers=server.headers(), timeout=server.timeout_s)
     if r.status_code != 200:
         raise SyncError(f"{server.url}/v1/weights/reload: HTTP {r.status_code}: {r.text[:300]}")
     got = r.json().get("version")
@@ -111,7 +75,7 @@ async def _reload_vllm_lora(client: httpx.AsyncClient, server: PolicyServer, pat
         raise SyncError(f"{path}: no {ADAPTER_DIR}/ (vllm_lora needs learner.lora)")
     body = {"lora_name": adapter_name(server, version), "lora_path": str(adapter),
             "load_inplace": not server.lora_versioned}
-    r = await client.post(f"{server.url}/v1/load_lora_adapter", json=body, headers=_headers(server),
+    r = await client.post(f"{server.url}/v1/load_lora_adapter", json=body, headers=server.headers(),
                           timeout=server.timeout_s)
     if r.status_code != 200:
         raise SyncError(f"{server.url}/v1/load_lora_adapter: HTTP {r.status_code}: {r.text[:300]}")
@@ -119,7 +83,7 @@ async def _reload_vllm_lora(client: httpx.AsyncClient, server: PolicyServer, pat
 
 async def _unload_vllm_lora(client: httpx.AsyncClient, server: PolicyServer, name: str) -> None:
     r = await client.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": name},
-                          headers=_headers(server), timeout=server.timeout_s)
+                          headers=server.headers(), timeout=server.timeout_s)
     if r.status_code != 200:
         raise SyncError(f"{server.url}/v1/unload_lora_adapter {name}: HTTP {r.status_code}: {r.text[:300]}")
 
@@ -175,9 +139,9 @@ class WeightSync:
             else:
                 await _reload_command(server, path, version)
             await wait_healthy(client, server, server.health_timeout_s)
-        except (SyncError, httpx.HTTPError, OSError, ValueError) as e:
+        except (SyncError, PolicyUnavailable, httpx.HTTPError, OSError, ValueError) as e:
             self.failures += 1
-            msg = str(e) if isinstance(e, SyncError) else f"{server.url}: {type(e).__name__}: {e}"
+            msg = str(e) if isinstance(e, SyncError | PolicyUnavailable) else f"{server.url}: {type(e).__name__}: {e}"
             return SyncResult(server.url, version, False, time.perf_counter() - t0, msg)
         self.versions[server.url] = version
         if server.kind == "vllm_lora":

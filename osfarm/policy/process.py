@@ -1,6 +1,6 @@
-"""Policy server subprocesses the trainer starts (``osfarm policy serve`` on free loopback ports).
+"""``osfarm policy serve`` as a subprocess on a free loopback port (the trainer's own servers).
 
-Each child gets PR_SET_PDEATHSIG, so a trainer killed with SIGKILL takes its servers with it.
+Each child gets PR_SET_PDEATHSIG, so a parent killed with SIGKILL takes its servers with it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from osfarm.trainer.weight_sync import PolicyServer, SyncError, wait_healthy
+from osfarm.policy.client import PolicyServer, PolicyUnavailable, wait_healthy
 
 
 class PolicyStartError(RuntimeError):
@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    """Child setup: SIGKILL when the trainer dies, however it dies (PR_SET_PDEATHSIG)."""
+    """Child setup: SIGKILL when the parent dies, however it dies (PR_SET_PDEATHSIG)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
 
@@ -69,7 +69,7 @@ class PolicyProcess:
                 await asyncio.sleep(0.2)
             try:
                 task.result()
-            except SyncError as e:
+            except PolicyUnavailable as e:
                 raise PolicyStartError(f"policy server did not start: {e} (log: {self.log_path})") from None
 
     def stop(self) -> None:
