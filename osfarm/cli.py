@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Annotated, Any, Iterator, Optional
 
 import typer
+from typer.core import TyperCommand
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
@@ -75,6 +76,51 @@ OwnerOpt = Annotated[
 ConfigOpt = Annotated[
     Optional[Path], typer.Option("--config", "-c", help="YAML settings file (keys as in FarmSettings)", show_default=False)
 ]
+
+
+LeaseIdArg = Annotated[str, typer.Argument(help="lease id (one that reads as an option of this command goes after --)")]
+
+
+def _dash_words_as_positionals(args: list[str], params: list[Any]) -> list[str]:
+    """``args`` with every word that names none of ``params``' options moved, in order, after
+    a ``--``: click reads any word that begins with '-' as an option (an id ``-Ao3...`` failed
+    with "No such option: -A"); after ``--`` it is a positional argument like any other."""
+    takes_value: dict[str, bool] = {}
+    for p in params:
+        if getattr(p, "param_type_name", None) == "option":
+            takes_value.update(dict.fromkeys(p.opts, not (p.is_flag or p.count)))
+            takes_value.update(dict.fromkeys(p.secondary_opts, False))
+    options: list[str] = []
+    positionals: list[str] = []
+    i = 0
+    while i < len(args):
+        word = args[i]
+        if word == "--":
+            positionals += args[i + 1 :]
+            break
+        long = word.startswith("--")
+        name = word.split("=", 1)[0] if long else word[:2]
+        if len(word) > 1 and word.startswith("-") and name in takes_value:
+            options.append(word)
+            attached = "=" in word if long else len(word) > 2  # --owner=x, -ofile
+            if takes_value[name] and not attached and i + 1 < len(args):
+                i += 1
+                options.append(args[i])
+        else:
+            positionals.append(word)
+        i += 1
+    return [*options, "--", *positionals] if positionals else options
+
+
+class LeaseIdCommand(TyperCommand):
+    """A command that takes a lease id: the id may begin with '-', in place or after ``--``.
+
+    A word that is one of the command's own options (``-ofile`` on ``screenshot``) stays that
+    option, so an id that reads as one goes after ``--`` as on any command line.
+    """
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, _dash_words_as_positionals(args, self.get_params(ctx)))
 
 
 def _fail(message: str, code: int = 1) -> typer.Exit:
@@ -308,9 +354,9 @@ def desktop_lease(
     typer.echo(desk.info.model_dump_json(indent=2))
 
 
-@desktop_app.command("screenshot")
+@desktop_app.command("screenshot", cls=LeaseIdCommand)
 def desktop_screenshot(
-    lease_id: Annotated[str, typer.Argument(help="lease id")],
+    lease_id: LeaseIdArg,
     output: Annotated[Path, typer.Option("-o", "--output", help="image file to write")],
     format: Annotated[str, typer.Option("--format", help="png, jpeg or webp")] = "png",
     scale: Annotated[float, typer.Option("--scale", help="resize factor (0, 1]")] = 1.0,
@@ -328,9 +374,9 @@ def desktop_screenshot(
     out.print(f"wrote {output} ({len(data)} bytes)", highlight=False)
 
 
-@desktop_app.command("exec")
+@desktop_app.command("exec", cls=LeaseIdCommand)
 def desktop_exec(
-    lease_id: Annotated[str, typer.Argument(help="lease id")],
+    lease_id: LeaseIdArg,
     command: Annotated[list[str], typer.Argument(help="command and arguments (after --)")],
     shell: Annotated[bool, typer.Option("--shell", help="run the words as one shell command line")] = False,
     timeout: Annotated[float, typer.Option("--timeout", help="HTTP timeout in seconds")] = 180.0,
@@ -360,9 +406,9 @@ def desktop_exec(
     raise typer.Exit(int(reply.get("returncode") or 0))
 
 
-@desktop_app.command("release")
+@desktop_app.command("release", cls=LeaseIdCommand)
 def desktop_release(
-    lease_id: Annotated[str, typer.Argument(help="lease id")],
+    lease_id: LeaseIdArg,
     owner: OwnerOpt = None,
     url: UrlOpt = "http://127.0.0.1:8765",
     token: TokenOpt = "",

@@ -217,6 +217,37 @@ def test_cli_desktop_commands(farm: FarmServer, tmp_path: Path) -> None:
     assert r.returncode == 1 and "invalid token" in r.stderr
 
 
+def test_cli_takes_lease_ids_that_begin_with_dash(farm: FarmServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every command that takes a lease id takes any id, also one that begins with '-' (older farms
+    made one in 64 so): written in place as any other id, or after '--'. The farm runs in this
+    process, so the next lease id is pinned here to one that starts with '-'."""
+    from osfarm.farm import pool as farm_pool
+
+    env = cli_env(farm)
+    for lid in ("-Ao" + "x" * 21, "--Shell" + "y" * 17):  # looks like a short option; like a long one
+        monkeypatch.setattr(farm_pool, "new_lease_id", lambda lid=lid: lid)
+        with Farm(farm.url, farm.token) as f:
+            assert f.lease(owner="dash", ttl_s=60).id == lid
+        shot = tmp_path / f"{lid}.png"
+        r = osfarm("desktop", "screenshot", lid, "--owner", "dash", "-o", str(shot), env=env)
+        assert r.returncode == 0, r.stderr
+        assert Image.open(shot).size == (W, H)
+        r = osfarm("desktop", "screenshot", "--owner", "dash", "-o", str(shot), "--", lid, env=env)
+        assert r.returncode == 0, r.stderr
+        r = osfarm("desktop", "exec", lid, "--owner", "dash", "--", "echo", "-n", "in place", env=env)
+        assert (r.returncode, r.stdout) == (0, "in place"), r.stderr
+        r = osfarm("desktop", "exec", "--owner", "dash", "--", lid, "echo", "after --", env=env)
+        assert (r.returncode, r.stdout) == (0, "after --\n"), r.stderr
+        r = osfarm("desktop", "release", lid, "--owner", "dash", env=env)
+        assert r.returncode == 0 and f"released {lid}" in r.stdout, r.stderr
+        r = osfarm("desktop", "release", "--", lid, env=env)
+        assert r.returncode == 1 and "410" in r.stderr, r.stderr
+    # An id the farm never made reaches it as written: its 404 names the id.
+    r = osfarm("desktop", "release", "-Zz9", env=env)
+    assert r.returncode == 1 and "404" in r.stderr and "'-Zz9'" in r.stderr, r.stderr
+    assert "No such option" not in r.stderr
+
+
 @pytest.mark.parametrize(
     "text,line,needle",
     [

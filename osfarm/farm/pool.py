@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import string
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -65,6 +66,18 @@ class Lease:
     wait_s: float
     provider: str = "sandbox"
     image: str | None = None
+
+
+_LEASE_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_lease_id() -> str:
+    """A fresh, unguessable lease id: 24 letters and digits (142 random bits).
+
+    Not base64url: its '-' and '_' made one id in 64 begin with '-', which a command line reads
+    as an option (``osfarm desktop release -Ao3...``); letters and digits are one word in a
+    URL, a shell and a terminal's double-click alike."""
+    return "".join(secrets.choice(_LEASE_ID_ALPHABET) for _ in range(24))
 
 
 @dataclass
@@ -190,7 +203,7 @@ class LeasePool:
                 break
             # The reserved desktop crashed between hand-over and now: try again.
         lease = Lease(
-            id=secrets.token_urlsafe(18),
+            id=new_lease_id(),
             desktop_id=d.id,
             owner=owner,
             created_at=time.time(),
