@@ -278,8 +278,8 @@ class AsyncFarm:
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None):
-        self.url, token = _resolve(url, token)
-        self._http = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+        self.url, self.token = _resolve(url, token)  # the token also opens the guest passthrough (TaskEnv)
+        self._http = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
                                        timeout=timeout, transport=transport)
 
     async def _request(self, method: str, path: str, check: bool = True, **kw: Any) -> httpx.Response:
@@ -431,8 +431,8 @@ class Farm:
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
                  transport: httpx.BaseTransport | None = None):
-        self.url, token = _resolve(url, token)
-        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"},
+        self.url, self.token = _resolve(url, token)
+        self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
                                   timeout=timeout, transport=transport)
 
     def _request(self, method: str, path: str, check: bool = True, **kw: Any) -> httpx.Response:
