@@ -25,8 +25,10 @@ pytest.importorskip("transformers")
 
 from lora_adapters import lora_adapter
 
-from osfarm.policy.processing import encode_chat, load_processor, with_response
+from osfarm.policy.processing import load_processor
 from osfarm.policy.tiny import tiny_model_dir
+from osfarm.trainer.data_manager import Sample
+from osfarm.trainer.learner import Learner, encode_sample
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,10 +113,11 @@ class Reference:
 
     def logprobs(self, messages: list[dict], token_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
         """[T, V] log-probs of the distribution at each generated position (the trainer's path:
-        encode_chat + with_response, then one forward pass)."""
-        inputs, prompt_len = with_response(encode_chat(self.processor, messages), token_ids)
+        the learner's encode_sample, then one forward pass)."""
+        enc = encode_sample(self.processor, messages, token_ids)
+        prompt_len = enc.prompt_len
         with torch.no_grad():
-            logits = self.model(**inputs).logits[0].float()
+            logits = self.model(**enc.inputs).logits[0].float()
         # the token at position p is predicted by the logits at p - 1
         steps = logits[prompt_len - 1 : prompt_len - 1 + len(token_ids)]
         return torch.log_softmax(steps / (temperature if temperature > 0 else 1.0), dim=-1)
@@ -198,6 +201,30 @@ def test_logprobs_are_those_of_the_sampling_distribution(
     assert torch.allclose(got, want, atol=2e-3), (got, want)
     if temperature == 0.0:
         assert ref.argmax(dim=-1).tolist() == ids
+
+
+def test_the_learner_encodes_and_scores_as_the_server(server: httpx.Client, tiny_dir: Path) -> None:
+    """The trainer's learner, given the messages of a request (two screenshots, an assistant turn)
+    and the server's answer, rebuilds the server's prompt ids exactly and scores the sampled tokens
+    with the server's log-probs: the importance weights of a fresh sample are 1."""
+    messages = [
+        *_chat("Open the File menu."),
+        {"role": "assistant", "content": "pyautogui.click(120, 120)"},
+        {"role": "user", "content": [{"type": "text", "text": "Now save."},
+                                     {"type": "image_url", "image_url": {"url": _screenshot_url(30)}}]},
+    ]
+    body = _ok(_complete(server, messages=messages, temperature=1.0, logprobs=True, return_token_ids=True,
+                         seed=5, max_tokens=8))
+    [choice] = body["choices"]
+    server_lps = [c["logprob"] for c in choice["logprobs"]["content"]]
+    learner = Learner(tiny_dir)
+    sample = Sample(messages=messages, response_token_ids=choice["token_ids"], behav_logprobs=server_lps,
+                    policy_version=0, advantage=0.0, reward=0.0, task_id="t", group_id="g", episode_id="e",
+                    step_index=0)
+    enc = learner.encode(sample)
+    assert enc.inputs["input_ids"][0, : enc.prompt_len].tolist() == body["prompt_token_ids"]
+    assert int(enc.inputs["image_grid_thw"].shape[0]) == 2
+    assert torch.allclose(torch.tensor(learner.score(sample)), torch.tensor(server_lps), atol=2e-3)
 
 
 def test_top_p_samples_inside_the_nucleus(server: httpx.Client, reference: Reference) -> None:

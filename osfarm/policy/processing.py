@@ -8,9 +8,9 @@ do not load on a CPU-only torch). Both give the same ``input_ids``, ``pixel_valu
 
 ``openai_to_chat`` turns OpenAI content parts into the chat template's parts and decodes the
 images (base64 data URLs, or local file paths for trainers reading stored episodes).
-``encode_chat`` builds the prompt inputs exactly as the server does, and ``with_response``
-appends a sampled response: a trainer's forward pass on the result reproduces the server's
-log-probs (tests/test_policy_server.py checks it).
+``encode_chat`` builds the prompt inputs: the server's and the trainer's (osfarm.trainer.learner
+appends the sampled response to its result), one function, so a trainer's forward pass reproduces
+the server's log-probs (tests/test_policy_server.py checks it).
 """
 
 from __future__ import annotations
@@ -195,23 +195,3 @@ def encode_chat(processor, messages: list[dict[str, Any]]):
     chat = openai_to_chat(messages)
     text = processor.apply_chat_template(chat.messages, tokenize=False, add_generation_prompt=True)
     return processor(text=[text], images=chat.images or None, return_tensors="pt")
-
-
-def with_response(inputs, response_ids: list[int]):
-    """Prompt inputs + a sampled response -> (inputs of the whole sequence, prompt length).
-
-    For a trainer: logits ``[prompt_len - 1 : prompt_len - 1 + len(response_ids)]`` of a forward
-    pass on the result predict the response tokens (mask 1 there, 0 on the prompt).
-    """
-    import torch
-
-    out = dict(inputs)
-    prompt_len = int(inputs["input_ids"].shape[1])
-    ids = inputs["input_ids"]
-    resp = torch.tensor([response_ids], dtype=ids.dtype)
-    out["input_ids"] = torch.cat([ids, resp], dim=1)
-    out["attention_mask"] = torch.ones_like(out["input_ids"])
-    if "mm_token_type_ids" in inputs:
-        mm = inputs["mm_token_type_ids"]
-        out["mm_token_type_ids"] = torch.cat([mm, torch.zeros((1, len(response_ids)), dtype=mm.dtype)], dim=1)
-    return out, prompt_len

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from pydantic import BaseModel, Field
 
-from osfarm.trainer.losses import gather_logprobs
+from osfarm.policy.processing import encode_chat, load_processor
+from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
 
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -84,22 +85,7 @@ class LearnerOptions(BaseModel):
     seed: int = 0
 
 
-# ---- prompt encoding, shared with the policy server ----------------------------------------------
-
-
-def encode_prompt(processor: Any, messages: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """The model inputs of a chat prompt, with the generation prompt appended (batch of 1).
-
-    The steps are the policy server's (``PolicyEngine.prepare``: the same message conversion,
-    chat template and processor), so the learner's prompt ids equal the ones the sampled tokens
-    were conditioned on.
-    """
-    from osfarm.policy.processing import openai_to_chat
-
-    chat = openai_to_chat(list(messages))
-    # the same two steps as osfarm.policy.engine.PolicyEngine.prepare
-    text = processor.apply_chat_template(chat.messages, tokenize=False, add_generation_prompt=True)
-    return dict(processor(text=[text], images=chat.images or None, return_tensors="pt"))
+# ---- samples: the policy server's prompt encoding + the sampled response ------------------------
 
 
 def response_mask(prompt_len: int, response_len: int) -> torch.Tensor:
@@ -123,8 +109,13 @@ VISION_PLACEHOLDERS = ("<|image_pad|>", "<|video_pad|>")
 
 
 def encode_sample(processor: Any, messages: Sequence[dict[str, Any]], response_ids: Sequence[int]) -> Encoded:
-    """Prompt inputs + the response token ids appended (attention over all of them)."""
-    inputs = encode_prompt(processor, messages)
+    """Prompt inputs + the response token ids appended (attention over all of them).
+
+    The prompt is encoded by the policy server's own function (``encode_chat``), so its ids are
+    the ones the sampled tokens were conditioned on: any difference would skew every importance
+    weight (tests/test_policy_server.py checks ids and log-probs against a running server).
+    """
+    inputs = dict(encode_chat(processor, list(messages)))
     ids = inputs["input_ids"]
     resp = torch.tensor(list(response_ids), dtype=ids.dtype)
     if resp.numel() == 0:
@@ -168,14 +159,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-
-
-def load_processor(path: Path) -> Any:
-    """The model's processor, loaded as the policy server loads it (``AutoProcessor``, or the
-    tokenizer + image processor where transformers cannot build it without torchvision)."""
-    from osfarm.policy.processing import load_processor as policy_load_processor
-
-    return policy_load_processor(path)
 
 
 def load_model_and_processor(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
@@ -309,8 +292,6 @@ class Learner:
                     ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         """(loss, loss stats, mean entropy) of one sample; ``prox`` [1, T]: its proximal log-probs,
         ``ref`` [1, T]: its KL reference's (None without a KL term)."""
-        from osfarm.trainer.losses import decoupled_ppo_loss, kl_penalty, token_entropy
-
         lo = self.opts.loss
         logp, mask, logits = self.token_logprobs(enc)
         # place the per-response-token tensors on the sequence's mask (prompt positions: unused 0s)
