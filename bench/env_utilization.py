@@ -200,7 +200,7 @@ def main() -> None:
     console = Console(width=160)
 
     from osfarm.config import load_settings
-    from osfarm.farm.api import FarmServer
+    from osfarm.farm.server import FarmServer
     from osfarm.providers import make_provider
 
     settings = load_settings(None, port=0, pool_min=args.envs + args.spares,

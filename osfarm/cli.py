@@ -479,7 +479,7 @@ def demo(
         phase = _Phases(progress)
         try:
             if settings is not None:
-                from osfarm.farm.api import FarmServer
+                from osfarm.farm.server import FarmServer
 
                 with phase("start farm (1 warm desktop)"):
                     from osfarm.providers import make_provider

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image, ImageChops
 
 from osfarm.config import FarmSettings
-from osfarm.farm.api import FarmServer
+from osfarm.farm.server import FarmServer
 
 W, H = 1024, 768
 
@@ -93,7 +93,7 @@ def test_healthz_needs_no_token(farm: FarmServer) -> None:
 def test_every_route_needs_the_token(farm: FarmServer, method: str, path: str) -> None:
     r = httpx.request(method, farm.url + path, json={})
     assert r.status_code == 401
-    assert "missing token" in detail(r)
+    assert "missing bearer token" in detail(r)
     assert any(v.startswith("Basic") for v in r.headers.get_list("www-authenticate"))
     r = httpx.request(method, farm.url + path, headers={"Authorization": "Bearer wrong"})
     assert r.status_code == 401 and detail(r) == "invalid token"

@@ -20,7 +20,7 @@ from redis_server import RedisServer
 from waiting import wait_until
 
 from osfarm.config import FarmSettings
-from osfarm.farm.api import FarmServer
+from osfarm.farm.server import FarmServer
 from osfarm.stream.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent

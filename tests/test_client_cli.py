@@ -36,7 +36,7 @@ from osfarm.client import (
 from osfarm.config import FarmSettings
 from osfarm.desktop.actions import Click, ClickParams
 from osfarm.desktop.models import ObserveOptions
-from osfarm.farm.api import FarmServer
+from osfarm.farm.server import FarmServer
 
 W, H = 1024, 768
 OSFARM = [sys.executable, "-m", "osfarm.cli"]

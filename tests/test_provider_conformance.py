@@ -25,7 +25,7 @@ import pytest
 
 from docker_env import containers, ensure_images
 from osfarm.config import FarmSettings
-from osfarm.farm.api import FarmServer
+from osfarm.farm.server import FarmServer
 from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopSpec
 from osfarm.providers.libvirt import kvm_usable

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from osfarm.agents import make_agent
 from osfarm.agents.replay import ReplayError
 from osfarm.config import FarmSettings
-from osfarm.farm.api import FarmServer
+from osfarm.farm.server import FarmServer
 from osfarm.runner.cli import eval_command
 from osfarm.runner.results import SCHEMA, SchemaError, check_record, read_episodes
 from osfarm.tasks.model import load_task

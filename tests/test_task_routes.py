@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from osfarm.config import FarmSettings
-from osfarm.farm.api import FarmServer
+from osfarm.farm.server import FarmServer
 
 W, H = 1024, 768
 OUT = "/home/user/Desktop/out.txt"

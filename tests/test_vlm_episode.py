@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from vlm_servers import FaultProxy, closed_port_url, policy_server
 
 from osfarm.config import FarmSettings
-from osfarm.farm.api import FarmServer
+from osfarm.farm.server import FarmServer
 from osfarm.runner.cli import eval_command
 from osfarm.runner.results import read_episodes
 

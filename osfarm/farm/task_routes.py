@@ -28,7 +28,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 
 from osfarm.config import FarmSettings
-from osfarm.farm.api import ApiError, FarmState, OwnerHeader
+from osfarm.farm.errors import ApiError
+from osfarm.farm.state import FarmState, OwnerHeader
 from osfarm.farm.schemas import ErrorBody
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import AssetMissing, FileCache

@@ -44,7 +44,7 @@ def check_authorization(header: str | None, token: str, basic: bool = False) -> 
         if not sep:
             return "malformed Basic credentials: expected user:token"
     else:
-        return f"unsupported authorization scheme {scheme!r}: use 'Authorization: Bearer <token>'{also}"
+        return f"unsupported auth scheme {scheme!r}: use 'Authorization: Bearer <token>'{also}"
     if not secrets.compare_digest(given.encode(), token.encode()):
         return "invalid token"
     return None

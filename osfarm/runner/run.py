@@ -108,6 +108,9 @@ class RunOptions:
                 del kw["action_space"]  # the format fixes the action space; "pyautogui" is only the default
             kw.update(vlm)
             kw.update(self.agent_opts)
+        elif self.agent == "choice" and self.prompt_format is None:  # its policy server, model and options
+            kw.update(vlm)
+            kw.update(self.agent_opts)
         elif vlm or self.agent_opts:
             raise ValueError(f"--model-url, --model, --prompt-format and --agent-opt are for the vlm agent, "
                              f"not {self.agent!r}")
@@ -256,7 +259,7 @@ def run_eval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]
             raise ValueError("--url needs --token (or OSFARM_TOKEN)")
         return asyncio.run(run_async(opts, opts.url, opts.token, console))
     from osfarm.config import load_settings
-    from osfarm.farm.api import FarmServer
+    from osfarm.farm.server import FarmServer
     from osfarm.providers import make_provider
 
     n = max(1, opts.envs)

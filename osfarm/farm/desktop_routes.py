@@ -1,0 +1,109 @@
+"""Routes on leased desktops: lease, details, step, observation, screenshot, heartbeat, release.
+
+The native calls go to the desktop's guest server over :class:`~osfarm.farm.guest_link.GuestLink`
+(see :meth:`FarmState.guest_call`); the guest already speaks the step/observation models of
+:mod:`osfarm.desktop.models`, so its JSON is passed through rather than re-encoded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Query, Response
+
+from osfarm.desktop.actions import ActionError, check_on_screen, parse_action
+from osfarm.desktop.models import ImageFormat, Observation, ObserveOptions, StepRequest, StepResult
+from osfarm.farm.errors import ApiError
+from osfarm.farm.metrics import STEP_SECONDS
+from osfarm.farm.pool import Lease
+from osfarm.farm.schemas import DESKTOP_ERRORS, ErrorBody, HeartbeatRequest, LeaseInfo, LeaseRequest
+from osfarm.farm.state import LeaseOf, Pool, State
+
+router = APIRouter(tags=["desktops"])
+
+
+def lease_info(lease: Lease) -> LeaseInfo:
+    width, height = lease.screen
+    return LeaseInfo(
+        id=lease.id,
+        desktop_id=lease.desktop_id,
+        owner=lease.owner,
+        created_at=lease.created_at,
+        expires_at=lease.expires_at,
+        ttl_s=lease.ttl_s,
+        wait_s=lease.wait_s,
+        screen={"width": width, "height": height},
+        guest_url=f"/v1/desktops/{lease.id}/guest",
+        provider=lease.provider,
+        image=lease.image,
+    )
+
+
+@router.post("/v1/desktops", status_code=201, response_model=LeaseInfo, summary="Lease a desktop",
+             responses={**DESKTOP_ERRORS,
+                        429: {"model": ErrorBody, "description": "every desktop is leased; retry after Retry-After"},
+                        503: {"model": ErrorBody, "description": "desktops cannot be started"}})
+async def lease_desktop(pool: Pool, req: Annotated[LeaseRequest | None, Body()] = None) -> LeaseInfo:
+    req = req or LeaseRequest()
+    return lease_info(await pool.lease(owner=req.owner, ttl_s=req.ttl_s, wait_s=req.wait_s))
+
+
+@router.get("/v1/desktops/{lease_id}", response_model=LeaseInfo, summary="Lease details", responses=DESKTOP_ERRORS)
+async def get_desktop(lease: LeaseOf) -> LeaseInfo:
+    return lease_info(lease)
+
+
+@router.post("/v1/desktops/{lease_id}/step", response_model=StepResult, summary="Run actions, optionally observe",
+             responses={**DESKTOP_ERRORS, 502: {"model": ErrorBody}})
+async def step(req: StepRequest, lease: LeaseOf, state: State) -> Response:
+    width, height = lease.screen
+    # Validate every action before any runs, so a bad batch has no partial effect.
+    for i, raw in enumerate(req.actions):
+        try:
+            action = parse_action(raw, f"actions.{i}")
+            check_on_screen(action, width, height, f"actions.{i}")
+        except ActionError as e:
+            raise ApiError(422, str(e)) from None
+    timeout_s = req.code_timeout * len(req.actions) + 60.0
+    t0 = time.perf_counter()
+    r = await state.guest_call(lease, "POST", "/v1/step", json=req.model_dump(mode="json"), timeout_s=timeout_s)
+    STEP_SECONDS.observe(time.perf_counter() - t0)
+    return Response(r.content, media_type="application/json")
+
+
+@router.get("/v1/desktops/{lease_id}/observation", response_model=Observation,
+            summary="Screenshot, windows, cursor and a11y tree in one call", responses=DESKTOP_ERRORS)
+async def observation(opts: Annotated[ObserveOptions, Query()], lease: LeaseOf, state: State) -> Response:
+    params = {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in opts.model_dump().items()}
+    r = await state.guest_call(lease, "GET", "/v1/observation", params=params)
+    return Response(r.content, media_type="application/json")
+
+
+@router.get("/v1/desktops/{lease_id}/screenshot", summary="Raw screenshot image", response_class=Response,
+            responses={**DESKTOP_ERRORS, 200: {"content": {"image/png": {}, "image/jpeg": {}, "image/webp": {}}}})
+async def screenshot(
+    lease: LeaseOf,
+    state: State,
+    format: Annotated[ImageFormat, Query()] = "png",
+    scale: Annotated[float, Query(gt=0.0, le=1.0)] = 1.0,
+    quality: Annotated[int, Query(ge=1, le=100)] = 80,
+) -> Response:
+    r = await state.guest_call(lease, "GET", "/v1/screenshot",
+                               params={"format": format, "scale": str(scale), "quality": str(quality)})
+    size = {k: r.headers[k] for k in ("x-image-width", "x-image-height") if k in r.headers}
+    return Response(r.content, media_type=r.headers.get("content-type", f"image/{format}"), headers=size)
+
+
+@router.post("/v1/desktops/{lease_id}/heartbeat", response_model=LeaseInfo, summary="Extend the lease",
+             responses=DESKTOP_ERRORS)
+async def heartbeat(lease: LeaseOf, pool: Pool, req: Annotated[HeartbeatRequest | None, Body()] = None) -> LeaseInfo:
+    return lease_info(await pool.heartbeat(lease.id, req.ttl_s if req else None))
+
+
+@router.delete("/v1/desktops/{lease_id}", status_code=204, response_class=Response,
+               summary="Release the lease (the desktop is reset in the background)", responses=DESKTOP_ERRORS)
+async def release(lease: LeaseOf, pool: Pool, state: State) -> Response:
+    await pool.release(lease.id)
+    await state.drop_guest(lease.desktop_id)  # the reset may give the desktop a new socket
+    return Response(status_code=204)

@@ -1,0 +1,40 @@
+"""Routes about the farm itself: liveness (``/healthz``, the one route without a token), the
+pool's status and the Prometheus metrics."""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import osfarm
+from osfarm.farm.metrics import REGISTRY
+from osfarm.farm.schemas import ErrorBody, Healthz, PoolStatus
+from osfarm.farm.state import Pool, State
+
+router = APIRouter(tags=["farm"])
+
+# Paths served without the farm token (the auth middleware is told so).
+PUBLIC_PATHS = ("/healthz",)
+
+
+@router.get("/healthz", response_model=Healthz, summary="Liveness (no auth)")
+async def healthz(state: State) -> Healthz:
+    return Healthz(
+        version=osfarm.__version__,
+        provider=state.settings.provider,
+        uptime_s=round(time.time() - state.started_at, 3),
+        ready=state.pool is not None,
+    )
+
+
+@router.get("/v1/pool", response_model=PoolStatus, summary="Pool status", responses={401: {"model": ErrorBody}})
+async def pool_status(pool: Pool) -> PoolStatus:
+    return PoolStatus.model_validate(pool.status())
+
+
+@router.get("/metrics", summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {"text/plain": {}}}})
+async def metrics() -> Response:
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
