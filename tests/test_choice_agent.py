@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 from vlm_servers import closed_port_url, policy_server
 
 from osfarm.agents.chat_client import PolicyUnavailable
-from osfarm.trainer.choice_agent import ChoiceAgent
+from osfarm.agents.choice import ChoiceAgent
 
 CHOICES = [f"open('/tmp/x', 'a').write('{c}')" for c in "ABCD"]
 

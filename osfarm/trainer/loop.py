@@ -186,7 +186,7 @@ class Trainer:
     def make_agent(self, base_url: str, name: str) -> Any:
         a = self.cfg.agent
         if a.kind == "choice":
-            from osfarm.trainer.choice_agent import ChoiceAgent
+            from osfarm.agents.choice import ChoiceAgent
 
             return ChoiceAgent(base_url, name, choices=a.choices, temperature=a.temperature, timeout_s=a.timeout_s,
                                screenshot=a.screenshot)
