@@ -18,7 +18,6 @@ a worker thread; the event loop only parses and routes.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import os
 import shlex
@@ -40,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from osfarm.desktop.models import (
     Window,
 )
+from osfarm.http.auth import BearerAuth
 
 EXECUTE_TIMEOUT_S = 120.0  # OSWorld's subprocess.run timeout for /execute
 RUN_PYTHON_TIMEOUT_S = 30.0
@@ -49,41 +49,6 @@ MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 def bad(field: str, message: str, status: int = 400) -> HTTPException:
     return HTTPException(status_code=status, detail=f"{field}: {message}")
-
-
-# --------------------------------------------------------------------------- auth
-
-
-class BearerAuth:
-    """Pure ASGI middleware: every HTTP request needs the bearer token, unknown paths included."""
-
-    def __init__(self, app: Any, token: str):
-        self.app = app
-        self.token = token.encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        header = b""
-        for k, v in scope.get("headers", ()):
-            if k == b"authorization":
-                header = v
-                break
-        scheme, _, given = header.partition(b" ")
-        if not header:
-            msg = "missing bearer token: send 'Authorization: Bearer <token>'"
-        elif scheme.lower() != b"bearer":
-            msg = "unsupported authorization scheme: use 'Authorization: Bearer <token>'"
-        elif not hmac.compare_digest(given.strip(), self.token):
-            msg = "invalid bearer token"
-        else:
-            return await self.app(scope, receive, send)
-        body = json.dumps({"detail": msg}).encode()
-        await send({"type": "http.response.start", "status": 401, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
-        ]})
-        await send({"type": "http.response.body", "body": body})
 
 
 # --------------------------------------------------------------------------- request parsing
@@ -534,4 +499,4 @@ def create_app(
     return app
 
 
-__all__ = ["BearerAuth", "create_app", "run_command"]
+__all__ = ["create_app", "run_command"]
