@@ -24,6 +24,7 @@ from typing import Any
 
 from osfarm.policy.processing import encode_chat, load_processor
 from osfarm.policy.sampling import LogprobsMode, SamplingParams, cut_at_stop, finite_logprob, sequence_end
+from osfarm.policy.tiny import tiny_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,6 @@ class Generation:
 def resolve_model_path(model: str) -> Path:
     """``tiny`` -> the cached tiny model (built on first use); anything else must be a local dir."""
     if model == "tiny":
-        from osfarm.policy.tiny import tiny_model_dir
-
         return tiny_model_dir()
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from PIL import Image, UnidentifiedImageError
+
 
 class MessageError(ValueError):
     """A chat message the model cannot take; ``field`` says which part of the request (JSON path)."""
@@ -42,8 +44,6 @@ class ChatInputs:
 
 def decode_image_url(url: str, field: str):
     """A ``data:image/...;base64,...`` URL (or a local path / file:// URL) -> RGB PIL image."""
-    from PIL import Image, UnidentifiedImageError
-
     if url.startswith("data:"):
         header, sep, payload = url.partition(",")
         if not sep or ";base64" not in header:

@@ -33,12 +33,13 @@ import copy
 import json
 import logging
 import os
-from collections.abc import AsyncIterable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 from osfarm.stream.blobs import BlobMissing, LocalBlobStore
+from osfarm.stream.jsonl import read_jsonl
 from osfarm.stream.record import SchemaError, check_record
 from osfarm.trainer.advantages import grpo_advantages
 from osfarm.trainer.allocation import TaskStats, dart_rollout_n
@@ -295,7 +296,26 @@ def _safe_name(task_id: str) -> str:
 # --------------------------------------------------------------------------- the data manager
 
 EntropyFn = Callable[[Sample], float | None]
-DiscardFn = Callable[[str, int, str], Any]  # (task_id, episodes, reason)
+DiscardFn = Callable[[str, int, str], None]  # (task_id, episodes, reason)
+AddedFn = Callable[[dict[str, Any], str], None]  # (record, outcome)
+
+
+class StreamEntry(Protocol):
+    """One entry of a record stream (``osfarm.stream.redis_stream.Entry``)."""
+
+    id: str
+    record: dict[str, Any]
+
+
+class RecordStream(Protocol):
+    """A consumer-group record stream (``osfarm.stream.redis_stream.RedisStreamSource``): blocking
+    calls, run in a thread here."""
+
+    def pending_mine(self, count: int = ...) -> Sequence[StreamEntry]: ...
+
+    def read(self, count: int = ..., block_ms: int | None = ...) -> Sequence[StreamEntry]: ...
+
+    def ack(self, *ids: str) -> int: ...
 
 
 class DataManager:
@@ -391,11 +411,11 @@ class DataManager:
         return self._seq
 
     async def consume(self, records: AsyncIterable[dict[str, Any]] | Iterable[dict[str, Any]],
-                      blob_root: Path | None = None, on_added: Callable[[dict[str, Any], str], Any] | None = None) -> int:
+                      blob_root: Path | None = None, on_added: AddedFn | None = None) -> int:
         """Add every record of a (sync or async) iterable; a blocking iterable is read in a thread.
 
-        ``on_added(record, outcome)`` is called after each (e.g. the rollout controller's
-        ``on_episode``). Returns how many records were read.
+        ``on_added(record, outcome)`` is called after each (e.g. to tell the rollout controller
+        whether the episode was accepted). Returns how many records were read.
         """
         n = 0
         if isinstance(records, AsyncIterable):
@@ -403,17 +423,18 @@ class DataManager:
                 n += 1
                 out = self.add(rec, blob_root)
                 if on_added:
-                    await _maybe_await(on_added(rec, out))
+                    on_added(rec, out)
             return n
         async for rec in iterate_in_thread(iter(records)):
             n += 1
             out = self.add(rec, blob_root)
             if on_added:
-                await _maybe_await(on_added(rec, out))
+                on_added(rec, out)
         return n
 
-    async def consume_redis(self, source: Any, blob_root: Path | None = None, *, stop: Callable[[], bool] | None = None,
-                            on_added: Callable[[dict[str, Any], str], Any] | None = None, block_ms: int = 1000) -> int:
+    async def consume_redis(self, source: RecordStream, blob_root: Path | None = None, *,
+                            stop: Callable[[], bool] | None = None, on_added: AddedFn | None = None,
+                            block_ms: int = 1000) -> int:
         """Read a :class:`osfarm.stream.redis_stream.RedisStreamSource` until ``stop()``: each entry
         is added, then acknowledged (entries this consumer read before a restart come first)."""
         n = 0
@@ -426,7 +447,7 @@ class DataManager:
                 out = self.add(e.record, blob_root)
                 n += 1
                 if on_added:
-                    await _maybe_await(on_added(e.record, out))
+                    on_added(e.record, out)
             if entries:
                 await asyncio.to_thread(source.ack, *[e.id for e in entries])
         return n
@@ -474,8 +495,6 @@ class DataManager:
 
     def preload_pool(self, run_dir: Path) -> int:
         """Put the successful episodes of an eval run dir (``episodes.jsonl``) in the pool; returns how many."""
-        from osfarm.stream.jsonl import read_jsonl
-
         path = Path(run_dir) / "episodes.jsonl"
         if not path.is_file():
             raise FileNotFoundError(f"{path} does not exist: pass an `osfarm eval` run dir")
@@ -737,16 +756,11 @@ class DataManager:
 # --------------------------------------------------------------------------- async helpers
 
 
-async def _maybe_await(x: Any) -> Any:
-    if asyncio.iscoroutine(x) or isinstance(x, asyncio.Future):
-        return await x
-    return x
-
-
 _END = object()
+T = TypeVar("T")
 
 
-async def iterate_in_thread(it: Iterator[Any]) -> Any:
+async def iterate_in_thread(it: Iterator[T]) -> AsyncIterator[T]:
     """An async iterator over a blocking one (e.g. :func:`osfarm.stream.jsonl.follow_jsonl`):
     each ``next`` runs in a worker thread so the event loop keeps going."""
     while True:

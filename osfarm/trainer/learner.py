@@ -36,6 +36,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from osfarm.policy.processing import encode_chat, load_processor
+from osfarm.trainer.data_manager import Sample
 from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
 
 STATE_FILE = "trainer_state.json"
@@ -221,13 +222,12 @@ class Learner:
 
     # -- forward ------------------------------------------------------------------------------------
 
-    def response_ids(self, sample: Any) -> list[int]:
+    def response_ids(self, sample: Sample) -> list[int]:
         """The sample's response token ids; an experience-pool episode recorded without ids has
         its response text tokenised (plus the end-of-turn token the server would have sampled)."""
-        ids = getattr(sample, "response_token_ids", None)
-        if ids:
-            return list(ids)
-        text = getattr(sample, "response_text", "") or ""
+        if sample.response_token_ids:
+            return list(sample.response_token_ids)
+        text = sample.response_text or ""
         tok = self.processor.tokenizer
         out = list(tok(text, add_special_tokens=False)["input_ids"])
         end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -235,8 +235,8 @@ class Learner:
             out.append(end)
         return out
 
-    def encode(self, sample: Any) -> Encoded:
-        if getattr(sample, "turns", None):
+    def encode(self, sample: Sample) -> Encoded:
+        if sample.turns:
             raise ValueError(f"sample {sample.episode_id}: trajectory samples (several trained turns) are not supported "
                              "by the learner yet; use the data manager's step granularity")
         return encode_sample(self.processor, sample.messages, self.response_ids(sample))
@@ -283,12 +283,12 @@ class Learner:
         return logp[mask > 0][None]
 
     @torch.no_grad()
-    def score(self, sample: Any) -> list[float]:
+    def score(self, sample: Sample) -> list[float]:
         """Current log-probs of a sample's response tokens (no grad)."""
         self.model.eval()
         return self.response_logprobs(self.encode(sample))[0].float().cpu().tolist()
 
-    def sample_loss(self, sample: Any, enc: Encoded, prox: torch.Tensor,
+    def sample_loss(self, sample: Sample, enc: Encoded, prox: torch.Tensor,
                     ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
         """(loss, loss stats, mean entropy) of one sample; ``prox`` [1, T]: its proximal log-probs,
         ``ref`` [1, T]: its KL reference's (None without a KL term)."""
@@ -321,7 +321,7 @@ class Learner:
 
     # -- update -------------------------------------------------------------------------------------
 
-    def update(self, samples: Sequence[Any]) -> UpdateStats:
+    def update(self, samples: Sequence[Sample]) -> UpdateStats:
         """One policy update on ``samples``; the version goes up by one."""
         if not samples:
             raise ValueError("update needs at least one sample")
@@ -380,7 +380,7 @@ class Learner:
     # -- checkpoints --------------------------------------------------------------------------------
 
     def save(self, out: Path, extra_state: dict[str, Any] | None = None,
-             write_extra: Callable[[Path], Any] | None = None) -> Path:
+             write_extra: Callable[[Path], None] | None = None) -> Path:
         """Write a checkpoint dir (atomically: a temp dir renamed into place) and return it.
 
         The dir is a HF model dir the CPU policy server reloads; with LoRA it also holds

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+from prometheus_client import CollectorRegistry, Gauge, start_http_server, write_to_textfile
 from rich.console import Console
 
 # The curves drawn, in order; a key missing from the log is skipped.
@@ -39,8 +39,6 @@ class TrainMetrics:
         self.server: Any = None
         self.port: int | None = None
         if prometheus_port is not None:
-            from prometheus_client import start_http_server
-
             self.server, _thread = start_http_server(prometheus_port, addr="127.0.0.1", registry=self.registry)
             self.port = self.server.server_port
 
