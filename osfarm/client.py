@@ -8,7 +8,7 @@ A leased desktop is a small gymnasium-like environment::
         image = screenshot_image(result.observation)
 
 Every farm error raises a :class:`FarmAPIError` subclass carrying the server's status and
-message (``LeaseGoneError`` for 410, ``CapacityError`` for 429/503, ...). The sync client
+message (``LeaseGoneError`` for 410, ``FarmCapacityError`` for 429/503, ...). The sync client
 wraps one ``httpx.Client`` (no event loop per call); both keep connections alive.
 """
 
@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from osfarm.desktop.models import Observation, ObserveOptions, StepResult
 from osfarm.farm.schemas import LeaseInfo
+from osfarm.http.errors import error_detail
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -66,11 +67,11 @@ class LeaseGoneError(FarmAPIError):
     """410: the lease expired or was released, or its desktop crashed: lease a new desktop."""
 
 
-class CapacityError(FarmAPIError):
+class FarmCapacityError(FarmAPIError):
     """429 (every desktop leased; retry after ``retry_after_s``) or 503 (cannot start desktops)."""
 
 
-class GuestError(FarmAPIError):
+class DesktopGuestError(FarmAPIError):
     """5xx: the desktop's guest server failed or timed out (the lease may still be usable)."""
 
 
@@ -80,24 +81,16 @@ class FarmUnreachableError(FarmAPIError):
 
 _BY_STATUS: dict[int, type[FarmAPIError]] = {
     400: InvalidRequestError, 422: InvalidRequestError, 401: AuthError, 403: ForeignLeaseError,
-    404: UnknownDesktopError, 410: LeaseGoneError, 429: CapacityError, 503: CapacityError,
+    404: UnknownDesktopError, 410: LeaseGoneError, 429: FarmCapacityError, 503: FarmCapacityError,
 }  # fmt: skip
 
 
 def _error_for(r: httpx.Response) -> FarmAPIError:
-    detail: Any = None
-    try:
-        body = r.json()
-        if isinstance(body, dict):
-            detail = body.get("detail") or body.get("message") or body.get("error")
-    except ValueError:
-        pass
-    if not detail:
-        detail = r.text[:500] or r.reason_phrase
+    detail = error_detail(r.content, fallback=r.reason_phrase)
     retry = r.headers.get("retry-after")
     retry_s = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
-    cls = _BY_STATUS.get(r.status_code) or (GuestError if r.status_code >= 500 else FarmAPIError)
-    return cls(r.status_code, str(detail), retry_s)
+    cls = _BY_STATUS.get(r.status_code) or (DesktopGuestError if r.status_code >= 500 else FarmAPIError)
+    return cls(r.status_code, detail, retry_s)
 
 
 def _check(r: httpx.Response) -> httpx.Response:
@@ -478,7 +471,7 @@ class Farm:
 
 
 __all__ = [
-    "AsyncFarm", "AsyncRemoteDesktop", "AuthError", "CapacityError", "Farm", "FarmAPIError",
-    "FarmUnreachableError", "ForeignLeaseError", "GuestError", "InvalidRequestError",
+    "AsyncFarm", "AsyncRemoteDesktop", "AuthError", "DesktopGuestError", "Farm", "FarmAPIError", "FarmCapacityError",
+    "FarmUnreachableError", "ForeignLeaseError", "InvalidRequestError",
     "LeaseGoneError", "RemoteDesktop", "UnknownDesktopError", "screenshot_bytes", "screenshot_image",
 ]  # fmt: skip

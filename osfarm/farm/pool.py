@@ -34,6 +34,7 @@ import httpx
 from osfarm.config import FarmSettings
 from osfarm.farm import metrics
 from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, ResetFailed, UnknownDesktop
+from osfarm.http.errors import error_detail
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider
 
 log = logging.getLogger("osfarm.farm.pool")
@@ -631,7 +632,7 @@ class LeasePool:
         except httpx.HTTPError as e:
             return handle, f"guest unreachable: {e!r}", True
         if r.status_code != 200:
-            return handle, f"guest health returned {r.status_code}: {_detail(r)}", False
+            return handle, f"guest health returned {r.status_code}: {error_detail(r.content, limit=300)}", False
         return handle, None, False
 
     def _client(self, desktop_id: str, handle: DesktopHandle) -> httpx.AsyncClient:
@@ -649,12 +650,3 @@ class LeasePool:
         if cached is not None:
             self._spawn(cached[1].aclose())
 
-
-def _detail(r: httpx.Response) -> str:
-    try:
-        body = r.json()
-        if isinstance(body, dict) and "detail" in body:
-            return str(body["detail"])[:300]
-    except ValueError:
-        pass
-    return r.text[:300]

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
+from osfarm.http.errors import error_detail
+
 if TYPE_CHECKING:
     from osfarm.providers.base import GuestEndpoint
 
@@ -32,18 +34,6 @@ class GuestError(RuntimeError):
         self.route, self.status, self.message = route, status, message
         where = f"{route} ({status})" if status is not None else route
         super().__init__(f"guest {where}: {message}")
-
-
-def _message(r: httpx.Response) -> str:
-    try:
-        data = r.json()
-    except ValueError:
-        return r.text.strip()[:2000] or r.reason_phrase
-    if isinstance(data, dict):
-        for key in ("detail", "message", "error"):
-            if data.get(key):
-                return str(data[key])
-    return str(data)[:2000]
 
 
 class GuestController:
@@ -76,7 +66,7 @@ class GuestController:
         if r.status_code == 404 and ok_missing:
             return None
         if r.status_code >= 400:
-            raise GuestError(route, r.status_code, _message(r))
+            raise GuestError(route, r.status_code, error_detail(r.content, fallback=r.reason_phrase, limit=2000))
         return r
 
     def _json(self, method: str, route: str, **kw: Any) -> Any:
@@ -114,7 +104,7 @@ class GuestController:
             if isinstance(data, dict) and data.get("status") == "verification_failed":
                 return data
         if r.status_code >= 400:
-            raise GuestError(route, r.status_code, _message(r))
+            raise GuestError(route, r.status_code, error_detail(r.content, fallback=r.reason_phrase, limit=2000))
         return r.json()
 
     def launch(self, command: str | list[str], shell: bool = False) -> None:
@@ -148,7 +138,7 @@ class GuestController:
         if r.status_code in (400, 404):  # not a directory / missing
             return None
         if r.status_code >= 400:
-            raise GuestError(route, r.status_code, _message(r))
+            raise GuestError(route, r.status_code, error_detail(r.content, fallback=r.reason_phrase, limit=2000))
         return r.json().get("directory_tree")
 
     def wait_for_file(self, path: str, timeout: float = 30.0, min_size: int = 0) -> bool:
