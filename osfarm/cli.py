@@ -29,7 +29,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from osfarm.config import ConfigError, FarmSettings, load_settings
-from osfarm.desktop.session import is_loopback_host
+from osfarm.http.hosts import is_loopback_host
 from osfarm.runner.cli import eval_command
 from osfarm.tasks.cli import tasks_app
 
@@ -302,7 +302,7 @@ def desktop_run(ctx: typer.Context) -> None:
 
     Every argument goes to the launcher; see `osfarm desktop run --help`.
     """
-    from osfarm.desktop.session import main
+    from osfarm.desktop.launcher import main
 
     raise typer.Exit(main(list(ctx.args)))
 

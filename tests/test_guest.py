@@ -18,7 +18,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from osfarm.desktop.session import descendants
+from osfarm.desktop.process_tree import descendants
 from waiting import wait_until
 
 TOKEN = "test-token-guest"
@@ -52,7 +52,7 @@ def guest():  # noqa: ANN201
     env = dict(os.environ, OSFARM_GUEST_TOKEN=TOKEN)
     log = open(tmp / "session.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "osfarm.desktop.session", "--width", str(W), "--height", str(H),
+        [sys.executable, "-m", "osfarm.desktop.launcher", "--width", str(W), "--height", str(H),
          "--socket", str(sock), "--state-file", str(state_file), "--home", str(home)],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )

@@ -12,6 +12,7 @@ Everything here is pure data and validation; nothing touches a display.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
@@ -259,6 +260,17 @@ def check_on_screen(action: Computer13Action | CodeAction, width: int, height: i
         v = getattr(params, axis, None)
         if v is not None and not 0 <= v < limit:
             raise ActionError(f"{field}.parameters.{axis}", f"{v} is off screen (screen is {width}x{height})")
+
+
+def parse_actions(raws: Sequence[Any], width: int, height: int, field: str = "actions") -> list[Action]:
+    """Parse and check a batch of actions for a width x height screen, all before any runs (so
+    a bad batch has no partial effect); ActionError names the first bad one (``actions.<i>...``)."""
+    actions: list[Action] = []
+    for i, raw in enumerate(raws):
+        action = parse_action(raw, f"{field}.{i}")
+        check_on_screen(action, width, height, f"{field}.{i}")
+        actions.append(action)
+    return actions
 
 
 def is_terminal(action: Computer13Action | CodeAction) -> str | None:

@@ -1,7 +1,7 @@
 """The embedded default provider: one bubblewrap sandbox per desktop.
 
 Each desktop is ``bwrap`` with its own PID, IPC and UTS namespaces (and, optionally, an empty
-network namespace) running the session launcher ``python -m osfarm.desktop.session``. The host
+network namespace) running the session launcher ``python -m osfarm.desktop.launcher``. The host
 filesystem is visible read-only; the box gets private ``/tmp``, ``/var/tmp``, ``/run``,
 ``/dev/shm`` and two host directories bound in:
 
@@ -125,7 +125,7 @@ class SandboxProvider:
         self.state_dir = Path(settings.state_dir).expanduser().absolute()
         self.root = self.state_dir / "sandbox"
         self.template = self.state_dir / "templates" / f"home-v{TEMPLATE_VERSION}"
-        self.launcher = launcher or [sys.executable, "-m", "osfarm.desktop.session"]
+        self.launcher = launcher or [sys.executable, "-m", "osfarm.desktop.launcher"]
         longest = self.root / ("x" * 12) / "run" / "guest.sock"
         if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
             raise ProviderError(

@@ -1,0 +1,103 @@
+"""Serving a session's guest app (:func:`osfarm.desktop.guest.create_app`) with uvicorn, in the
+launcher's process, until a stop signal or the X server's death.
+
+While it serves it writes the state file once the server listens, watches Xvfb, and reaps the
+orphans the session adopts as a child subreaper. Signals are handled here (not by uvicorn, which
+would re-raise them after serving, before the session could clean up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from osfarm.desktop.guest import create_app
+from osfarm.desktop.process_tree import ZombieReaper
+from osfarm.desktop.session import Session
+
+log = logging.getLogger(__name__)
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Keep idle connections longer than any client does (the farm's 30 s, httpx's 5 s): with
+# uvicorn's 5 s default, a farm connection idle 5-15 s (an agent thinking) was reused just after
+# the guest closed it, and the step failed with a broken pipe.
+KEEP_ALIVE_S = 75
+
+
+class _Server(uvicorn.Server):
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        # uvicorn re-raises captured signals after serving; the session must clean up first,
+        # so serve() handles signals itself.
+        return contextlib.nullcontext()
+
+
+def _bound_port(server: uvicorn.Server) -> int | None:
+    try:
+        return int(server.servers[0].sockets[0].getsockname()[1])
+    except (AttributeError, IndexError):
+        return None
+
+
+def serve(session: Session) -> None:
+    """Serve until stopped; uvicorn's own exit on a bind failure raises SystemExit."""
+    cfg = session.config
+    app = create_app(session.token, session.display, home=cfg.home, alive=session.xvfb_alive,
+                     work_dir=str(session.run_dir))
+    kw: dict[str, Any] = dict(log_level=cfg.log_level, lifespan="on", access_log=False,
+                              timeout_graceful_shutdown=1, ws="none", timeout_keep_alive=KEEP_ALIVE_S)
+    if cfg.socket:
+        sock = Path(cfg.socket)
+        if sock.exists() or sock.is_symlink():
+            sock.unlink()
+        kw["uds"] = str(sock)
+    else:
+        kw["host"], kw["port"] = cfg.host, cfg.port
+    server = _Server(uvicorn.Config(app, **kw))
+
+    def on_signal(sig: int) -> None:
+        session.on_signal(sig)
+        if server.should_exit:  # a second signal: do not wait for open connections
+            server.force_exit = True
+        server.should_exit = True
+
+    async def watch() -> None:
+        reaper = ZombieReaper(keep={p.pid for p in session.procs.values()})
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.005)
+        if server.started:
+            session.mark("ready_ms")
+            if not cfg.socket:
+                session.port = _bound_port(server) or cfg.port
+            session.write_state()
+            log.info("ready on %s at %s in %.0f ms", session.display, session.where(), session.timings["ready_ms"])
+        n = 0
+        while not server.should_exit:
+            if not session.xvfb_alive():
+                session.exit_reason = f"Xvfb exited (code {session.procs['xvfb'].returncode})"
+                session.exit_code = 1
+                log.warning("%s; stopping", session.exit_reason)
+                server.should_exit = True
+                break
+            n += 1
+            if n % 5 == 0:
+                reaper.keep = {p.pid for p in session.procs.values()}
+                await asyncio.to_thread(reaper.tick)
+            await asyncio.sleep(0.2)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, on_signal, sig)
+        watcher = asyncio.create_task(watch())
+        try:
+            await server.serve()
+        finally:
+            watcher.cancel()
+
+    asyncio.run(main())

@@ -1,0 +1,165 @@
+"""What every route of one guest server shares: the :class:`Desktop` (its display, home, and the
+screen-capture, input, code-runner and recorder objects made on first use), and the FastAPI
+dependency that hands it to a route (``desk: DesktopDep``)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Generic, Protocol, TypeVar
+
+import psutil
+from fastapi import Depends, Request
+
+from osfarm.desktop.a11y import a11y_bus_ok
+from osfarm.desktop.capture import ScreenCapture
+from osfarm.desktop.coderunner import CodeRunner
+from osfarm.desktop.models import Window
+from osfarm.desktop.recording import Recorder
+from osfarm.desktop.settle import total_cpu_seconds
+from osfarm.desktop.windows import close_connections, list_windows
+from osfarm.desktop.xinput import InputController
+
+
+class _Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+T = TypeVar("T", bound=_Closeable)
+
+
+class _OnFirstUse(Generic[T]):
+    """An object made the first time it is asked for (under the desktop's lock): most requests
+    need only some of them, and each one holds an X connection or a process."""
+
+    def __init__(self, make: Callable[[], T], lock: threading.RLock):
+        self._make = make
+        self._lock = lock
+        self._obj: T | None = None
+
+    def get(self) -> T:
+        with self._lock:
+            if self._obj is None:
+                self._obj = self._make()
+            return self._obj
+
+    def close(self) -> None:
+        if self._obj is not None:
+            try:
+                self._obj.close()
+            except Exception:
+                pass
+
+
+class Desktop:
+    """Per-display helpers shared by all requests (each is thread-safe)."""
+
+    def __init__(self, display: str, home: str, work_dir: Path, alive: Callable[[], bool] | None):
+        self.display = display
+        self.home = home
+        self.work_dir = work_dir
+        self._alive = alive
+        self.started = time.time()
+        self._lock = threading.RLock()  # recorder creation asks for the screen size
+        self._capture = _OnFirstUse(lambda: ScreenCapture(self.display), self._lock)
+        self._input = _OnFirstUse(lambda: InputController(self.display), self._lock)
+        self._runner = _OnFirstUse(lambda: CodeRunner(env=self.env()), self._lock)
+        self._recorder = _OnFirstUse(
+            lambda: Recorder(self.display, self.screen_size(), self.work_dir, env=self.env()), self._lock)
+        self.step_lock = threading.Lock()
+        self.wallpaper: str | None = None
+        self._a11y_ok = False
+        self._a11y_checked = 0.0
+        self._a11y_refreshing = False
+
+    @property
+    def capture(self) -> ScreenCapture:
+        return self._capture.get()
+
+    @property
+    def input(self) -> InputController:
+        return self._input.get()
+
+    @property
+    def runner(self) -> CodeRunner:
+        return self._runner.get()
+
+    @property
+    def recorder(self) -> Recorder:
+        return self._recorder.get()
+
+    def apps_cpu_seconds(self) -> float:
+        """CPU seconds used so far by the desktop's processes (the X server, the window manager,
+        the apps): this process's descendants. The guest itself is left out, screen grabs and
+        all; processes that exited meanwhile drop out, which only makes the desktop look idler."""
+        return total_cpu_seconds(psutil.Process().children(recursive=True))
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["DISPLAY"] = self.display
+        env.setdefault("HOME", self.home)
+        env.pop("OSFARM_GUEST_TOKEN", None)
+        return env
+
+    def screen_size(self) -> tuple[int, int]:
+        return self.capture.size()
+
+    def x_alive(self) -> bool:
+        """Whether the X server still accepts connections."""
+        if self._alive is not None and not self._alive():
+            return False
+        num = self.display.lstrip(":").split(".")[0]
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(1.0)
+        try:
+            for addr in (f"\0/tmp/.X11-unix/X{num}", f"/tmp/.X11-unix/X{num}"):
+                try:
+                    s.connect(addr)
+                    return True
+                except OSError:
+                    continue
+            return False
+        finally:
+            s.close()
+
+    def a11y_ok(self) -> bool:
+        """Cached AT-SPI bus check, refreshed in the background (health must stay fast)."""
+        now = time.monotonic()
+        if now - self._a11y_checked > 5.0 and not self._a11y_refreshing:
+            self._a11y_refreshing = True
+
+            def refresh() -> None:
+                try:
+                    self._a11y_ok = bool(a11y_bus_ok())
+                except Exception:
+                    self._a11y_ok = False
+                finally:
+                    self._a11y_checked = time.monotonic()
+                    self._a11y_refreshing = False
+
+            threading.Thread(target=refresh, daemon=True, name="a11y-check").start()
+        return self._a11y_ok
+
+    def windows(self) -> list[Window]:
+        return list_windows(display=self.display)
+
+    def close(self) -> None:
+        for obj in (self._recorder, self._runner, self._input, self._capture):
+            obj.close()
+        try:
+            close_connections()
+        except Exception:
+            pass
+
+
+def get_desktop(request: Request) -> Desktop:
+    desk: Desktop = request.app.state.desktop
+    return desk
+
+
+# What a route declares to get the desktop: ``async def route(desk: DesktopDep)``.
+DesktopDep = Annotated[Desktop, Depends(get_desktop)]
