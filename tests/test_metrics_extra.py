@@ -14,14 +14,15 @@ import pytest
 from PIL import Image, ImageDraw
 from pptx.dml.color import RGBColor
 
-from osfarm.evaluators import score_evaluator
 from osfarm.evaluators.errors import UnsupportedOption
 from osfarm.evaluators.metrics import METRICS
-from osfarm.evaluators.metrics import apps as apps_m
+from osfarm.evaluators.metrics import chrome as chrome_m
 from osfarm.evaluators.metrics import docs as docs_m
-from osfarm.evaluators.metrics import media as media_m
+from osfarm.evaluators.metrics import gimp as gimp_m
+from osfarm.evaluators.metrics import pdf as pdf_m
 from osfarm.evaluators.metrics import slides as slides_m
 from osfarm.evaluators.metrics import table as table_m
+from osfarm.evaluators.scoring import score
 
 NEW = ("compare_image_text", "check_auto_saving_time", "check_left_panel", "check_page_number_colors",
        "check_presenter_console_disable", "check_textbox_on_leftside", "compare_conference_city_in_order",
@@ -196,12 +197,12 @@ def text_box(path: Path, x: int) -> str:
 
 
 def test_check_textbox_on_leftside(tmp_path: Path) -> None:
-    assert media_m.check_textbox_on_leftside(text_box(tmp_path / "left.png", 8)) == 1.0
-    assert media_m.check_textbox_on_leftside(text_box(tmp_path / "mid.png", 150)) == 0.0
+    assert gimp_m.check_textbox_on_leftside(text_box(tmp_path / "left.png", 8)) == 1.0
+    assert gimp_m.check_textbox_on_leftside(text_box(tmp_path / "mid.png", 150)) == 0.0
     blank = tmp_path / "blank.png"
     Image.new("RGB", (400, 200), "white").save(blank)
-    assert media_m.check_textbox_on_leftside(str(blank)) == 0.0
-    assert media_m.check_textbox_on_leftside(None) == 0.0
+    assert gimp_m.check_textbox_on_leftside(str(blank)) == 0.0
+    assert gimp_m.check_textbox_on_leftside(None) == 0.0
 
 
 def pdf(path: Path, colors: list[str]) -> str:
@@ -218,20 +219,20 @@ def test_compare_pdf_images(tmp_path: Path) -> None:
     assert shutil.which("pdftoppm"), "poppler-utils is not installed (scripts/system-packages.txt lists it)"
     gold = pdf(tmp_path / "gold.pdf", ["red", "blue"])
     same = pdf(tmp_path / "same.pdf", ["red", "blue"])
-    assert media_m.compare_pdf_images(same, gold) == 1.0
-    assert media_m.compare_pdf_images(pdf(tmp_path / "other.pdf", ["red", "green"]), gold) == 0.0
-    assert media_m.compare_pdf_images(pdf(tmp_path / "one.pdf", ["red"]), gold) == 0.0
-    assert media_m.compare_pdf_images(None, gold) == 0.0
+    assert pdf_m.compare_pdf_images(same, gold) == 1.0
+    assert pdf_m.compare_pdf_images(pdf(tmp_path / "other.pdf", ["red", "green"]), gold) == 0.0
+    assert pdf_m.compare_pdf_images(pdf(tmp_path / "one.pdf", ["red"]), gold) == 0.0
+    assert pdf_m.compare_pdf_images(None, gold) == 0.0
     junk = tmp_path / "junk.pdf"
     junk.write_bytes(b"%PDF-1.4 not really")
-    assert media_m.compare_pdf_images(str(junk), gold) == 0.0
+    assert pdf_m.compare_pdf_images(str(junk), gold) == 0.0
 
 
 def test_compare_pdf_images_without_a_renderer_is_unsupported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gold = pdf(tmp_path / "gold.pdf", ["red"])
-    monkeypatch.setattr(media_m.shutil, "which", lambda name: None)
+    monkeypatch.setattr(pdf_m.shutil, "which", lambda name: None)
     with pytest.raises(UnsupportedOption, match="pdftoppm"):
-        media_m.compare_pdf_images(gold, gold)
+        pdf_m.compare_pdf_images(gold, gold)
 
 
 # ------------------------------------------------------------------------------ web, OCR
@@ -240,11 +241,11 @@ def test_compare_pdf_images_without_a_renderer_is_unsupported(tmp_path: Path, mo
 def test_is_added_to_steam_cart() -> None:
     page = {"title": "Shopping Cart", "url": "https://store.example/cart/",
             "content": "<div class=cart_item>The Dota 2 Official Soundtrack</div><div>Dota 2 - Axe Arcana</div>"}
-    assert apps_m.is_added_to_steam_cart(page, {"items": ["The Dota 2 Official Soundtrack"]}) == 1.0
-    assert apps_m.is_added_to_steam_cart(page, {"items": ["The Dota 2 Official Soundtrack", "Portal 2"]}) == 0.0
+    assert chrome_m.is_added_to_steam_cart(page, {"items": ["The Dota 2 Official Soundtrack"]}) == 1.0
+    assert chrome_m.is_added_to_steam_cart(page, {"items": ["The Dota 2 Official Soundtrack", "Portal 2"]}) == 0.0
     failed = {"title": "Connection failed", "url": "https://store.example/cart/", "content": ""}
-    assert apps_m.is_added_to_steam_cart(failed, {"items": ["Portal 2"]}) == 0.0
-    assert apps_m.is_added_to_steam_cart(None, {"items": ["Portal 2"]}) == 0.0
+    assert chrome_m.is_added_to_steam_cart(failed, {"items": ["Portal 2"]}) == 0.0
+    assert chrome_m.is_added_to_steam_cart(None, {"items": ["Portal 2"]}) == 0.0
 
 
 def test_compare_image_text_is_unsupported_not_scored(tmp_path: Path) -> None:
@@ -253,4 +254,4 @@ def test_compare_image_text_is_unsupported_not_scored(tmp_path: Path) -> None:
         docs_m.compare_image_text(shot, {"type": "text", "text": " Ls"})
     evaluator = {"func": "compare_image_text", "result": {"type": "vm_file"}, "expected": {"type": "rule"}}
     with pytest.raises(UnsupportedOption):
-        score_evaluator(evaluator, [shot], [{"type": "text", "text": " Ls"}], "DONE")
+        score(evaluator, [shot], [{"type": "text", "text": " Ls"}], "DONE", METRICS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import importlib
 import json
 import sqlite3
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from osfarm.evaluators.errors import UnsupportedOption
-from osfarm.evaluators.metrics import METRICS
+from osfarm.evaluators.metrics import METRICS, basic_os, vscode
 from osfarm.evaluators.metrics import general as g
 
 
@@ -115,8 +116,8 @@ def test_file_metrics_score_none_and_missing_files_zero(tmp_path: Path) -> None:
         assert g.file_contains(bad, {"expected": []}) == 0.0
         assert g.diff_text_file(bad, real) == 0.0
         assert g.diff_text_file(real, bad) == 0.0
-        assert g.compare_text_file(bad, real) == 0.0
-        assert g.compare_text_file(real, bad) == 0.0
+        assert vscode.compare_text_file(bad, real) == 0.0
+        assert vscode.compare_text_file(real, bad) == 0.0
         assert g.fuzzy_place_math(bad, {"expected": ["a"]}) == 0.0
         assert g.compare_time_in_speedtest_results(bad, 60) == 0.0
         assert g.is_included_all_json_objects(bad, real) == 0.0
@@ -197,10 +198,10 @@ def test_diff_text_file(tmp_path: Path) -> None:
 def test_compare_text_file(tmp_path: Path) -> None:
     a = write(tmp_path, "a.txt", "Hello   World\n\tfoo\n")
     b = write(tmp_path, "b.txt", "hello world foo")
-    assert g.compare_text_file(a, a) == 1.0
-    assert g.compare_text_file(a, b) == 0.0
-    assert g.compare_text_file(a, b, ignore_blanks=True) == 0.0
-    assert g.compare_text_file(a, b, ignore_blanks=True, ignore_case=True) == 1.0
+    assert vscode.compare_text_file(a, a) == 1.0
+    assert vscode.compare_text_file(a, b) == 0.0
+    assert vscode.compare_text_file(a, b, ignore_blanks=True) == 0.0
+    assert vscode.compare_text_file(a, b, ignore_blanks=True, ignore_case=True) == 1.0
 
 
 def test_fuzzy_place_math(tmp_path: Path) -> None:
@@ -293,10 +294,10 @@ def test_check_accessibility_tree() -> None:
 
 def test_check_gnome_favorite_apps() -> None:
     rule = {"expected": ["thunderbird.desktop", "vim.desktop"]}
-    assert g.check_gnome_favorite_apps("['vim.desktop', 'thunderbird.desktop']\n", rule) == 1.0
-    assert g.check_gnome_favorite_apps("['vim.desktop']", rule) == 0.0
-    assert g.check_gnome_favorite_apps("__import__('os').system('true')", rule) == 0.0
-    assert g.check_gnome_favorite_apps(None, rule) == 0.0
+    assert basic_os.check_gnome_favorite_apps("['vim.desktop', 'thunderbird.desktop']\n", rule) == 1.0
+    assert basic_os.check_gnome_favorite_apps("['vim.desktop']", rule) == 0.0
+    assert basic_os.check_gnome_favorite_apps("__import__('os').system('true')", rule) == 0.0
+    assert basic_os.check_gnome_favorite_apps(None, rule) == 0.0
 
 
 def test_is_utc_0() -> None:
@@ -307,38 +308,54 @@ def test_is_utc_0() -> None:
         "                Time zone: {name}\n"
         "System clock synchronized: yes\n"
     )
-    assert g.is_utc_0(out.format(z="WET", name="Atlantic/Faroe (WET, +0000)")) == 1.0
-    assert g.is_utc_0(out.format(z="CET", name="Europe/Paris (CET, +0100)")) == 0.0
-    assert g.is_utc_0("") == 0.0
+    assert basic_os.is_utc_0(out.format(z="WET", name="Atlantic/Faroe (WET, +0000)")) == 1.0
+    assert basic_os.is_utc_0(out.format(z="CET", name="Europe/Paris (CET, +0100)")) == 0.0
+    assert basic_os.is_utc_0("") == 0.0
 
 
 def test_check_text_enlarged() -> None:
-    assert g.check_text_enlarged("1.25\n") == 1.0
-    assert g.check_text_enlarged("1.0") == 0.0
-    assert g.check_text_enlarged(None) == 0.0
+    assert basic_os.check_text_enlarged("1.25\n") == 1.0
+    assert basic_os.check_text_enlarged("1.0") == 0.0
+    assert basic_os.check_text_enlarged(None) == 0.0
 
 
 def test_check_moved_jpgs() -> None:
     tree = {"name": "photos", "children": [{"name": "a.jpg"}, {"name": "b.jpg"}]}
-    assert g.check_moved_jpgs(tree, {"expected": ["b.jpg", "a.jpg"]}) == 1.0
-    assert g.check_moved_jpgs(tree, {"expected": ["a.jpg"]}) == 0.0
-    assert g.check_moved_jpgs(None, {"expected": ["a.jpg"]}) == 0.0
+    assert basic_os.check_moved_jpgs(tree, {"expected": ["b.jpg", "a.jpg"]}) == 1.0
+    assert basic_os.check_moved_jpgs(tree, {"expected": ["a.jpg"]}) == 0.0
+    assert basic_os.check_moved_jpgs(None, {"expected": ["a.jpg"]}) == 0.0
 
 
 def test_is_in_vm_clickboard() -> None:
-    assert g.is_in_vm_clickboard({"expected": "hello"}, "say hello\n") == 1.0
-    assert g.is_in_vm_clickboard({"expected": ["hello", "bye"]}, "say hello\n") == 0.0
-    assert g.is_in_vm_clickboard({"expected": ["hello", "say"]}, "say hello\n") == 1.0
-    assert g.is_in_vm_clickboard({"expected": "hello"}, None) == 0.0
+    assert basic_os.is_in_vm_clickboard({"expected": "hello"}, "say hello\n") == 1.0
+    assert basic_os.is_in_vm_clickboard({"expected": ["hello", "bye"]}, "say hello\n") == 0.0
+    assert basic_os.is_in_vm_clickboard({"expected": ["hello", "say"]}, "say hello\n") == 1.0
+    assert basic_os.is_in_vm_clickboard({"expected": "hello"}, None) == 0.0
 
 
 # --------------------------------------------------------------------------- registry
 
 
-def test_registry_maps_osworld_names_to_general_metrics() -> None:
-    assert set(g.METRICS) <= set(METRICS)
+METRIC_MODULES = ("general", "basic_os", "table", "docs", "slides", "chrome", "vscode", "thunderbird", "gimp",
+                  "vlc", "audio_video", "pdf", "archives")
+
+
+@pytest.mark.parametrize("module_name", METRIC_MODULES)
+def test_every_metric_module_registers_its_public_functions_under_their_names(module_name: str) -> None:
+    module = importlib.import_module(f"osfarm.evaluators.metrics.{module_name}")
+    for name, func in module.METRICS.items():
+        assert func.__name__ == name
+        assert METRICS[name] is func
+    helpers = set(getattr(module, "__all__", ())) - {"METRICS"}  # exported for other metric modules
+    public = {
+        n for n, f in vars(module).items()
+        if callable(f) and getattr(f, "__module__", "") == module.__name__ and not n.startswith("_")
+    }
+    assert public - helpers == set(module.METRICS), f"every public function of {module_name}.py is a registered metric"
+
+
+def test_the_registry_is_the_union_of_the_metric_modules() -> None:
+    names = [n for m in METRIC_MODULES for n in importlib.import_module(f"osfarm.evaluators.metrics.{m}").METRICS]
+    assert len(names) == len(set(names)) == len(METRICS)
     for name in ("exact_match", "check_include_exclude", "check_direct_json_object", "compare_text_file"):
         assert METRICS[name].__name__ == name
-    every_function = {n for n, f in vars(g).items() if callable(f) and getattr(f, "__module__", "") == g.__name__}
-    public = {n for n in every_function if not n.startswith("_")}
-    assert public == set(g.METRICS), "every public function of general.py is a registered metric"

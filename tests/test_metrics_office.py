@@ -10,8 +10,13 @@ import docx
 import openpyxl
 import pptx
 import pytest
+from docx.enum.text import WD_BREAK, WD_PARAGRAPH_ALIGNMENT
+from docx.shared import Pt as DPt
 from openpyxl.styles import Font, PatternFill
 from openpyxl.worksheet.datavalidation import DataValidation
+from pptx.dml.color import RGBColor
+from pptx.enum.text import PP_ALIGN
+from pptx.util import Inches, Pt
 
 from osfarm.evaluators.metrics import docs as docs_m
 from osfarm.evaluators.metrics import slides as slides_m
@@ -214,10 +219,6 @@ def test_table_metrics_registry() -> None:
 # ------------------------------------------------------------------------------------------
 # pptx builders
 
-from pptx.dml.color import RGBColor
-from pptx.enum.text import PP_ALIGN
-from pptx.util import Inches, Pt
-
 
 def make_pptx(path: Path, **kw: Any) -> str:
     """A two-slide deck; keyword switches introduce one difference each."""
@@ -346,9 +347,6 @@ def test_slides_metrics_registry() -> None:
 
 # ------------------------------------------------------------------------------------------
 # docx builders
-
-from docx.enum.text import WD_BREAK, WD_PARAGRAPH_ALIGNMENT
-from docx.shared import Pt as DPt
 
 
 def make_docx(path: Path, paragraphs: list[str], edit: Callable[[Any], None] | None = None) -> str:

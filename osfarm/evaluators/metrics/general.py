@@ -1,107 +1,44 @@
-"""OSWorld's general-purpose metrics (``metrics/general.py``, ``basic_os.py``, ``vscode.compare_text_file``).
+"""OSWorld's general-purpose metrics (``metrics/general.py``): values against rules, text, JSON,
+YAML, CSV and SQLite files, the accessibility tree.
 
-Names, signatures and scoring follow OSWorld so that task JSONs run unchanged: a metric is
-``metric(result_state[, expected_state], **options) -> float``. Two deliberate differences:
-
-* A getter that could not fetch its file hands the metric ``None`` (or a path that does not
-  exist). Every metric here scores that 0.0 instead of raising, as do unreadable or malformed
-  inputs (bad JSON/YAML/CSV, a non-dict where a dict is expected). OSWorld raises in some of
-  these cases and then silently drops the task; a 0 is the honest score.
-* Every score is a float in [0, 1].
-
-Errors in the *task's own* configuration (an unknown ``literal_match`` type, an unknown rule
-method) still raise: they are bugs to fix, not agent failures.
+Names, signatures and scoring follow OSWorld so that task JSONs run unchanged; the shared
+contract (``contract.py``) holds: a getter's None, a missing file and malformed input (bad
+JSON/YAML/CSV, a non-dict where a dict is expected) score 0.0, every score is a float in [0, 1],
+and errors in the *task's own* configuration (an unknown ``literal_match`` type, an unknown rule
+method) still raise.
 """
 
 from __future__ import annotations
 
-import ast
-import builtins
 import csv
 import datetime as _dt
 import difflib
 import json
 import logging
-import operator
 import os
 import re
 import sqlite3
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import docx
+import lxml.etree
 import yaml
+from lxml.cssselect import CSSSelector
 from rapidfuzz import fuzz
 
 from osfarm.evaluators.errors import UnsupportedOption
+from osfarm.evaluators.metrics.contract import read_text
+from osfarm.evaluators.metrics.rules import match_record, match_value_to_rule
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["METRICS"]
 
 
-# --------------------------------------------------------------------------- helpers
-
-
-def _read_text(path: Any) -> str | None:
-    """The file's text, or None when the getter found nothing or the file cannot be read."""
-    if not path or not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
-        return None
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
 def _ratio(a: str, b: str) -> float:
     """rapidfuzz's ratio (0-100) scaled to [0, 1], as OSWorld uses it."""
     return fuzz.ratio(a, b) / 100.0
-
-
-def _compare(op_name: str, a: Any, b: Any) -> bool:
-    """An ``operator`` comparison that is False, not an error, for incomparable types (None)."""
-    try:
-        return bool(getattr(operator, op_name)(a, b))
-    except TypeError:
-        return False
-
-
-def _match_value_to_rule(value: Any, rule: Mapping[str, Any]) -> bool:
-    """OSWorld's ``{"method", "ref"}`` rule language (metrics/utils.py).
-
-    Methods: ``re[.FLAG...]`` (regex search, flags by ``re`` attribute name), ``eq ne le lt ge
-    gt``, ``approx:THRESHOLD`` (|float(value) - ref| <= threshold), ``range.XY`` with X, Y in
-    {t, e} (``ref[0] <X value <Y ref[1]``, t = strict), ``str_list_eq`` / ``str_set_eq`` (the
-    value as a comma-separated string, surrounding quotes stripped, against a list).
-    """
-    method: str = rule["method"]
-    ref = rule.get("ref")
-    if method.startswith("re"):
-        flags = re.RegexFlag(0)
-        for name in method.split(".")[1:]:
-            flags |= getattr(re, name)
-        # A missing value (None) matches no pattern: it is absent, not the text "None".
-        return value is not None and re.search(ref, str(value), flags) is not None
-    if method in {"eq", "ne", "le", "lt", "ge", "gt"}:
-        return _compare(method, value, ref)
-    if method.startswith("approx"):
-        threshold = float(method.split(":")[1])
-        try:
-            return abs(float(value) - float(ref)) <= threshold
-        except (TypeError, ValueError):
-            return False
-    if method.startswith("range."):
-        left, right = method[6], method[7]
-        return _compare("l" + left, ref[0], value) and _compare("l" + right, value, ref[1])
-    if method in {"str_list_eq", "str_set_eq"}:
-        container = getattr(builtins, method[4:-3])  # list or set
-        return container(str(value).strip("\"'").split(",")) == container(ref)
-    raise UnsupportedOption(f"unknown rule method {method!r}")
-
-
-def _match_record(pattern: Mapping[str, Any], record: Mapping[str, Any]) -> bool:
-    """Every key of ``pattern`` is in ``record`` with an equal value."""
-    return all(k in record and record[k] == v for k, v in pattern.items())
 
 
 # --------------------------------------------------------------------------- value metrics
@@ -249,7 +186,7 @@ def check_list(result: Any, rules: Mapping[str, Any]) -> float:
     Every ``rules["expect"]`` pattern must match (``re.search``) some line; no
     ``rules["unexpect"]`` pattern may match any line.
     """
-    text = _read_text(result)
+    text = read_text(result)
     if text is None:
         return 0.0
     expect = [re.compile(p) for p in rules.get("expect", [])]
@@ -267,7 +204,7 @@ def check_csv(result: Any, rules: Mapping[str, Any]) -> float:
     A record pattern matches a row when all its keys are present with equal (string) values.
     Every expected pattern must match some row; no unexpected pattern may match any row.
     """
-    text = _read_text(result)
+    text = read_text(result)
     if text is None:
         return 0.0
     try:
@@ -276,8 +213,8 @@ def check_csv(result: Any, rules: Mapping[str, Any]) -> float:
         return 0.0
     expect = rules.get("expect", [])
     unexpect = rules.get("unexpect", [])
-    found = all(any(_match_record(p, row) for row in rows) for p in expect)
-    clean = not any(_match_record(p, row) for p in unexpect for row in rows)
+    found = all(any(match_record(p, row) for row in rows) for p in expect)
+    clean = not any(match_record(p, row) for p in unexpect for row in rows)
     return float(found and clean)
 
 
@@ -288,7 +225,7 @@ def check_json(result: Any, rules: Mapping[str, Any], is_yaml: bool = False) -> 
     An expected key path that does not exist scores 0; an unexpected one that does not exist
     is checked as the value None.
     """
-    text = _read_text(result)
+    text = read_text(result)
     if text is None:
         return 0.0
     try:
@@ -311,11 +248,11 @@ def check_json(result: Any, rules: Mapping[str, Any], is_yaml: bool = False) -> 
 
     for rule in rules.get("expect", []):
         value = walk(rule["key"])
-        if value is _missing or not _match_value_to_rule(value, rule):
+        if value is _missing or not match_value_to_rule(value, rule):
             return 0.0
     for rule in rules.get("unexpect", []):
         value = walk(rule["key"])
-        if _match_value_to_rule(None if value is _missing else value, rule):
+        if match_value_to_rule(None if value is _missing else value, rule):
             return 0.0
     return 1.0
 
@@ -326,7 +263,7 @@ _TIME_RE = re.compile(r"([01]\d|2[0-3]):[0-5]\d:([0-5]\d|60)")
 
 def check_line_number(file_path: Any, line_number: Mapping[str, Any]) -> float:
     """1 iff the number of lines that contain a HH:MM:SS time equals ``line_number["expected"]``."""
-    text = _read_text(file_path)
+    text = read_text(file_path)
     if text is None:
         return 0.0
     count = sum(1 for line in text.splitlines() if _TIME_RE.search(line))
@@ -338,7 +275,7 @@ def check_line_number(file_path: Any, line_number: Mapping[str, Any]) -> float:
 
 def file_contains(file_path: Any, config: Mapping[str, Any]) -> float:
     """1 iff the file's text contains every string of ``config["expected"]``."""
-    text = _read_text(file_path)
+    text = read_text(file_path)
     if text is None:
         return 0.0
     return float(all(s in text for s in config["expected"]))
@@ -346,28 +283,10 @@ def file_contains(file_path: Any, config: Mapping[str, Any]) -> float:
 
 def diff_text_file(result: Any, expect: Any) -> float:
     """Line-level similarity of two text files (difflib ratio), in [0, 1]."""
-    got, want = _read_text(result), _read_text(expect)
+    got, want = read_text(result), read_text(expect)
     if got is None or want is None:
         return 0.0
     return difflib.SequenceMatcher(a=got.splitlines(), b=want.splitlines()).ratio()
-
-
-def compare_text_file(actual: Any, expected: Any, **options: Any) -> float:
-    """1 iff two text files are equal (OSWorld's ``vscode.compare_text_file``).
-
-    Options: ``ignore_blanks`` (runs of whitespace become one space, ends trimmed),
-    ``ignore_case``.
-    """
-    got, want = _read_text(actual), _read_text(expected)
-    if got is None or want is None:
-        return 0.0
-    if options.get("ignore_blanks", False):
-        got = re.sub(r"\s+", " ", got.replace("\t", " ").replace("\n", " ").strip())
-        want = re.sub(r"\s+", " ", want.replace("\t", " ").replace("\n", " ").strip())
-    if options.get("ignore_case", False):
-        got, want = got.lower(), want.lower()
-    return float(got == want)
-
 
 def fuzzy_place_math(result_file_path: Any, rules: Mapping[str, Any]) -> float:
     """Words of a .docx against accepted answers: the document must hold exactly 3 words; the
@@ -375,7 +294,6 @@ def fuzzy_place_math(result_file_path: Any, rules: Mapping[str, Any]) -> float:
     if not result_file_path or not os.path.isfile(result_file_path):
         return 0.0
     try:
-        import docx  # python-docx; imported here so the registry loads without it
         document = docx.Document(result_file_path)
     except Exception:  # not a docx (zip/XML errors of several kinds)
         logger.debug("fuzzy_place_math: cannot open %s", result_file_path, exc_info=True)
@@ -395,7 +313,7 @@ def compare_time_in_speedtest_results(
     The time is the last 5 characters (HH:MM) of the row's second column; only the clock time
     is compared, as upstream. ``now`` is ours, for tests; it defaults to the local time.
     """
-    text = _read_text(speedtest_result_path)
+    text = read_text(speedtest_result_path)
     if text is None:
         return 0.0
     lines = text.splitlines()
@@ -410,7 +328,7 @@ def compare_time_in_speedtest_results(
 
 
 def _load_json_file(path: Any) -> Any:
-    text = _read_text(path)
+    text = read_text(path)
     if text is None:
         return None
     try:
@@ -429,7 +347,7 @@ def is_included_all_json_objects(gold_file_path: Any, result_file_path: Any) -> 
 
 def compare_terminal_and_txt(txt_file_path: Any, terminal_output: Any) -> float:
     """1 iff the terminal output equals the text file's content exactly."""
-    text = _read_text(txt_file_path)
+    text = read_text(txt_file_path)
     if text is None or not terminal_output:
         return 0.0
     return float(terminal_output == text)
@@ -451,7 +369,7 @@ def _normalize_python(text: str) -> str:
 
 def compare_python_pure_text(py_file_path: Any, gold_file_path: Any) -> float:
     """1 iff two Python files are equal after light normalisation (see ``_normalize_python``)."""
-    got, want = _read_text(py_file_path), _read_text(gold_file_path)
+    got, want = read_text(py_file_path), read_text(gold_file_path)
     if got is None or want is None:
         return 0.0
     return float(_normalize_python(got) == _normalize_python(want))
@@ -498,8 +416,6 @@ def check_accessibility_tree(result: Any, rules: list[Mapping[str, Any]], osname
     fuzzy ratio with the element's text; the total is the product over rules."""
     if not result:
         return 0.0
-    import lxml.etree  # imported here: only this metric needs lxml
-
     ns = _A11Y_NS[osname]
     try:
         root = lxml.etree.fromstring(result.encode() if isinstance(result, str) else result)
@@ -510,8 +426,6 @@ def check_accessibility_tree(result: Any, rules: list[Mapping[str, Any]], osname
         if "xpath" in rule:
             elements = root.xpath(rule["xpath"], namespaces=ns)
         elif "selectors" in rule:
-            from lxml.cssselect import CSSSelector  # needs the cssselect package
-
             elements = CSSSelector(", ".join(rule["selectors"]), namespaces=ns)(root)
         else:
             raise ValueError("check_accessibility_tree: a rule needs xpath or selectors")
@@ -531,73 +445,13 @@ def check_accessibility_tree(result: Any, rules: list[Mapping[str, Any]], osname
     return float(total)
 
 
-# --------------------------------------------------------------------------- basic_os.py
-
-
-def check_gnome_favorite_apps(apps_str: Any, rule: Mapping[str, Any]) -> float:
-    """``gsettings get org.gnome.shell favorite-apps`` output (a Python list literal) against
-    ``rule["expected"]`` as a set of the same size."""
-    if not apps_str:
-        return 0.0
-    try:
-        apps = ast.literal_eval(str(apps_str).strip())  # never eval() command output
-    except (ValueError, SyntaxError):
-        return 0.0
-    if not isinstance(apps, (list, tuple)):
-        return 0.0
-    want = rule["expected"]
-    return float(len(apps) == len(want) and set(apps) == set(want))
-
-
-def is_utc_0(timedatectl_output: Any) -> float:
-    """1 iff ``timedatectl``'s 4th line (Time zone) ends with ``+0000)``."""
-    if not timedatectl_output:
-        return 0.0
-    lines = str(timedatectl_output).split("\n")
-    return float(len(lines) > 3 and lines[3].endswith("+0000)"))
-
-
-def check_text_enlarged(scaling_factor_str: Any) -> float:
-    """1 iff GNOME's text-scaling-factor is above 1."""
-    try:
-        return float(float(scaling_factor_str) > 1.0)
-    except (TypeError, ValueError):
-        return 0.0
-
-
-def check_moved_jpgs(directory_list: Any, rule: Mapping[str, Any]) -> float:
-    """The children names of a ``list_directory`` tree against ``rule["expected"]`` as a set of
-    the same size."""
-    if not isinstance(directory_list, Mapping):
-        return 0.0
-    try:
-        names = [node["name"] for node in directory_list["children"]]
-    except (KeyError, TypeError):
-        return 0.0
-    want = rule["expected"]
-    return float(len(names) == len(want) and set(names) == set(want))
-
-
-def is_in_vm_clickboard(config: Mapping[str, Any], terminal_output: Any) -> float:
-    """1 iff the clipboard dump (``terminal_output``) contains ``config["expected"]`` (a string,
-    or every string of a list). Note the argument order: the rule comes first, as upstream."""
-    if not terminal_output:
-        return 0.0
-    want = config["expected"]
-    if isinstance(want, list):
-        return float(all(w in terminal_output for w in want))
-    return float(want in terminal_output)
-
-
 METRICS: dict[str, Callable[..., float]] = {
     f.__name__: f
     for f in (
         exact_match, match_in_list, is_in_list, literal_match, check_include_exclude, fuzzy_match,
         check_direct_json_object, check_list, check_csv, check_json, check_line_number,
-        file_contains, diff_text_file, compare_text_file, fuzzy_place_math,
+        file_contains, diff_text_file, fuzzy_place_math,
         compare_time_in_speedtest_results, is_included_all_json_objects, compare_terminal_and_txt,
         compare_python_pure_text, run_sqlite3, check_accessibility_tree,
-        check_gnome_favorite_apps, is_utc_0, check_text_enlarged, check_moved_jpgs,
-        is_in_vm_clickboard,
     )
 }

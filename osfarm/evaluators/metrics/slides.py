@@ -25,7 +25,6 @@ from osfarm.evaluators.metrics.contract import never_raises
 logger = logging.getLogger("osfarm.evaluators.metrics.slides")
 
 
-
 _A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
 
 # option name -> OSWorld default
@@ -255,9 +254,6 @@ def compare_pptx_files(file1_path: str | None, file2_path: str | None, **options
     except _Mismatch as why:
         logger.debug("compare_pptx_files: %s", why)
         return 0.0
-    except Exception as exc:  # noqa: BLE001 - malformed part inside an otherwise valid zip
-        logger.info("compare_pptx_files: %s", exc)
-        return 0.0
     return 1.0
 
 
@@ -267,28 +263,24 @@ def check_image_stretch_and_center(modified_ppt: str | None, original_ppt: str |
     mod, orig = _open(modified_ppt), _open(original_ppt)
     if mod is None or orig is None or not len(mod.slides) or not len(orig.slides):
         return 0.0
-    try:
-        pics = [s for s in orig.slides[0].shapes if s.shape_type == MSO_SHAPE_TYPE.PICTURE]
-        if not pics:
-            return 0.0
-        blob = pics[0].image.blob
-        target = None
-        for s in mod.slides[0].shapes:
-            if s.shape_type == MSO_SHAPE_TYPE.PICTURE and s.image.blob == blob:
-                target = s
-        if target is None:
-            return 0.0
-        sw, sh, slack = orig.slide_width, orig.slide_height, Inches(0.5)
-        ok = (
-            abs(target.width - sw) <= slack
-            and abs(target.height - sh) <= slack
-            and abs(target.left - (sw - target.width) / 2) <= slack
-            and abs(target.top - (sh - target.height) / 2) <= slack
-        )
-        return 1.0 if ok else 0.0
-    except Exception as exc:  # noqa: BLE001 - metrics never raise; any failure scores 0.0
-        logger.info("check_image_stretch_and_center: %s", exc)
+    pics = [s for s in orig.slides[0].shapes if s.shape_type == MSO_SHAPE_TYPE.PICTURE]
+    if not pics:
         return 0.0
+    blob = pics[0].image.blob
+    target = None
+    for s in mod.slides[0].shapes:
+        if s.shape_type == MSO_SHAPE_TYPE.PICTURE and s.image.blob == blob:
+            target = s
+    if target is None:
+        return 0.0
+    sw, sh, slack = orig.slide_width, orig.slide_height, Inches(0.5)
+    ok = (
+        abs(target.width - sw) <= slack
+        and abs(target.height - sh) <= slack
+        and abs(target.left - (sw - target.width) / 2) <= slack
+        and abs(target.top - (sh - target.height) / 2) <= slack
+    )
+    return 1.0 if ok else 0.0
 
 
 @never_raises
@@ -316,19 +308,15 @@ def check_strikethrough(pptx_path: str | None, rules: dict[str, Any]) -> float:
     prs = _open(pptx_path)
     if prs is None or not rules:
         return 0.0
-    try:
-        for si in rules["slide_index_s"]:
-            slide = prs.slides[si]
-            for hi in rules["shape_index_s"]:
-                shape = slide.shapes[hi]
-                for pi in rules["paragraph_index_s"]:
-                    # upstream looks at the paragraph's first run only
-                    if _strike(shape.text_frame.paragraphs[pi].runs[0]) == "noStrike":
-                        return 0.0
-        return 1.0
-    except Exception as exc:  # noqa: BLE001 - metrics never raise; any failure scores 0.0
-        logger.info("check_strikethrough: %s", exc)
-        return 0.0
+    for si in rules["slide_index_s"]:
+        slide = prs.slides[si]
+        for hi in rules["shape_index_s"]:
+            shape = slide.shapes[hi]
+            for pi in rules["paragraph_index_s"]:
+                # upstream looks at the paragraph's first run only
+                if _strike(shape.text_frame.paragraphs[pi].runs[0]) == "noStrike":
+                    return 0.0
+    return 1.0
 
 
 @never_raises

@@ -10,15 +10,12 @@ a missing/unreadable file, or an unknown rule, scores 0.0.
 
 from __future__ import annotations
 
-import builtins
 import datetime as _dt
 import logging
-import operator
 import os
 import re
 import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from functools import reduce
 from numbers import Number
 from typing import Any
 
@@ -31,6 +28,7 @@ from openpyxl.worksheet.worksheet import Worksheet
 
 from osfarm.evaluators.errors import UnsupportedOption
 from osfarm.evaluators.metrics.contract import never_raises
+from osfarm.evaluators.metrics.rules import match_value_to_rule
 
 logger = logging.getLogger("osfarm.evaluators.metrics.table")
 
@@ -56,45 +54,21 @@ def _read_lines(path: str) -> list[str] | None:
     return None
 
 
-def _match_value_to_rule(value: Any, rule: Mapping[str, Any]) -> bool:
-    """OSWorld's ``{"method": ..., "ref": ...}`` matcher used by check_cell, zoom, data_validation.
-
-    Methods: ``re[.FLAG...]``, ``eq/ne/lt/le/gt/ge``, ``approx:TOL``, ``range.XY`` (X,Y in
-    {t,e}: lt / le on each side), ``str_list_eq`` / ``str_set_eq``, ``spreadsheet_range``.
+def _match_cell_rule(value: Any, rule: Mapping[str, Any]) -> bool:
+    """OSWorld's rule language (``rules.match_value_to_rule``) as check_cell, zoom and
+    data_validation use it: text methods (``re``, ``str_list_eq`` / ``str_set_eq``) match only
+    text values, and ``spreadsheet_range`` (the value a cell range lying between ``ref[0]``, a
+    subset, and ``ref[1]``, a superset) is added.
     """
     method: str = rule["method"]
-    ref = rule.get("ref")
-    if method.startswith("re"):
-        flags = reduce(operator.or_, (getattr(re, f) for f in method.split(".")[1:]), re.RegexFlag(0))
-        return isinstance(value, str) and re.search(ref, value, flags) is not None
-    if method in {"eq", "ne", "lt", "le", "gt", "ge"}:
-        try:
-            return bool(getattr(operator, method)(value, ref))
-        except TypeError:
-            return False
-    if method.startswith("approx"):
-        tol = float(method.split(":")[1])
-        try:
-            return abs(float(value) - float(ref)) <= tol
-        except (TypeError, ValueError):
-            return False
-    if method.startswith("range."):
-        left, right = method[6], method[7]
-        try:
-            return bool(getattr(operator, "l" + left)(ref[0], value) and getattr(operator, "l" + right)(value, ref[1]))
-        except TypeError:
-            return False
-    if method in {"str_list_eq", "str_set_eq"}:
-        container = getattr(builtins, method[4:-3])
-        if not isinstance(value, str):
-            return False
-        return container(value.strip("\"'").split(",")) == container(ref)
     if method == "spreadsheet_range":
-        # value must lie between ref[0] (subset) and ref[1] (superset)
+        ref = rule.get("ref")
         val = value if isinstance(value, MultiCellRange) else MultiCellRange(str(value))
         lower, upper = MultiCellRange(ref[0]), MultiCellRange(ref[1])
         return all(r in val for r in lower) and all(r in upper for r in val)
-    raise UnsupportedOption(method)
+    if (method.startswith("re") or method in {"str_list_eq", "str_set_eq"}) and not isinstance(value, str):
+        return False
+    return match_value_to_rule(value, rule)
 
 
 def _cell_value(value: Any) -> Any:
@@ -296,7 +270,7 @@ def _rule_freeze(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bool:
 
 def _rule_zoom(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bool:
     ws = _sheet(r["sheet_idx"], res, exp)
-    return _match_value_to_rule(ws.sheet_view.zoomScale or 100.0, r)
+    return _match_cell_rule(ws.sheet_view.zoomScale or 100.0, r)
 
 
 def _rule_check_cell(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bool:
@@ -307,7 +281,7 @@ def _rule_check_cell(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> boo
             val = _cell_value(book.values[name][r["coordinate"]].value)
         else:
             val = _read_cell_style(prop, cell)
-        if not _match_value_to_rule(val, rule):
+        if not _match_cell_rule(val, rule):
             return False
     return True
 
@@ -331,7 +305,8 @@ def _dims(ws: Worksheet, obj: str, props: Iterable[str]) -> dict[Any, dict[str, 
 
 def _rule_row_props(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bool:
     props = r.get("props", [])
-    return _dims(_sheet(r["sheet_idx0"], res, exp), "row", props) == _dims(_sheet(r["sheet_idx1"], res, exp), "row", props)
+    a = _dims(_sheet(r["sheet_idx0"], res, exp), "row", props)
+    return a == _dims(_sheet(r["sheet_idx1"], res, exp), "row", props)
 
 
 def _rule_col_props(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bool:
@@ -373,7 +348,7 @@ def _rule_data_validation(r: Mapping[str, Any], res: _Book, exp: _Book | None) -
     if len(validators) < len(wanted):
         return False
     for dv in validators:
-        if not any(all(_match_value_to_rule(getattr(dv, attr), m) for attr, m in props.items()) for props in wanted):
+        if not any(all(_match_cell_rule(getattr(dv, attr), m) for attr, m in props.items()) for props in wanted):
             return False
     return True
 
