@@ -24,7 +24,7 @@ from pptx.util import Inches
 from waiting import wait_until
 
 from osfarm.evaluators.errors import UnsupportedOption
-from osfarm.evaluators.getters import GETTERS, EvalEnv, apps
+from osfarm.evaluators.getters import GETTERS, EvalEnv, vlc
 from osfarm.tasks.controller import GuestController
 
 PREFS = "/home/user/.config/google-chrome/Default/Preferences"
@@ -346,6 +346,6 @@ def test_default_video_player_in_a_desktop(denv: EvalEnv) -> None:
     ctl.upload_file("/home/user/.local/share/applications/osfarm-player.desktop",
                     b"[Desktop Entry]\nType=Application\nName=Player\nExec=true %f\nMimeType=video/mp4;\n")
     assert get("default_video_player", denv, {}) == "vlc.desktop"  # the desktop's own default
-    types = " ".join(f"video/{t}" for t in apps._VIDEO_SUBTYPES)
+    types = " ".join(f"video/{t}" for t in vlc._VIDEO_SUBTYPES)
     ctl.execute(f"xdg-mime default osfarm-player.desktop {types}", shell=True)
     assert get("default_video_player", denv, {}) == "osfarm-player.desktop"

@@ -16,6 +16,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+# The desktop user's home, as in OSWorld's VM: where apps keep the profiles getters read.
+HOME = "/home/user"
+
 
 class OfflineCache(Protocol):
     def lookup(self, url: str) -> Path | None: ...
@@ -38,3 +41,9 @@ class EvalEnv:
         p = self.cache_dir / name
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
+
+    def save(self, name: str, data: bytes) -> str:
+        """Write ``data`` to ``cache_dir / name``; the local path a metric receives."""
+        p = self.cache_path(name)
+        p.write_bytes(data)
+        return str(p)

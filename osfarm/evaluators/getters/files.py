@@ -11,6 +11,8 @@ import shutil
 from datetime import datetime
 from typing import Any
 
+import pandas as pd
+
 from osfarm.evaluators.errors import UnsupportedOption
 from osfarm.evaluators.getters.env import EvalEnv
 
@@ -105,8 +107,6 @@ def get_content_from_vm_file(env: EvalEnv, config: dict[str, Any]) -> Any:
         return None
     file_type, content = config.get("file_type"), config.get("file_content")
     if file_type == "xlsx" and content == "last_row":
-        import pandas as pd
-
         try:
             df = pd.read_excel(local)
         except Exception as e:  # noqa: BLE001 - a missing/corrupt state scores 0, never crashes

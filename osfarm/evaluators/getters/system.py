@@ -161,9 +161,7 @@ def get_vm_wallpaper(env: EvalEnv, config: dict[str, Any]) -> str | None:
     data = env.controller.get_wallpaper()
     if not data:
         return None
-    p = env.cache_path(config["dest"])
-    p.write_bytes(data)
-    return str(p)
+    return env.save(config["dest"], data)
 
 
 def get_list_directory(env: EvalEnv, config: dict[str, Any]) -> dict[str, Any] | None:
