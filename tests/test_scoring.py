@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-from osfarm.evaluators import score_evaluator
 from osfarm.evaluators.metrics import METRICS
 from osfarm.evaluators.scoring import UnknownMetricError, is_fail_action, score
 
@@ -174,8 +173,8 @@ def test_unknown_metric_and_bad_conj_raise() -> None:
         score({"func": ["exact_match"], "conj": "xor", "expected": [RULE]}, ["x"], [{"expected": "x"}], None, METRICS)
 
 
-def test_scores_are_floats_and_score_evaluator_uses_the_registry() -> None:
+def test_scores_are_floats() -> None:
     ev = {"func": "exact_match", "expected": RULE}
-    s = score_evaluator(ev, ["a"], [{"expected": "a"}], None)
+    s = score(ev, ["a"], [{"expected": "a"}], None, METRICS)
     assert s == 1.0 and isinstance(s, float)
-    assert score_evaluator({"func": []}, [], [], None) == 0.0
+    assert score({"func": []}, [], [], None, METRICS) == 0.0

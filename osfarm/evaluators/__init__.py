@@ -1,33 +1,11 @@
 """OSWorld-compatible evaluation: getters fetch state from a desktop, metrics score it, and
 ``scoring.score`` combines the metric scores exactly as OSWorld's ``DesktopEnv.evaluate`` does.
 
-``score_evaluator`` is ``scoring.score`` with the full metric registry.
+* ``getters``: ``GETTERS[type](env, config)``, the state an evaluator entry names;
+* ``metrics``: ``METRICS[func](result[, expected], **options)``, a score in [0, 1];
+* ``scoring``: ``score(evaluator, results, expecteds, last_action, METRICS)``, the task's score;
+* ``errors``: what a task's evaluator configuration can get wrong (raised, never scored).
+
+Importing this package loads nothing: the metric registry pulls in the office-file and image
+libraries, so only code that scores imports it.
 """
-
-from __future__ import annotations
-
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
-
-__all__ = ["score_evaluator"]
-
-
-def score_evaluator(
-    evaluator: Mapping[str, Any],
-    results: Sequence[Any],
-    expecteds: Sequence[Any],
-    last_action: Any,
-    metrics: Mapping[str, Callable[..., Any]] | None = None,
-) -> float:
-    """Score one task from its resolved getter states; see ``osfarm.evaluators.scoring.score``.
-
-    ``metrics`` defaults to ``osfarm.evaluators.metrics.METRICS`` (imported on first use, so
-    importing this package stays cheap).
-    """
-    from osfarm.evaluators.scoring import score
-
-    if metrics is None:
-        from osfarm.evaluators.metrics import METRICS
-
-        metrics = METRICS
-    return score(evaluator, results, expecteds, last_action, metrics)
