@@ -142,6 +142,7 @@ def test_start_health_double_fork_and_clean_stop(tmp: Path) -> None:
         assert not (tmp / "g.sock").exists()
         assert not Path(f"/tmp/.X{st['display'][1:]}-lock").exists()
         assert not desk.state_file.exists()
+        assert "stopped: signal SIGTERM" in desk.log()
     finally:
         if desk.proc.poll() is None:
             stop(desk)

@@ -30,7 +30,8 @@ from osfarm.desktop.session import Session, SessionConfig
 from osfarm.desktop.xserver import DisplayError
 from osfarm.http.hosts import is_loopback_host
 
-log = logging.getLogger(__name__)
+# Named, not __name__: run with -m this module is __main__, outside the "osfarm.desktop" logger.
+log = logging.getLogger("osfarm.desktop.launcher")
 
 
 class TokenError(ValueError):
