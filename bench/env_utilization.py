@@ -48,9 +48,10 @@ from rich.console import Console
 from rich.table import Table
 
 from osfarm.client import AsyncFarm
+from osfarm.agents.base import BaseAgent
 from osfarm.runner.episode import EpisodeConfig, EpisodeResult, run_episode
-from osfarm.runner.run import make_cache
 from osfarm.runner.scheduler import Done, RolloutScheduler, utilisation
+from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,12 +82,11 @@ def plans(seed: int, steps_median: float, steps_sigma: float, max_steps: int, th
         k += 1
 
 
-class LatencyAgent:
+class LatencyAgent(BaseAgent):
     """The bench policy: waits the planned model latency, then moves the mouse somewhere."""
 
     name = "bench-latency"
     settle_s = 0.2
-    wants_a11y = False
 
     def __init__(self, plan: EpisodePlan, screen: tuple[int, int] = (800, 600)):
         self.plan = plan
@@ -117,14 +117,14 @@ async def run_mode(args: argparse.Namespace, url: str, token: str, sync: bool, c
     suite = load_suite(SUITE)
     task = next(t for t in suite if t.id == TASK_ID)
     work = Path(tempfile.mkdtemp(prefix="osfarm-util-"))
-    cache = make_cache(suite, SUITE, None, work, True)
+    cache = suite_cache(suite, SUITE, None, work, True)
     source = plans(args.seed, args.steps_median, args.steps_sigma, args.max_steps, args.think_ms, args.think_sigma)
     done: list[Done[EpisodePlan, EpisodeResult]] = []
 
     async with AsyncFarm(url, token) as farm:
         async def one(plan: EpisodePlan) -> EpisodeResult:
             cfg = EpisodeConfig(max_steps=plan.steps, time_limit_s=600, infra_retries=0, work_dir=work / ".work")
-            return await run_episode(farm, token, task, make_policy(args, plan), cache, cfg, f"bench-{sync}")
+            return await run_episode(farm, task, make_policy(args, plan), cache, cfg, f"bench-{sync}")
 
         sched: RolloutScheduler[EpisodePlan, EpisodeResult] = RolloutScheduler(one, args.envs, sync_batches=sync)
         t0 = time.monotonic()
@@ -199,23 +199,15 @@ def main() -> None:
         ap.error("--policy vlm needs --model-url")
     console = Console(width=160)
 
-    from osfarm.config import load_settings
-    from osfarm.farm.server import FarmServer
-    from osfarm.providers import make_provider
+    from osfarm.farm.local import local_farm, local_farm_settings
 
-    settings = load_settings(None, port=0, pool_min=args.envs + args.spares,
-                             pool_max=args.envs + args.spares, width=args.width,
-                             height=args.height, lease_ttl_s=120)
-    server = FarmServer(settings, make_provider(settings))
+    settings = local_farm_settings(args.envs, args.spares, width=args.width, height=args.height, lease_ttl_s=120)
     console.print(f"starting {args.envs + args.spares} desktops ...")
-    url = server.start(timeout=settings.start_timeout_s + 60)
     rows = []
-    try:
+    with local_farm(settings, extra_wait_s=60) as server:
         for mode in args.modes.split(","):
             console.print(f"[bold]{mode}[/]: {args.seconds:g} s window ...")
-            rows.append(asyncio.run(run_mode(args, url, server.token, mode.strip() == "sync", console)))
-    finally:
-        server.stop()
+            rows.append(asyncio.run(run_mode(args, server.url, server.token, mode.strip() == "sync", console)))
 
     t = Table(title=f"environment utilisation: {args.envs} slots + {args.spares} spare desktops, {args.seconds:g} s per mode, policy {args.policy}")
     for c in ("mode", "slot util.", "desktop util.", "episodes/hour", "episodes", "mean steps", "model ms p50/p99", "env step ms p50",

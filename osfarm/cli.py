@@ -479,18 +479,15 @@ def demo(
         phase = _Phases(progress)
         try:
             if settings is not None:
-                from osfarm.farm.server import FarmServer
-
                 with phase("start farm (1 warm desktop)"):
-                    from osfarm.providers import make_provider
+                    from osfarm.farm.local import start_local_farm
                     from osfarm.providers.base import ProviderError
 
-                    try:  # made here so a missing bwrap/Xvfb is one clear line, not a traceback
-                        server = FarmServer(settings, make_provider(settings))
-                        url = server.start(timeout=settings.start_timeout_s + 30)
+                    try:  # a missing bwrap/Xvfb is one clear line, not a traceback
+                        server = start_local_farm(settings)
                     except (ProviderError, RuntimeError) as e:
                         raise _fail(str(e)) from None
-                    token = server.token
+                    url, token = server.url, server.token
             assert url is not None
             with _farm_errors(), Farm(url, token) as farm:
                 with phase("lease a desktop"):

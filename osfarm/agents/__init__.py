@@ -11,9 +11,11 @@ from osfarm.agents.base import (
     Action,
     ActionSpace,
     Agent,
+    BaseAgent,
     special,
     special_action,
 )
+from osfarm.agents.choice import ChoiceAgent
 from osfarm.agents.replay import ReplayAgent
 from osfarm.agents.trivial import FailAgent, NoopAgent
 from osfarm.agents.vlm import VLMAgent
@@ -23,6 +25,7 @@ AGENTS: dict[str, Callable[..., Agent]] = {
     "fail": FailAgent,
     "replay": ReplayAgent,
     "vlm": VLMAgent,
+    "choice": ChoiceAgent,
 }
 # Names reserved for agents that are planned but not written yet.
 PLANNED: dict[str, str] = {}
@@ -48,6 +51,8 @@ __all__ = [
     "Action",
     "ActionSpace",
     "Agent",
+    "BaseAgent",
+    "ChoiceAgent",
     "FailAgent",
     "NoopAgent",
     "ReplayAgent",

@@ -21,18 +21,20 @@ import asyncio
 import base64
 from typing import Any
 
-from osfarm.agents.base import Action
+from osfarm.agents.base import Action, BaseAgent
 from osfarm.agents.chat_client import ChatClient, ChatResult, PolicyBadResponse
 
 SYSTEM_PROMPT = "You control a Linux desktop. Answer with the number of the action to take."
 
 
-class ChoiceAgent:
+class ChoiceAgent(BaseAgent):
     name = "choice"
     action_space = "pyautogui"
 
-    def __init__(self, base_url: str, model: str = "policy", *, choices: list[str] | None = None,
+    def __init__(self, base_url: str | None = None, model: str = "policy", *, choices: list[str] | None = None,
                  temperature: float = 1.0, timeout_s: float = 120.0, screenshot: bool = True, **_: Any):
+        if not base_url:
+            raise ValueError("choice agent: option 'base_url' is required (--model-url: its policy server)")
         self.client = ChatClient(base_url, model, timeout_s=timeout_s)
         self.model = model
         self.default_choices = list(choices or [])

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from osfarm.agents.base import Action, ActionSpace, special, special_action
+from osfarm.agents.base import Action, ActionSpace, BaseAgent, special, special_action
 
 
 class ReplayError(ValueError):
@@ -57,10 +57,10 @@ def load_solution(path: Path) -> list[list[Action]]:
     return steps
 
 
-class ReplayAgent:
+class ReplayAgent(BaseAgent):
     name = "replay"
     # It acts at machine speed, blind to the screen: let each step's observation wait longer for
-    # the apps to go idle than a model's think time would (see runner.episode.SETTLE_S).
+    # the apps to go idle than a model's think time would (see osfarm.env.SETTLE_S).
     settle_s = 5.0
 
     def __init__(self, action_space: ActionSpace = "pyautogui", solutions: str | Path | None = None) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from osfarm.agents.base import Action, ActionSpace, Special, special
+from osfarm.agents.base import Action, ActionSpace, BaseAgent, Special, special
 
 
-class _ImmediateAgent:
+class _ImmediateAgent(BaseAgent):
     verdict: Special
 
     def __init__(self, action_space: ActionSpace = "pyautogui") -> None:

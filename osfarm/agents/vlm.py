@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from osfarm.agents.base import Action, ActionSpace
+from osfarm.agents.base import Action, ActionSpace, BaseAgent
 from osfarm.agents.chat_client import ChatClient, PolicyError
 from osfarm.agents.prompts import Observation, ParseError, StepContext, make_format
 from osfarm.agents.prompts.a11y import linearize
@@ -100,7 +100,7 @@ def parse_agent_opts(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-class VLMAgent:
+class VLMAgent(BaseAgent):
     name = "vlm"
 
     def __init__(self, **options: Any) -> None:

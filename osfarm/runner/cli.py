@@ -11,7 +11,7 @@ from rich.console import Console
 
 def eval_command(
     suite: Annotated[Path, typer.Option("--suite", help="folder of <domain>/<id>.json tasks (or OSWorld's evaluation_examples/)")],
-    agent: Annotated[str, typer.Option("--agent", help="agent name: replay, noop, fail, vlm")] = "replay",
+    agent: Annotated[str, typer.Option("--agent", help="agent name: replay, noop, fail, vlm, choice")] = "replay",
     index: Annotated[Path | None, typer.Option("--index", help="index file {domain: [ids]} (default: every task; OSWorld's test_all.json when present)", show_default=False)] = None,
     envs: Annotated[int, typer.Option("--envs", min=1, help="episodes run at once (desktops)")] = 1,
     max_steps: Annotated[int, typer.Option("--max-steps", min=1, help="agent steps per episode")] = 15,
@@ -33,7 +33,7 @@ def eval_command(
     model_url: Annotated[str | None, typer.Option("--model-url", envvar="OSFARM_MODEL_URL", help="vlm: OpenAI-compatible policy server (root or /v1 URL)", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", envvar="OSFARM_MODEL", help="vlm: model name sent to the policy server", show_default=False)] = None,
     prompt_format: Annotated[str | None, typer.Option("--prompt-format", help="vlm: pyautogui, computer_13 or uitars (default: follows --action-space)", show_default=False)] = None,
-    agent_opt: Annotated[list[str] | None, typer.Option("--agent-opt", help="vlm: agent option key=value (repeatable), e.g. history_turns=3 observation=screenshot_a11y", show_default=False)] = None,
+    agent_opt: Annotated[list[str] | None, typer.Option("--agent-opt", help="vlm, choice: agent option key=value (repeatable), e.g. history_turns=3 observation=screenshot_a11y", show_default=False)] = None,
     executor: Annotated[str, typer.Option("--executor", help="inprocess (episodes in this process) or celery (queued to `osfarm worker`s)")] = "inprocess",
     broker: Annotated[str | None, typer.Option("--broker", envvar="OSFARM_BROKER", help="celery: Redis URL of the broker", show_default=False)] = None,
     max_concurrent: Annotated[int | None, typer.Option("--max-concurrent", min=1, help="episodes in flight (default: --envs; celery: every task); the next starts when any finishes", show_default=False)] = None,

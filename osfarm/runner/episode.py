@@ -1,44 +1,35 @@
-"""One episode: lease a fresh desktop, run the task's setup, let the agent act, evaluate.
+"""One episode of a benchmark run: an agent on a :class:`osfarm.env.TaskEnv`, to a final status.
 
 Statuses (DESIGN.md): ``success`` (score == 1.0), ``failure`` (any lower score, or the agent
 crashed), ``infra_error`` (the harness could not give the agent a fair try: no desktop, a setup
-step failed, the desktop died, a getter or metric crashed; the error text says which) and
-``timeout`` (the episode's wall-clock limit ran out). Only infra errors are retried, a bounded
-number of times; every attempt is counted in the result.
+step failed, the desktop died, a getter or metric crashed, the policy server stayed unreachable;
+the error text says which) and ``timeout`` (the episode's wall-clock limit ran out). Only infra
+errors are retried, a bounded number of times; every attempt is counted in the result.
 
-The guest calls of setup and evaluation go through the farm's passthrough
-(``/v1/desktops/{lease}/guest``) with the synchronous :class:`GuestController`, run in worker
-threads so episodes on other desktops keep going.
+The lifecycle (lease, setup, steps, postconfig, evaluation) is the env's; this module adds what
+a benchmark keeps of it: the agent's side of each step (its response, model call, parse error,
+think time), the screenshots, the phase timings, the recording, the retries.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from osfarm.agents.base import Action, Agent, special_action
-from osfarm.client import AsyncFarm, FarmAPIError
-from osfarm.evaluators.getters import GETTERS
-from osfarm.evaluators.getters.env import EvalEnv
-from osfarm.evaluators.metrics import METRICS
-from osfarm.evaluators.scoring import score as score_fn
-from osfarm.tasks.controller import GuestController, GuestError
-from osfarm.tasks.filecache import AssetMissing, FileCache
+from osfarm.agents.base import Action, Agent
+from osfarm.client import AsyncFarm
+from osfarm.env import EpisodeTimeout, InfraError, TaskEnv
+from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.model import Task
-from osfarm.tasks.setup import POSTCONFIG_WINDOW_S, SetupExecutor, SetupFailed
 
 SUCCESS, FAILURE, INFRA_ERROR, TIMEOUT = "success", "failure", "infra_error", "timeout"
 STATUSES = (SUCCESS, FAILURE, INFRA_ERROR, TIMEOUT)
-# The agent should see the screen after the app has drawn the effect of its input: wait for
-# the screen to stop changing and the apps to go idle (at most this long; an agent's
-# ``settle_s`` overrides it) instead of OSWorld's fixed 2 s pause.
-SETTLE_S = 1.0
 
 
 @dataclass
@@ -93,218 +84,91 @@ class EpisodeResult:
     recording_error: str | None = None  # a failed recording is noted, never the episode's failure
 
 
-class HarnessError(Exception):
-    """The harness failed (not the agent): becomes status infra_error with this message."""
-
-
-class CacheLookup:
-    """``EvalEnv.offline_cache`` over a FileCache: ``lookup(url) -> Path | None``."""
-
-    def __init__(self, cache: FileCache, task_id: str, offline: bool):
-        self.cache, self.task_id, self.offline = cache, task_id, offline
-
-    def lookup(self, url: str) -> Path | None:
-        try:
-            return self.cache.fetch(url, self.task_id, offline=self.offline)
-        except AssetMissing:
-            return None
-
-
 def episode_id(run_id: str, task_id: str, attempt: int) -> str:
     """Idempotent: the same (run, task, attempt) always names the same episode."""
     return str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{run_id}:{task_id}:{attempt}"))
 
 
 def _ts() -> str:
-    from datetime import datetime
-
     return datetime.now().strftime("%Y%m%d@%H%M%S%f")
 
 
-def _png(obs: Any) -> bytes:
-    return base64.b64decode(obs.screenshot) if obs is not None and obs.screenshot else b""
+def _timed_out(cfg: EpisodeConfig) -> str:
+    return f"episode exceeded its {cfg.time_limit_s:g} s limit"
 
 
-def evaluate(task: Task, controller: Any, cache: FileCache, cache_dir: Path, screen: tuple[int, int],
-             last_action: Any, offline: bool) -> float:
-    """Run the evaluator's getters and score them (sync; raises HarnessError on a crash)."""
-    ev = task.evaluator
-    evaluator = ev.to_json()
-    if ev.is_infeasible:
-        return score_fn(evaluator, [], [], last_action, METRICS)
-    env = EvalEnv(controller=controller, cache_dir=cache_dir, task_id=task.id,
-                  offline_cache=CacheLookup(cache, task.id, offline), screen=screen)
-
-    def get(spec: Any) -> Any:
-        if spec is None:
-            return None
-        cfg = spec if isinstance(spec, dict) else spec.to_json()
-        typ = cfg.get("type")
-        fn = GETTERS.get(typ)
-        if fn is None:
-            raise HarnessError(f"evaluation: unknown getter {typ!r}")
-        try:
-            return fn(env, cfg)
-        except Exception as e:
-            raise HarnessError(f"evaluation: getter {typ!r} crashed: {type(e).__name__}: {e}") from e
-
-    if isinstance(ev.func, list):
-        results = [get(x) for x in (ev.result or [])] if isinstance(ev.result, list) else []
-        expecteds = [get(x) for x in ev.expected] if isinstance(ev.expected, list) else []
-    else:
-        results = [get(ev.result)]
-        expecteds = [get(ev.expected)] if ev.expected is not None else []
-    try:
-        return float(score_fn(evaluator, results, expecteds, last_action, METRICS))
-    except Exception as e:
-        raise HarnessError(f"evaluation: metric {ev.func!r} crashed: {type(e).__name__}: {e}") from e
-
-
-class _PhaseClock:
-    """Writes the seconds since the previous lap into ``into[name]`` (the harness overhead bench
-    reads these from each episode record)."""
-
-    def __init__(self, into: dict[str, float]):
-        self.into = into
-        self.t = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.into[name] = round(now - self.t, 3)
-        self.t = now
-
-
-async def _attempt(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache: FileCache, cfg: EpisodeConfig,
+async def _attempt(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, cfg: EpisodeConfig,
                    res: EpisodeResult) -> None:
-    """Fill ``res`` (status, score, error, steps); raises HarnessError for harness failures."""
-    clock = _PhaseClock(res.timings)
-    try:
-        desk = await farm.lease(ttl_s=cfg.lease_ttl_s, wait_s=cfg.lease_wait_s, heartbeat=True)
-    except FarmAPIError as e:
-        raise HarnessError(f"lease: {e}") from e
-    res.desktop = {"provider": desk.info.provider, "image": desk.info.image, "desktop_id": desk.info.desktop_id, "lease_id": desk.id}
-    clock.lap("lease")
-    controller = GuestController(base_url=f"{farm.url}/v1/desktops/{desk.id}/guest", token=token)
-    try:
-        screen = desk.screen
-        cache_dir = cfg.work_dir / res.episode_id  # the getters' dir; execute steps' stdout files go there too
-        setup = SetupExecutor(controller, cache, task.id, screen, offline=cfg.offline, output_dir=cache_dir)
+    """Fill ``res`` (status, score, error, steps, timings); raises InfraError for harness failures
+    and EpisodeTimeout when the time limit runs out."""
+    env = TaskEnv(farm, max_steps=cfg.max_steps, time_limit_s=cfg.time_limit_s, cache=cache,
+                  work_dir=cfg.work_dir / res.episode_id, offline=cfg.offline, a11y=agent.wants_a11y,
+                  settle_s=agent.settle_s, record=cfg.record, lease_ttl_s=cfg.lease_ttl_s,
+                  lease_wait_s=cfg.lease_wait_s, code_timeout_s=cfg.code_timeout_s)
+    async with env:
         try:
-            await asyncio.to_thread(setup.run, task.config)
-        except SetupFailed as e:
-            raise HarnessError(str(e)) from e
-        clock.lap("setup")
+            obs, _ = await env.reset(task)
+        finally:
+            res.desktop, res.timings = env.desktop, env.timings
         try:
             await asyncio.to_thread(agent.reset, task)
         except Exception as e:  # noqa: BLE001 - the agent's failure, not retried
             res.status, res.error = FAILURE, f"agent reset: {type(e).__name__}: {e}"
             return
-        wants_a11y = bool(getattr(agent, "wants_a11y", False))
-        settle_s = float(getattr(agent, "settle_s", SETTLE_S))
-        if cfg.record:
-            try:
-                await asyncio.to_thread(controller.start_recording)
-            except GuestError as e:
-                res.recording_error = f"start_recording: {e}"
-        try:
-            obs = await desk.observe(a11y=wants_a11y, windows=False, cursor=False, settle_s=settle_s)
-        except FarmAPIError as e:
-            raise HarnessError(f"observe: {e}") from e
-        instruction = task.instruction
-        last: Any = None
-        for i in range(1, cfg.max_steps + 1):
-            png = _png(obs)
-            o = {"screenshot": png, "accessibility_tree": obs.a11y, "terminal": None, "instruction": instruction}
+        res.recording_error = env.recording_error
+        i = 0
+        while True:
+            i += 1
             t0 = time.perf_counter()
             try:
-                response, actions = await _predict(agent, instruction, o)
+                response, actions = await agent.apredict(task.instruction, obs.as_dict())
             except Exception as e:  # noqa: BLE001
                 if getattr(e, "infra", False):  # e.g. the policy server stayed unreachable through its retries
-                    raise HarnessError(f"step {i}: {e}") from e
+                    raise InfraError(f"step {i}: {e}", "agent") from e
                 res.status, res.error = FAILURE, f"agent predict (step {i}): {type(e).__name__}: {e}"
                 return
             t_model = (time.perf_counter() - t0) * 1000
             actions = list(actions or [])
-            call = getattr(agent, "last_model_call", None)
-            parse_error = call.get("parse_error") if isinstance(call, dict) else None
-            rec = StepRecord(index=i, screenshot=png, a11y=obs.a11y, response=str(response), actions=actions,
-                             action_error=f"parse error: {parse_error}" if parse_error else None,
-                             t_model_ms=round(t_model, 1), t_env_ms=0.0, timestamp=_ts(),
-                             model=call if isinstance(call, dict) else None)
+            call = agent.last_model_call
+            parse_error = call.get("parse_error") if call is not None else None
+            rec = StepRecord(index=i, screenshot=obs.screenshot, a11y=obs.accessibility_tree, response=str(response),
+                             actions=actions, action_error=f"parse error: {parse_error}" if parse_error else None,
+                             t_model_ms=round(t_model, 1), t_env_ms=0.0, timestamp=_ts(), model=call)
             res.steps.append(rec)
-            t1 = time.perf_counter()
             try:
-                sr = await desk.step(actions or ["WAIT"], observe={"a11y": wants_a11y, "windows": False,
-                                                                   "settle_s": settle_s,
-                                                                   "cursor": False}, code_timeout=cfg.code_timeout_s)
-            except FarmAPIError as e:
-                if e.status in (400, 422):  # the agent sent something the desktop rejects: its failure
-                    rec.action_error = f"{e.status}: {e.detail}"
-                    if actions:
-                        last = actions[-1]
-                    continue
-                raise HarnessError(f"step {i}: {e}") from e
-            rec.t_env_ms = round((time.perf_counter() - t1) * 1000, 1)
-            bad = [r for r in sr.results if not r.ok]
-            if bad:
-                rec.action_error = f"action {bad[0].index}: {bad[0].error}"
-            if sr.observation is not None:
-                obs = sr.observation
-                rec.after_screenshot = _png(obs)
-            if actions:
-                last = actions[-1]
-            done = sr.done or next((special_action(a) for a in actions
-                                    if special_action(a) in ("DONE", "FAIL")), None)
-            if done:
-                last = {"action_type": done} if isinstance(last, dict) else done
+                obs, _reward, terminated, truncated, info = await env.step(actions)
+            finally:
+                # what the desktop made of the step, even when the evaluation that ends the episode fails
+                out = env.last_step
+                if out is not None and out.index == i:
+                    if out.action_error:
+                        rec.action_error = out.action_error
+                    if out.t_env_ms is not None:
+                        rec.t_env_ms = out.t_env_ms
+                    if out.observation is not None:
+                        rec.after_screenshot = out.observation.screenshot
+                res.last_action = env.last_action
+                res.recording, res.recording_error = env.recording, env.recording_error
+            if info["time_limit"]:
+                raise EpisodeTimeout(_timed_out(cfg))
+            if terminated or truncated:
                 break
-        res.last_action = last
-        clock.lap("agent")
-        if cfg.record and res.recording_error is None:
-            try:
-                res.recording = await asyncio.to_thread(controller.end_recording)
-            except GuestError as e:
-                res.recording_error = f"end_recording: {e}"
-        try:
-            setup.window_timeout = POSTCONFIG_WINDOW_S
-            await asyncio.to_thread(setup.run, task.evaluator.postconfig)
-        except SetupFailed as e:
-            raise HarnessError(f"postconfig: {e}") from e
-        res.score = await asyncio.to_thread(evaluate, task, controller, cache, cache_dir, screen, last, cfg.offline)
+        assert env.score is not None
+        res.score = env.score
         res.status = SUCCESS if res.score == 1.0 else FAILURE
-        clock.lap("evaluate")
-    except GuestError as e:
-        raise HarnessError(f"desktop unreachable: {e}") from e
-    finally:
-        controller.close()
-        try:
-            await desk.close()
-        except FarmAPIError:
-            pass
 
 
-async def _predict(agent: Agent, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
-    """An agent's ``apredict`` when it has one (awaited on this loop, no thread), else ``predict``
-    in a worker thread."""
-    apredict = getattr(agent, "apredict", None)
-    if apredict is not None:
-        return await apredict(instruction, obs)  # type: ignore[no-any-return]
-    return await asyncio.to_thread(agent.predict, instruction, obs)
-
-
-async def run_episode(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache: FileCache,
-                      cfg: EpisodeConfig, run_id: str) -> EpisodeResult:
+async def run_episode(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, cfg: EpisodeConfig,
+                      run_id: str) -> EpisodeResult:
     """Run ``task`` to a final status, retrying infra errors up to ``cfg.infra_retries`` times."""
     try:
-        return await _run_attempts(farm, token, task, agent, cache, cfg, run_id)
+        return await _run_attempts(farm, task, agent, cache, cfg, run_id)
     finally:
-        aclose = getattr(agent, "aclose", None)  # agents holding connections (vlm) release them
-        if aclose is not None:
-            await aclose()
+        await agent.aclose()  # agents holding connections (vlm) release them
 
 
-async def _run_attempts(farm: AsyncFarm, token: str, task: Task, agent: Agent, cache: FileCache,
-                        cfg: EpisodeConfig, run_id: str) -> EpisodeResult:
+async def _run_attempts(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, cfg: EpisodeConfig,
+                        run_id: str) -> EpisodeResult:
     errors: list[str] = []
     attempt = 0
     while True:
@@ -312,12 +176,13 @@ async def _run_attempts(farm: AsyncFarm, token: str, task: Task, agent: Agent, c
         res = EpisodeResult(task=task, status=FAILURE, score=0.0, error=None,
                             episode_id=episode_id(run_id, task.id, attempt), attempt=attempt,
                             infra_retries=len(errors), steps=[], started_at=time.time(), finished_at=0.0,
-                            agent=getattr(agent, "name", type(agent).__name__), errors=list(errors))
+                            agent=agent.name, errors=list(errors))
         try:
-            await asyncio.wait_for(_attempt(farm, token, task, agent, cache, cfg, res), cfg.time_limit_s)
-        except TimeoutError:
-            res.status, res.score, res.error = TIMEOUT, 0.0, f"episode exceeded its {cfg.time_limit_s:g} s limit"
-        except HarnessError as e:
+            # the env keeps the limit too; this one also cuts an agent that hangs in predict
+            await asyncio.wait_for(_attempt(farm, task, agent, cache, cfg, res), cfg.time_limit_s)
+        except TimeoutError:  # EpisodeTimeout included
+            res.status, res.score, res.error = TIMEOUT, 0.0, _timed_out(cfg)
+        except InfraError as e:
             res.status, res.score, res.error = INFRA_ERROR, 0.0, str(e)
         except Exception as e:  # noqa: BLE001 - a harness bug: still a listed infra error, never a crash
             res.status, res.score = INFRA_ERROR, 0.0

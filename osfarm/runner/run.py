@@ -50,10 +50,8 @@ from osfarm.runner.results import (
 )
 from osfarm.runner.scheduler import Done, RolloutScheduler
 from osfarm.stream.jsonl import JsonlSink
-from osfarm.tasks.filecache import FileCache, load_url_map
+from osfarm.tasks.filecache import FileCache, suite_cache
 from osfarm.tasks.suite import OSWORLD_INDEX, Suite, load_suite
-
-URL_MAP_NAMES = ("url_map.json", "url_map.yaml", "url_map.yml")
 
 
 @dataclass
@@ -135,7 +133,7 @@ async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, su
 
         async def in_process(task: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
             agent = make_agent(opts.agent, **opts.agent_options())
-            res = await run_episode(farm, token or "", task, agent, cache, cfg, run_id)
+            res = await run_episode(farm, task, agent, cache, cfg, run_id)
             recs: list[dict[str, Any]] = []
             row = write_task(out, res, run_id, blobs, emit=recs.append)
             return row, recs[0]
@@ -164,18 +162,6 @@ async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, su
     return on_celery
 
 
-def make_cache(suite: Suite, suite_dir: Path, cache: Path | None, out: Path, offline: bool) -> FileCache:
-    """The suite's offline cache: ``--cache`` or ``<suite>/cache`` (OSWorld's ``cache/<task>/<file>``
-    layout, plus an optional ``url_map.json``); relative task paths resolve against the suite."""
-    root = cache if cache is not None else (suite_dir / "cache" if (suite_dir / "cache").is_dir() else out / "cache")
-    url_map: dict[str, str] = {}
-    for name in URL_MAP_NAMES:
-        if (root / name).is_file():
-            url_map = load_url_map(root / name)
-            break
-    return FileCache(root, url_map, suite_dir=suite.root, offline=offline)
-
-
 def _progress(console: Console, enabled: bool) -> Progress:
     return Progress(TextColumn("[bold]eval[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                     TimeElapsedColumn(), console=console, disable=not enabled, transient=False)
@@ -190,7 +176,7 @@ async def run_async(opts: RunOptions, url: str | None, token: str | None, consol
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     make_agent(opts.agent, **opts.agent_options())  # an unknown agent fails before any lease
-    cache = make_cache(suite, Path(opts.suite), opts.cache, out, opts.offline)
+    cache = suite_cache(suite, Path(opts.suite), opts.cache, out, opts.offline)
     run_id = datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     cfg = EpisodeConfig(max_steps=opts.max_steps, time_limit_s=opts.time_limit_s, infra_retries=opts.infra_retries,
                         offline=opts.offline, work_dir=out / ".work", record=opts.record)
@@ -258,19 +244,10 @@ def run_eval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]
         if not opts.token:
             raise ValueError("--url needs --token (or OSFARM_TOKEN)")
         return asyncio.run(run_async(opts, opts.url, opts.token, console))
-    from osfarm.config import load_settings
-    from osfarm.farm.server import FarmServer
-    from osfarm.providers import make_provider
+    from osfarm.farm.local import local_farm, local_farm_settings
 
-    n = max(1, opts.envs)
-    # one warm spare: the next episode leases it while the desktop just released is being reset
-    settings = load_settings(None, **{"port": 0, **opts.farm_overrides, "pool_min": n + 1, "pool_max": n + 1})
-    server = FarmServer(settings, make_provider(settings))
-    url = server.start(timeout=settings.start_timeout_s + 30)
-    try:
-        return asyncio.run(run_async(opts, url, server.token, console))
-    finally:
-        server.stop()
+    with local_farm(local_farm_settings(opts.envs, **opts.farm_overrides)) as server:
+        return asyncio.run(run_async(opts, server.url, server.token, console))
 
 
 def load_results(out: Path) -> dict[str, Any]:

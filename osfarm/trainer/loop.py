@@ -218,15 +218,10 @@ class Trainer:
             if not token:
                 raise TrainError("farm.url needs farm.token (or OSFARM_TOKEN)")
             return f.url, token, None
-        from osfarm.config import load_settings
-        from osfarm.farm.server import FarmServer
-        from osfarm.providers import make_provider
+        from osfarm.farm.local import local_farm_settings, start_local_farm
 
-        n = self.cfg.rollout.envs
-        settings = load_settings(None, **{"port": 0, **f.overrides, "pool_min": n + 1, "pool_max": n + 1})
-        server = FarmServer(settings, make_provider(settings))
-        url = server.start(timeout=settings.start_timeout_s + 30)
-        return url, server.token, server
+        server = start_local_farm(local_farm_settings(self.cfg.rollout.envs, **f.overrides))
+        return server.url, server.token, server
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -262,10 +257,10 @@ class Trainer:
 
     async def _run(self) -> dict[str, Any]:
         from osfarm.runner.episode import EpisodeConfig, run_episode
-        from osfarm.runner.run import make_cache
         from osfarm.runner.scheduler import RolloutScheduler
         from osfarm.stream.blobs import LocalBlobStore
         from osfarm.stream.jsonl import JsonlSink
+        from osfarm.tasks.filecache import suite_cache
         from osfarm.trainer.data_manager import DataConfig, DataManager
         from osfarm.trainer.rollout_controller import (
             ControllerConfig,
@@ -324,7 +319,7 @@ class Trainer:
                 raise TrainError(f"rollout.options: {e}") from None
 
             scheduler: RolloutScheduler[Any, Any] = RolloutScheduler(self._run_one_factory(
-                by_id, make_cache(suite, Path(cfg.suite), None, self.run_dir, True), url, token, servers,
+                by_id, suite_cache(suite, Path(cfg.suite), None, self.run_dir, True), url, token, servers,
                 EpisodeConfig(max_steps=ro.max_steps, time_limit_s=ro.episode_time_limit_s, infra_retries=0,
                               work_dir=self.run_dir / ".work"),
                 LocalBlobStore(self.run_dir), JsonlSink(self.run_dir / "episodes.jsonl"), run_episode), ro.envs)
@@ -384,7 +379,7 @@ class Trainer:
                 self.in_flight_versions[id(item)] = version
             agent = self.make_agent(server.url, model)
             try:
-                res = await run_episode(farm_holder["farm"], token, by_id[task_id], agent, cache, ecfg, self.run_id)
+                res = await run_episode(farm_holder["farm"], by_id[task_id], agent, cache, ecfg, self.run_id)
             finally:
                 self.in_flight_versions.pop(id(item), None)
             if version is not None:

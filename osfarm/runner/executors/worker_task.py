@@ -123,7 +123,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     from osfarm.client import AsyncFarm
     from osfarm.runner.episode import EpisodeConfig, run_episode
     from osfarm.runner.results import BlobStore, write_task
-    from osfarm.runner.run import make_cache
+    from osfarm.tasks.filecache import suite_cache
 
     farm_url = os.environ.get("OSFARM_FARM_URL", "")
     token = os.environ.get("OSFARM_TOKEN", "")
@@ -136,7 +136,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     task = next((t for t in suite if t.id == job["task_id"]), None)
     if task is None:
         raise RuntimeError(f"task {job['task_id']} is not in the suite {job['suite']} as this worker sees it")
-    cache = make_cache(suite, Path(job["suite"]), Path(job["cache"]) if job.get("cache") else None, out,
+    cache = suite_cache(suite, Path(job["suite"]), Path(job["cache"]) if job.get("cache") else None, out,
                        bool(job.get("offline", True)))
     e = job["episode"]
     cfg = EpisodeConfig(max_steps=int(e["max_steps"]), time_limit_s=float(e["time_limit_s"]),
@@ -146,7 +146,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
 
     async def go() -> Any:
         async with AsyncFarm(farm_url, token) as farm:
-            return await run_episode(farm, token, task, agent, cache, cfg, job["run_id"])
+            return await run_episode(farm, task, agent, cache, cfg, job["run_id"])
 
     res = asyncio.run(go())
     records: list[dict[str, Any]] = []
