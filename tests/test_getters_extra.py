@@ -23,7 +23,7 @@ from PIL import Image
 from pptx.util import Inches
 from waiting import wait_until
 
-from osfarm.evaluators.errors import UnsupportedOption
+from osfarm.evaluators.errors import RuleError, UnsupportedOption
 from osfarm.evaluators.getters import GETTERS, EvalEnv, vlc
 from osfarm.tasks.controller import GuestController
 
@@ -267,6 +267,25 @@ def test_background_image_in_slide(tmp_path: Path) -> None:
     assert get("background_image_in_slide", env, {**cfg, "slide_index": 0}) is None  # plain background
     assert get("background_image_in_slide", env, {**cfg, "ppt_file_path": "/home/user/pic.pptx"}) is None
     assert get("background_image_in_slide", env, {**cfg, "slide_index": 7}) is None
+
+
+@pytest.mark.parametrize("dest", ["../escaped.txt", "sub/../../escaped.txt", "/tmp/escaped.txt", "", "."])
+def test_a_task_cannot_make_getters_write_or_read_outside_the_cache_dir(tmp_path: Path, dest: str) -> None:
+    """dest/path come from task files (hostile); the evaluator runs on the host, not in the box."""
+    env = fake_env(tmp_path, files={"/home/user/a.txt": b"agent's bytes"},
+                   output="<root><state>playing</state></root>")
+    (tmp_path / "host-secret").write_text("secret")
+    for name, cfg in [
+        ("vm_file", {"path": "/home/user/a.txt", "dest": dest}),
+        ("vm_file", {"path": ["/home/user/a.txt", "/home/user/a.txt"], "dest": ["ok.txt", dest], "multi": True}),
+        ("vlc_playing_info", {"dest": dest}),
+        ("cache_file", {"path": dest or "../host-secret"}),
+    ]:
+        with pytest.raises(RuleError, match="inside the episode's cache dir"):
+            get(name, env, cfg)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["cache", "host-secret", "ok.txt"]
+    # a sub-folder inside the cache dir is fine
+    assert Path(get("vm_file", env, {"path": "/home/user/a.txt", "dest": "sub/a.txt"})).read_bytes() == b"agent's bytes"
 
 
 # ------------------------------------------------------------------ a real desktop with Chromium

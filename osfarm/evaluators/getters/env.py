@@ -16,6 +16,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
+from osfarm.evaluators.errors import RuleError
+
 # The desktop user's home, as in OSWorld's VM: where apps keep the profiles getters read.
 HOME = "/home/user"
 
@@ -36,9 +38,19 @@ class EvalEnv:
     def __post_init__(self) -> None:
         self.cache_dir = Path(self.cache_dir)
 
-    def cache_path(self, name: str) -> Path:
-        """``cache_dir / name``, creating ``cache_dir`` (and sub-folders of ``name``) on demand."""
+    def inside_cache(self, name: str) -> Path:
+        """``cache_dir / name``, refused (:class:`RuleError`) unless it stays inside ``cache_dir``:
+        names come from task files, which may be hostile, and the evaluator runs on the host."""
         p = self.cache_dir / name
+        root = self.cache_dir.resolve()
+        if Path(name).is_absolute() or not p.resolve().is_relative_to(root) or p.resolve() == root:
+            raise RuleError(f"{name!r} must name a file inside the episode's cache dir")
+        return p
+
+    def cache_path(self, name: str) -> Path:
+        """``cache_dir / name`` (see :meth:`inside_cache`), creating ``cache_dir`` and
+        sub-folders of ``name`` on demand."""
+        p = self.inside_cache(name)
         p.parent.mkdir(parents=True, exist_ok=True)
         return p
 

@@ -94,7 +94,7 @@ def get_cloud_file(env: EvalEnv, config: dict[str, Any]) -> str | None | list[st
 
 def get_cache_file(env: EvalEnv, config: dict[str, Any]) -> str | None:
     """Config: ``path`` relative to the cache dir (a file an earlier step saved there)."""
-    p = env.cache_dir / config["path"]
+    p = env.inside_cache(config["path"])
     return str(p) if p.exists() else None
 
 
