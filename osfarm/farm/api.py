@@ -66,7 +66,7 @@ def create_app(settings: FarmSettings, provider: Provider | None = None) -> Fast
     _add_error_handlers(app)
     app.include_router(service_routes.router)
     app.include_router(desktop_routes.router)
-    task_routes.add_task_routes(app, state, settings)
+    app.include_router(task_routes.router)
     app.include_router(passthrough_routes.router)
     return app
 

@@ -1,9 +1,11 @@
 """OSWorld task routes on a leased desktop: ``reset`` (fresh desktop + the task's ``config``) and
 ``evaluate`` (``evaluator.postconfig``, the getters, the score).
 
-``add_task_routes(app, state, settings)`` adds them to the farm app built by
-:func:`osfarm.farm.api.create_app`. The guest calls go straight to the desktop's guest server
-with the synchronous :class:`GuestController`, run in a worker thread so other leases keep going.
+``router`` is included by :func:`osfarm.farm.api.create_app`; the routes get the farm state and
+the lease through :mod:`osfarm.farm.state`'s dependencies. Setup, postconfig and evaluation are
+:mod:`osfarm.tasks.lifecycle`, the functions every episode runs (:class:`osfarm.env.TaskEnv`).
+The guest calls go straight to the desktop's guest server with the synchronous
+:class:`GuestController`, run in a worker thread so other leases keep going.
 
 Errors answer ``{"detail": ...}`` like every farm route: a task that does not validate is 422
 naming the JSON path (``body.task: $.evaluator.func: ...``), a setup step that needs a Google
@@ -24,19 +26,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from osfarm.config import FarmSettings
 from osfarm.farm.errors import ApiError
-from osfarm.farm.state import FarmState, OwnerHeader
 from osfarm.farm.schemas import ErrorBody
+from osfarm.farm.state import LeaseOf, State
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import AssetMissing, FileCache
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, run_postconfig, run_setup
 from osfarm.tasks.lifecycle import evaluate as evaluate_task
 from osfarm.tasks.model import Task, TaskError, parse_task
-from osfarm.tasks.setup import SETUP_TYPES, UNSUPPORTED_TYPES, SetupFailed, SetupUnsupported
+from osfarm.tasks.setup import SETUP_TYPES, UNSUPPORTED_TYPES, StepReport, SetupFailed, SetupUnsupported
 
 log = logging.getLogger("osfarm.farm.task_routes")
 
@@ -119,62 +120,58 @@ class _Cache:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _step_infos(reports: list[Any]) -> list[StepInfo]:
+def _step_infos(reports: list[StepReport]) -> list[StepInfo]:
     return [StepInfo(index=r.index, type=r.type, ok=r.ok, detail=r.detail) for r in reports]
 
 
-def add_task_routes(app: FastAPI, state: FarmState, settings: FarmSettings) -> None:
-    """Add ``POST /v1/desktops/{lease_id}/reset`` and ``.../evaluate`` to the farm app."""
+router = APIRouter(tags=["tasks"])
 
-    def get_lease(lease_id: str, owner: str | None) -> Any:
-        return state.require_pool().get(lease_id, owner)
 
-    @app.post("/v1/desktops/{lease_id}/reset", response_model=ResetReply, tags=["tasks"],
-              summary="Reset to a fresh desktop and run an OSWorld task's config steps", responses=_ERRORS)
-    async def reset_task(lease_id: str, req: ResetRequest, owner: OwnerHeader = None) -> ResetReply:
-        lease = get_lease(lease_id, owner)
-        task = validate_task(req.task)
-        t0 = time.perf_counter()
-        await state.drop_guest(lease.desktop_id)  # its connections go to the old box
-        lease = await state.require_pool().reset_lease(lease.id)
-        cache = _Cache(req.cache_dir, req.offline)
-        controller = GuestController.from_endpoint(lease.endpoint)
+@router.post("/v1/desktops/{lease_id}/reset", response_model=ResetReply, responses=_ERRORS,
+             summary="Reset to a fresh desktop and run an OSWorld task's config steps")
+async def reset_task(req: ResetRequest, lease: LeaseOf, state: State) -> ResetReply:
+    task = validate_task(req.task)
+    t0 = time.perf_counter()
+    await state.drop_guest(lease.desktop_id)  # its connections go to the old box
+    lease = await state.require_pool().reset_lease(lease.id)
+    cache = _Cache(req.cache_dir, req.offline)
+    controller = GuestController.from_endpoint(lease.endpoint)
+    try:
+        run = TaskRun(task, controller, cache.cache, lease.screen, offline=req.offline)
         try:
-            run = TaskRun(task, controller, cache.cache, lease.screen, offline=req.offline)
+            reports = await asyncio.to_thread(run_setup, run)
+        except SetupFailed as e:
+            raise setup_error(e) from None
+    finally:
+        await asyncio.to_thread(controller.close)
+        cache.close()
+    return ResetReply(task_id=task.id, steps=_step_infos(reports), t_ms=round((time.perf_counter() - t0) * 1000, 1))
+
+
+@router.post("/v1/desktops/{lease_id}/evaluate", response_model=EvaluateReply, responses=_ERRORS,
+             summary="Run an OSWorld task's postconfig, getters and metric; the score")
+async def evaluate(req: EvaluateRequest, lease: LeaseOf) -> EvaluateReply:
+    task = validate_task(req.task)
+    t0 = time.perf_counter()
+    cache = _Cache(req.cache_dir, req.offline)
+    work = tempfile.mkdtemp(prefix="osfarm-eval-")  # the getters' cache_dir, per call
+    controller = GuestController.from_endpoint(lease.endpoint)
+    try:
+        run = TaskRun(task, controller, cache.cache, lease.screen, offline=req.offline, work_dir=Path(work))
+        if task.evaluator.postconfig:
             try:
-                reports = await asyncio.to_thread(run_setup, run)
+                await asyncio.to_thread(run_postconfig, run)
             except SetupFailed as e:
-                raise setup_error(e) from None
-        finally:
-            await asyncio.to_thread(controller.close)
-            cache.close()
-        return ResetReply(task_id=task.id, steps=_step_infos(reports), t_ms=round((time.perf_counter() - t0) * 1000, 1))
-
-    @app.post("/v1/desktops/{lease_id}/evaluate", response_model=EvaluateReply, tags=["tasks"],
-              summary="Run an OSWorld task's postconfig, getters and metric; the score", responses=_ERRORS)
-    async def evaluate(lease_id: str, req: EvaluateRequest, owner: OwnerHeader = None) -> EvaluateReply:
-        lease = get_lease(lease_id, owner)
-        task = validate_task(req.task)
-        t0 = time.perf_counter()
-        cache = _Cache(req.cache_dir, req.offline)
-        work = tempfile.mkdtemp(prefix="osfarm-eval-")  # the getters' cache_dir, per call
-        controller = GuestController.from_endpoint(lease.endpoint)
+                raise setup_error(e, "postconfig") from None
         try:
-            run = TaskRun(task, controller, cache.cache, lease.screen, offline=req.offline, work_dir=Path(work))
-            if task.evaluator.postconfig:
-                try:
-                    await asyncio.to_thread(run_postconfig, run)
-                except SetupFailed as e:
-                    raise setup_error(e, "postconfig") from None
-            try:
-                score = await asyncio.to_thread(evaluate_task, run, req.last_action)
-            except EvaluationError as e:
-                raise ApiError(502, str(e)) from None
-            except GuestError as e:
-                raise ApiError(502, f"evaluation: {e}") from None
-        finally:
-            await asyncio.to_thread(controller.close)
-            cache.close()
-            shutil.rmtree(work, ignore_errors=True)
-        return EvaluateReply(task_id=task.id, score=score, metrics=task.evaluator.funcs,
-                             t_ms=round((time.perf_counter() - t0) * 1000, 1))
+            score = await asyncio.to_thread(evaluate_task, run, req.last_action)
+        except EvaluationError as e:
+            raise ApiError(502, str(e)) from None
+        except GuestError as e:
+            raise ApiError(502, f"evaluation: {e}") from None
+    finally:
+        await asyncio.to_thread(controller.close)
+        cache.close()
+        shutil.rmtree(work, ignore_errors=True)
+    return EvaluateReply(task_id=task.id, score=score, metrics=task.evaluator.funcs,
+                         t_ms=round((time.perf_counter() - t0) * 1000, 1))
