@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 import pytest
 
-from osfarm.desktop import a11y
+from osfarm.desktop import a11y, a11y_bus
 from waiting import wait_until
 
 # The a11y tree takes seconds to read: poll it less often than cheap conditions.
@@ -128,13 +128,13 @@ def session() -> Iterator[Session]:
         s.popen(["openbox"])
         os.environ.update({k: s.env[k] for k in ("DISPLAY", "DBUS_SESSION_BUS_ADDRESS")})
         os.environ.pop("AT_SPI_BUS_ADDRESS", None)
-        wait_for(a11y.a11y_bus_ok, 20, "the AT-SPI registry")
+        wait_for(a11y_bus.a11y_bus_ok, 20, "the AT-SPI registry")
         # Apps must not take the bus address from the X root window (anyone can overwrite it).
-        address = a11y.a11y_bus_address()
+        address = a11y_bus.a11y_bus_address()
         assert address
         s.env["AT_SPI_BUS_ADDRESS"] = address
         # Chromium exposes nothing unless the a11y bus says it is enabled.
-        assert a11y.set_a11y_enabled(True)
+        assert a11y_bus.set_a11y_enabled(True)
         yield s
     finally:
         s.kill_all()
@@ -148,14 +148,14 @@ def session() -> Iterator[Session]:
 
 def test_bus_ok_is_quick(session: Session) -> None:
     t0 = time.monotonic()
-    assert a11y.a11y_bus_ok() is True
+    assert a11y_bus.a11y_bus_ok() is True
     assert time.monotonic() - t0 < 1.0
 
 
 def test_bus_ok_false_without_bus(session: Session, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DBUS_SESSION_BUS_ADDRESS", f"unix:path={session.root}/no-such-bus")
     t0 = time.monotonic()
-    assert a11y.a11y_bus_ok() is False
+    assert a11y_bus.a11y_bus_ok() is False
     assert time.monotonic() - t0 < 1.0
 
 

@@ -27,14 +27,14 @@ Environment the session launcher must provide, found by experiment on Debian 12 
   that imports this module), an ``at-spi-bus-launcher --launch-immediately`` running on that
   session bus (it starts the a11y bus and ``at-spi2-registryd``).
 * ``org.a11y.Status.IsEnabled = true`` on the session bus object ``org.a11y.Bus`` at
-  ``/org/a11y/bus`` -- call :func:`set_a11y_enabled` (or ``dbus-send --session
+  ``/org/a11y/bus`` -- call :func:`osfarm.desktop.a11y_bus.set_a11y_enabled` (or ``dbus-send --session
   --dest=org.a11y.Bus /org/a11y/bus org.freedesktop.DBus.Properties.Set string:org.a11y.Status
   string:IsEnabled variant:boolean:true``) BEFORE starting apps. Chromium exposes nothing
   without it, even with ``--force-renderer-accessibility``. (The launcher mirrors it into the
   GSettings key ``org.gnome.desktop.interface toolkit-accessibility``, which Chromium reads too;
   that goes through dconf, so ``$HOME`` must be writable; Qt apps also read IsEnabled.)
-* ``AT_SPI_BUS_ADDRESS`` = :func:`a11y_bus_address` exported to every app. Without it libatspi/the ATK bridge read the
-  ``AT_SPI_BUS`` property of the X root window first; seen here: another session's launcher
+* ``AT_SPI_BUS_ADDRESS`` = :func:`osfarm.desktop.a11y_bus.a11y_bus_address` exported to every
+  app. Without it libatspi/the ATK bridge read the ``AT_SPI_BUS`` property of the X root window first; seen here: another session's launcher
   wrote its own bus address onto our display, and Chromium silently registered nowhere.
 * ``NO_AT_BRIDGE`` unset (GTK 3 apps, e.g. xfce4-terminal, load the ATK bridge by themselves;
   ``GTK_MODULES=gail:atk-bridge`` is only needed for GTK 2 apps and harmless otherwise).
@@ -46,31 +46,38 @@ Environment the session launcher must provide, found by experiment on Debian 12 
 * Java apps (not needed by OSWorld tasks): ``libatk-wrapper-java`` plus
   ``JAVA_TOOL_OPTIONS=-Djavax.accessibility.assistive_technologies=org.GNOME.Accessibility.AtkWrapper``.
 
-How it reads: plain D-Bus calls (Gio) on a private connection to the a11y bus, each with a hard
-timeout, instead of libatspi/pyatspi. libatspi blocked without bound in our tests (its first
-contact with an app waits D-Bus's default 25 s when the app is hung, and a peer-to-peer
-connection to a LibreOffice busy starting up stalled for minutes), it aborts the whole process
-(g_error) when the bus is missing, and its cache goes stale in a process without a GLib main
-loop. Role and state names still come from libatspi's tables, so tags and ``st:`` names are
-exactly pyatspi's (hence OSWorld's).
+How it reads: plain D-Bus calls with hard timeouts (:mod:`osfarm.desktop.a11y_bus`, which says
+why not libatspi/pyatspi), pipelined level by level. Role and state names still come from
+libatspi's tables, so tags and ``st:`` names are exactly pyatspi's (hence OSWorld's).
 
 Thread-safety: every public function takes the module lock ``_LOCK`` (one walk at a time; the
 shared connection and budgets are not meant for concurrent walks). They are blocking calls
-meant for worker threads. The a11y bus address is looked up through the session bus in
-``DBUS_SESSION_BUS_ADDRESS`` on each call, so one process serves the session in its environment.
+meant for worker threads.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
 from typing import Any
 
-__all__ = [
-    "accessibility_tree", "terminal_text", "a11y_bus_ok", "a11y_bus_address", "set_a11y_enabled", "NS",
-]
+from osfarm.desktop.a11y_bus import (
+    ACCESSIBLE,
+    CALL_TIMEOUT_MS,
+    NULL_PATH,
+    PROPERTIES,
+    REGISTRY,
+    ROOT_PATH,
+    AppGone,
+    Bus,
+    Ref,
+    get_bus,
+    is_gone,
+    variant,
+)
+
+__all__ = ["accessibility_tree", "terminal_text", "NS"]
 
 NS: dict[str, str] = {
     "st": "https://accessibility.ubuntu.example.org/ns/state",
@@ -85,9 +92,6 @@ NS: dict[str, str] = {
 
 _LOCK = threading.Lock()
 
-# Per-D-Bus-call timeout. A healthy app answers in well under a millisecond; a busy one (Calc
-# loading a file) may take a while, a hung one never answers.
-_CALL_TIMEOUT_MS = 1500
 # A runaway text node (a terminal's scrollback, a long document) is clipped in the tree.
 _MAX_TEXT_CHARS = 100_000
 # Outstanding pipelined calls; well under dbus-daemon's per-connection pending-reply limit.
@@ -97,11 +101,6 @@ _BAD_XML_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ufffc\ufffd\ufffe\uffff
 _BAD_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.\-]")
 _CELL_NAME = re.compile(r"^\$?([A-Z]{1,3})\$?([0-9]{1,7})$")
 
-_ACC = "org.a11y.atspi.Accessible"
-_PROPS = "org.freedesktop.DBus.Properties"
-_REGISTRY = "org.a11y.atspi.Registry"
-_ROOT_PATH = "/org/a11y/atspi/accessible/root"
-_NULL_PATH = "/org/a11y/atspi/null"
 _COORD_SCREEN = 0
 # AtspiStateType values (a stable D-Bus ABI: bit numbers in GetState's reply).
 _STATE_ACTIVE, _STATE_DEFUNCT, _STATE_FOCUSED, _STATE_SHOWING, _STATE_VISIBLE = 1, 6, 12, 25, 30
@@ -112,10 +111,6 @@ _VALUE_PROPS = (("value", "CurrentValue"), ("min", "MinimumValue"), ("max", "Max
 _role_names: dict[int, str] = {}
 _role_ids: dict[str, int] = {}
 _state_names: dict[int, str] = {}
-
-
-class _AppGone(Exception):
-    """The application stopped answering (timeout / vanished): stop walking it."""
 
 
 def _tables() -> None:
@@ -133,100 +128,6 @@ def _tables() -> None:
     for value, enum in Atspi.Role.__enum_values__.items():
         _role_names[value] = Atspi.role_get_name(enum) or enum.value_nick.replace("-", " ")
     _role_ids.update({name: value for value, name in _role_names.items()})
-
-
-class _Bus:
-    """A private connection to the a11y bus; every call has a hard timeout.
-
-    We do not use libatspi for reading: it blocks without bound in places (its first contact
-    with an app waits D-Bus's default 25 s; a peer-to-peer connection to an app that is busy
-    starting up hung for minutes in our tests), it aborts the process when the bus is missing,
-    and its cache goes stale in a process that runs no GLib main loop.
-    """
-
-    def __init__(self, address: str) -> None:
-        from gi.repository import Gio
-
-        self.address = address
-        self.conn = _open(address, 1000)
-        self._Gio = Gio
-
-    def call(self, dest: str, path: str, iface: str, method: str, args: Any = None,
-             reply: str | None = None, timeout_ms: int = _CALL_TIMEOUT_MS) -> Any:
-        from gi.repository import GLib
-
-        try:
-            result = self.conn.call_sync(
-                dest, path, iface, method, args, GLib.VariantType(reply) if reply else None,
-                self._Gio.DBusCallFlags.NONE, timeout_ms, None,
-            )
-        except GLib.Error as err:
-            if _is_gone(err):
-                raise _AppGone(err.message) from err
-            raise
-        return result.unpack()
-
-    def close(self) -> None:
-        try:
-            self.conn.close_sync(None)
-        except Exception:
-            pass
-
-
-_bus: _Bus | None = None
-
-
-def _get_bus() -> _Bus:
-    """The cached a11y bus connection, (re)opened when closed or the session's address changed."""
-    global _bus
-    address = _a11y_bus_address()
-    if _bus is None or _bus.conn.is_closed() or _bus.address != address:
-        if _bus is not None:
-            _bus.close()
-        _bus = _Bus(address)
-    return _bus
-
-
-def _is_gone(err: Any) -> bool:
-    """Whether an error means the whole *application* is gone or hung (not just one object:
-    objects vanish all the time, e.g. a closed menu's items, and that must not cut off the app)."""
-    from gi.repository import Gio
-
-    if getattr(err, "domain", "") == "g-io-error-quark" and err.code in (
-        Gio.IOErrorEnum.TIMED_OUT, Gio.IOErrorEnum.CLOSED, Gio.IOErrorEnum.CANCELLED,
-    ):
-        return True
-    msg = str(getattr(err, "message", err)).lower()
-    return any(s in msg for s in (
-        "timeout", "timed out", "noreply", "no reply", "disconnected", "serviceunknown",
-        "was not provided by any", "name has no owner", "connection is closed",
-    ))
-
-
-class _Ref:
-    """One accessible object: (bus name, object path), plus the bus to call it on."""
-
-    __slots__ = ("bus", "name", "path")
-
-    def __init__(self, bus: _Bus, name: str, path: str) -> None:
-        self.bus, self.name, self.path = bus, name, path
-
-    def call(self, iface: str, method: str, args: Any = None, reply: str | None = None,
-             timeout_ms: int = _CALL_TIMEOUT_MS) -> Any:
-        return self.bus.call(self.name, self.path, "org.a11y.atspi." + iface if "." not in iface else iface,
-                             method, args, reply, timeout_ms)
-
-    def ref(self, so: tuple[str, str]) -> _Ref | None:
-        name, path = so
-        if not name or path == _NULL_PATH:
-            return None
-        return _Ref(self.bus, name, path)
-
-
-def _v(fmt: str, *values: Any) -> Any:
-    from gi.repository import GLib
-
-    return GLib.Variant(fmt, values)
 
 
 def _clean(text: str) -> str:
@@ -286,7 +187,7 @@ class _Call:
 
     __slots__ = ("ref", "iface", "method", "args", "reply", "result", "error")
 
-    def __init__(self, ref: _Ref, iface: str, method: str, args: Any = None, reply: str | None = None) -> None:
+    def __init__(self, ref: Ref, iface: str, method: str, args: Any = None, reply: str | None = None) -> None:
         self.ref, self.iface, self.method, self.args, self.reply = ref, iface, method, args, reply
         self.result: Any = None
         self.error: Exception | None = None
@@ -304,7 +205,7 @@ class _Walk:
     node or time budget cuts the deepest nodes of every app rather than whole late apps.
     """
 
-    def __init__(self, bus: _Bus, max_depth: int, max_width: int, max_nodes: int, timeout_s: float) -> None:
+    def __init__(self, bus: Bus, max_depth: int, max_width: int, max_nodes: int, timeout_s: float) -> None:
         self.bus = bus
         self.max_depth = max_depth
         self.max_width = max(0, max_width)
@@ -323,7 +224,7 @@ class _Walk:
         todo = [c for c in calls if c.ref.name not in self.dead]
         for c in calls:
             if c.ref.name in self.dead:
-                c.error = _AppGone(c.ref.name)
+                c.error = AppGone(c.ref.name)
         if not todo:
             return
         ctx = GLib.MainContext.new()
@@ -338,7 +239,7 @@ class _Walk:
                     call.result = source.call_finish(res).unpack()
                 except GLib.Error as err:
                     call.error = err
-                    if _is_gone(err):
+                    if is_gone(err):
                         self.dead.add(call.ref.name)
                 except Exception as err:  # noqa: BLE001 - keep collecting the other replies
                     call.error = err
@@ -348,7 +249,7 @@ class _Walk:
                     c = todo[state["next"]]
                     state["next"] += 1
                     if c.ref.name in self.dead:
-                        c.error = _AppGone(c.ref.name)
+                        c.error = AppGone(c.ref.name)
                         continue
                     left = self.left_ms()
                     if left <= 0:  # out of time: the rest stay unanswered (partial tree)
@@ -357,7 +258,7 @@ class _Walk:
                     iface = c.iface if "." in c.iface else "org.a11y.atspi." + c.iface
                     conn.call(c.ref.name, c.ref.path, iface, c.method, c.args,
                               GLib.VariantType(c.reply) if c.reply else None,
-                              Gio.DBusCallFlags.NONE, max(50, min(_CALL_TIMEOUT_MS, left)), None, done, c)
+                              Gio.DBusCallFlags.NONE, max(50, min(CALL_TIMEOUT_MS, left)), None, done, c)
                     state["open"] += 1
                 if state["open"]:
                     # Blocks until a reply (or a call's own timeout) arrives: always bounded.
@@ -367,23 +268,23 @@ class _Walk:
 
     # -- the walk -------------------------------------------------------------------------------
 
-    def walk(self, apps: list[_Ref], root: _Node) -> None:
+    def walk(self, apps: list[Ref], root: _Node) -> None:
         # Each frontier entry: (object, parent element, depth).
-        frontier: list[tuple[_Ref, _Node, int]] = [(app, root, 1) for app in apps]
+        frontier: list[tuple[Ref, _Node, int]] = [(app, root, 1) for app in apps]
         while frontier and self.left_ms() > 0 and self.count < self.max_nodes:
             frontier = frontier[: self.max_nodes - self.count]
             self.count += len(frontier)
             frontier = self.level(frontier)
 
-    def level(self, frontier: list[tuple[_Ref, _Node, int]]) -> list[tuple[_Ref, _Node, int]]:
+    def level(self, frontier: list[tuple[Ref, _Node, int]]) -> list[tuple[Ref, _Node, int]]:
         # Phase 1: what every node needs.
         base = []
         for ref, _, _ in frontier:
             # Never Properties.GetAll: atk-bridge 2.46 in Chromium writes an invalid GetAll reply
             # (a property with no GValue type) and libdbus aborts Chromium. Get them one by one.
             base.append((
-                _Call(ref, _PROPS, "Get", _v("(ss)", _ACC, "Name"), "(v)"),
-                _Call(ref, _PROPS, "Get", _v("(ss)", _ACC, "ChildCount"), "(v)"),
+                _Call(ref, PROPERTIES, "Get", variant("(ss)", ACCESSIBLE, "Name"), "(v)"),
+                _Call(ref, PROPERTIES, "Get", variant("(ss)", ACCESSIBLE, "ChildCount"), "(v)"),
                 _Call(ref, "Accessible", "GetState", None, "(au)"),
                 _Call(ref, "Accessible", "GetAttributes", None, "(a{ss})"),
                 _Call(ref, "Accessible", "GetInterfaces", None, "(as)"),
@@ -394,7 +295,7 @@ class _Walk:
         # Phase 2: per-interface details and the children, from what phase 1 said.
         nodes: list[tuple[_Node, dict[str, _Call], list[_Call], int] | None] = []
         extra: list[_Call] = []
-        big_tables: list[tuple[_Ref, _Node, int]] = []
+        big_tables: list[tuple[Ref, _Node, int]] = []
         for (ref, parent, depth), (name_c, count_c, state_c, attrs_c, ifaces_c, role_c) in zip(frontier, base):
             name = name_c.ok()
             if name is None:  # the app is gone or the object vanished: leave it out
@@ -417,12 +318,12 @@ class _Walk:
 
             more: dict[str, _Call] = {}
             if "Component" in ifaces and _STATE_VISIBLE in states and _STATE_SHOWING in states:
-                more["ext"] = _Call(ref, "Component", "GetExtents", _v("(u)", _COORD_SCREEN), "((iiii))")
+                more["ext"] = _Call(ref, "Component", "GetExtents", variant("(u)", _COORD_SCREEN), "((iiii))")
             if "Text" in ifaces:
-                more["text"] = _Call(ref, "Text", "GetText", _v("(ii)", 0, -1), "(s)")
+                more["text"] = _Call(ref, "Text", "GetText", variant("(ii)", 0, -1), "(s)")
             if "Value" in ifaces:
                 for key, prop in _VALUE_PROPS:
-                    more["val:" + key] = _Call(ref, _PROPS, "Get", _v("(ss)", "org.a11y.atspi.Value", prop), "(v)")
+                    more["val:" + key] = _Call(ref, PROPERTIES, "Get", variant("(ss)", "org.a11y.atspi.Value", prop), "(v)")
             if "Action" in ifaces:
                 more["actions"] = _Call(ref, "Action", "GetActions", None, "(a(sss))")
             if "Document" in ifaces:
@@ -441,13 +342,13 @@ class _Walk:
                 elif count <= self.max_width:
                     kids.append(_Call(ref, "Accessible", "GetChildren", None, "(a(so))"))
                 else:
-                    kids = [_Call(ref, "Accessible", "GetChildAtIndex", _v("(i)", i), "((so))")
+                    kids = [_Call(ref, "Accessible", "GetChildAtIndex", variant("(i)", i), "((so))")
                             for i in range(self.max_width)]
             nodes.append((xml, more, kids, depth))
             extra += list(more.values()) + kids
         self.run(extra)
 
-        nxt: list[tuple[_Ref, _Node, int]] = []
+        nxt: list[tuple[Ref, _Node, int]] = []
         for entry in nodes:
             if entry is None:
                 continue
@@ -492,18 +393,18 @@ class _Walk:
 
     # -- huge tables ----------------------------------------------------------------------------
 
-    def one(self, ref: _Ref, iface: str, method: str, args: Any, reply: str) -> Any:
+    def one(self, ref: Ref, iface: str, method: str, args: Any, reply: str) -> Any:
         call = _Call(ref, iface, method, args, reply)
         self.run([call])
         return call.ok()
 
-    def visible_cells(self, table: _Ref) -> list[_Ref]:
+    def visible_cells(self, table: Ref) -> list[Ref]:
         """Only the cells in a huge table's visible window (Calc has 16384 x 1048576 cells).
 
         The cells under the table's top-left and bottom-right visible corners give the row and
         column range; the cells are then fetched by (row, column), row-major like OSWorld.
         """
-        ext = self.one(table, "Component", "GetExtents", _v("(u)", _COORD_SCREEN), "((iiii))")
+        ext = self.one(table, "Component", "GetExtents", variant("(u)", _COORD_SCREEN), "((iiii))")
         if ext is None:
             return []
         x, y, w, h = ext[0]
@@ -516,19 +417,19 @@ class _Walk:
         (r0, c0), (r1, c1) = first, last
         if r1 < r0 or c1 < c0:
             return []
-        calls = [_Call(table, "Table", "GetAccessibleAt", _v("(ii)", r, c), "((so))")
+        calls = [_Call(table, "Table", "GetAccessibleAt", variant("(ii)", r, c), "((so))")
                  for r in range(r0, r1 + 1) for c in range(c0, c1 + 1)]
         self.run(calls[: max(0, self.max_nodes - self.count)])
         cells = [table.ref(c.result[0]) for c in calls if c.ok() is not None]
         return [c for c in cells if c is not None]
 
-    def cell_pos(self, table: _Ref, x: int, y: int) -> tuple[int, int] | None:
-        got = self.one(table, "Component", "GetAccessibleAtPoint", _v("(iiu)", x, y, _COORD_SCREEN), "((so))")
+    def cell_pos(self, table: Ref, x: int, y: int) -> tuple[int, int] | None:
+        got = self.one(table, "Component", "GetAccessibleAtPoint", variant("(iiu)", x, y, _COORD_SCREEN), "((so))")
         cell = table.ref(got[0]) if got else None
         if cell is None:
             return None
         # Calc names cells "B7": parse that, as the child index overflows int32 past row 131072.
-        name = self.one(cell, _PROPS, "Get", _v("(ss)", _ACC, "Name"), "(v)")
+        name = self.one(cell, PROPERTIES, "Get", variant("(ss)", ACCESSIBLE, "Name"), "(v)")
         m = _CELL_NAME.match(str(name[0]) if name else "")
         if m:
             col = 0
@@ -538,15 +439,15 @@ class _Walk:
         idx = self.one(cell, "Accessible", "GetIndexInParent", None, "(i)")
         if not idx or idx[0] < 0:
             return None
-        row = self.one(table, "Table", "GetRowAtIndex", _v("(i)", idx[0]), "(i)")
-        col = self.one(table, "Table", "GetColumnAtIndex", _v("(i)", idx[0]), "(i)")
+        row = self.one(table, "Table", "GetRowAtIndex", variant("(i)", idx[0]), "(i)")
+        col = self.one(table, "Table", "GetColumnAtIndex", variant("(i)", idx[0]), "(i)")
         return (row[0], col[0]) if row and col and row[0] >= 0 and col[0] >= 0 else None
 
 
-def _applications(bus: _Bus, timeout_ms: int) -> list[_Ref]:
-    registered = bus.call(_REGISTRY, _ROOT_PATH, "org.a11y.atspi.Accessible", "GetChildren",
+def _applications(bus: Bus, timeout_ms: int) -> list[Ref]:
+    registered = bus.call(REGISTRY, ROOT_PATH, ACCESSIBLE, "GetChildren",
                           None, "(a(so))", timeout_ms)[0]
-    return [_Ref(bus, name, path) for name, path in registered if name and path != _NULL_PATH]
+    return [Ref(bus, name, path) for name, path in registered if name and path != NULL_PATH]
 
 
 def accessibility_tree(
@@ -565,7 +466,7 @@ def accessibility_tree(
     with _LOCK:
         try:
             _tables()
-            bus = _get_bus()
+            bus = get_bus()
             walk = _Walk(bus, max_depth, max_width, max_nodes, timeout_s)
             walk.walk(_applications(bus, max(50, min(1000, walk.left_ms()))), root)
         except Exception:
@@ -582,9 +483,9 @@ def terminal_text() -> str | None:
     with _LOCK:
         try:
             _tables()
-            bus = _get_bus()
+            bus = get_bus()
             deadline = time.monotonic() + 5.0
-            found: list[_Ref] = []
+            found: list[Ref] = []
             for app in _applications(bus, 1000):
                 try:
                     frames = app.call("Accessible", "GetChildren", None, "(a(so))", 1000)[0]
@@ -596,135 +497,28 @@ def terminal_text() -> str | None:
                     continue  # a hung or vanished app has no focused terminal we can read
             if len(found) != 1:
                 return None
-            text = found[0].call("Text", "GetText", _v("(ii)", 0, -1), "(s)", 2000)[0]
+            text = found[0].call("Text", "GetText", variant("(ii)", 0, -1), "(s)", 2000)[0]
             return _clean(text).rstrip()
         except Exception:
             return None
 
 
-def _has_state(ref: _Ref, state: int) -> bool:
+def _has_state(ref: Ref, state: int) -> bool:
     words = ref.call("Accessible", "GetState", None, "(au)", 1000)[0]
     return len(words) > state // 32 and bool(words[state // 32] >> (state % 32) & 1)
 
 
-def _find_terminals(ref: _Ref, found: list[_Ref], depth: int, deadline: float) -> None:
+def _find_terminals(ref: Ref, found: list[Ref], depth: int, deadline: float) -> None:
     if depth > 30 or time.monotonic() > deadline:
         return
     if ref.call("Accessible", "GetRole", None, "(u)", 1000)[0] == _role_ids["terminal"]:
         if _has_state(ref, _STATE_FOCUSED):
             found.append(ref)
         return
-    count = int(ref.call(_PROPS, "Get", _v("(ss)", _ACC, "ChildCount"), "(v)", 1000)[0] or 0)
+    count = int(ref.call(PROPERTIES, "Get", variant("(ss)", ACCESSIBLE, "ChildCount"), "(v)", 1000)[0] or 0)
     if count <= 0 or count > 256:
         return
     for so in ref.call("Accessible", "GetChildren", None, "(a(so))", 1000)[0]:
         child = ref.ref(so)
         if child is not None:
             _find_terminals(child, found, depth + 1, deadline)
-
-
-# -- session-bus helpers (private connections, hard timeouts) --------------------------------------
-
-def _open(address: str, timeout_ms: int) -> Any:
-    """Connect to a bus; the connect+auth handshake is bounded by a cancellable timer."""
-    from gi.repository import Gio
-
-    cancel = Gio.Cancellable()
-    timer = threading.Timer(timeout_ms / 1000.0, cancel.cancel)
-    timer.start()
-    try:
-        return Gio.DBusConnection.new_for_address_sync(
-            address,
-            Gio.DBusConnectionFlags.AUTHENTICATION_CLIENT | Gio.DBusConnectionFlags.MESSAGE_BUS_CONNECTION,
-            None, cancel,
-        )
-    finally:
-        timer.cancel()
-
-
-def _session_call(
-    method: str, params: Any, reply_type: str | None, timeout_ms: int, path: str = "/org/a11y/bus",
-    iface: str = "org.a11y.Bus", dest: str = "org.a11y.Bus", address: str | None = None,
-) -> Any:
-    from gi.repository import Gio, GLib
-
-    # A private connection each time (not Gio's process-wide session singleton), so the
-    # address in the environment *now* is the one used.
-    if address is None:
-        address = os.environ.get("DBUS_SESSION_BUS_ADDRESS", "")
-    if not address:
-        raise RuntimeError("DBUS_SESSION_BUS_ADDRESS is not set")
-    conn = _open(address, timeout_ms)
-    try:
-        return conn.call_sync(
-            dest, path, iface, method, params,
-            GLib.VariantType(reply_type) if reply_type else None,
-            # at-spi2-registryd is D-Bus-activated on the a11y bus: let it start; but never
-            # auto-start a whole a11y bus launcher from a mere check.
-            Gio.DBusCallFlags.NO_AUTO_START if dest == "org.a11y.Bus" else Gio.DBusCallFlags.NONE,
-            timeout_ms, None,
-        )
-    finally:
-        conn.close_sync(None)
-
-
-def _registry_answers(address: str, timeout_ms: int = 400) -> bool:
-    from gi.repository import GLib
-
-    try:
-        _session_call(
-            "Get", GLib.Variant("(ss)", ("org.a11y.atspi.Accessible", "ChildCount")), "(v)",
-            timeout_ms, path="/org/a11y/atspi/accessible/root",
-            iface="org.freedesktop.DBus.Properties", dest="org.a11y.atspi.Registry", address=address,
-        )
-        return True
-    except Exception:
-        return False
-
-
-def _a11y_bus_address(timeout_ms: int = 400) -> str:
-    """The a11y bus address from the session's ``org.a11y.Bus``, checked to answer; raises."""
-    address = _session_call("GetAddress", None, "(s)", timeout_ms).unpack()[0]
-    if not _registry_answers(address, timeout_ms):
-        raise RuntimeError(f"AT-SPI registry does not answer on {address}")
-    return address
-
-
-def a11y_bus_address() -> str | None:
-    """The session's a11y bus address (from ``org.a11y.Bus.GetAddress``) if its registry answers.
-
-    The session launcher should export it as ``AT_SPI_BUS_ADDRESS`` to every app: libatspi and
-    the ATK bridge otherwise take the address from the X root window's ``AT_SPI_BUS`` property
-    first, which any process pointed at the same display can overwrite.
-    """
-    try:
-        return _a11y_bus_address()
-    except Exception:
-        return None
-
-
-def a11y_bus_ok() -> bool:
-    """True when the a11y bus is up and the AT-SPI registry answers; returns within ~1 s."""
-    try:
-        _a11y_bus_address()
-        return True
-    except Exception:
-        return False
-
-
-def set_a11y_enabled(enabled: bool = True) -> bool:
-    """Set ``org.a11y.Status.IsEnabled`` on the session's a11y bus launcher (see module docs).
-
-    Apps read it when they start (Chromium exposes nothing without it). Returns success.
-    """
-    try:
-        from gi.repository import GLib
-
-        _session_call(
-            "Set",
-            GLib.Variant("(ssv)", ("org.a11y.Status", "IsEnabled", GLib.Variant("b", enabled))),
-            None, 1000, iface="org.freedesktop.DBus.Properties",
-        )
-        return True
-    except Exception:
-        return False

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import signal
 from pathlib import Path
-from typing import Any
 
 import uvicorn
 
@@ -49,16 +48,15 @@ def serve(session: Session) -> None:
     cfg = session.config
     app = create_app(session.token, session.display, home=cfg.home, alive=session.xvfb_alive,
                      work_dir=str(session.run_dir))
-    kw: dict[str, Any] = dict(log_level=cfg.log_level, lifespan="on", access_log=False,
-                              timeout_graceful_shutdown=1, ws="none", timeout_keep_alive=KEEP_ALIVE_S)
     if cfg.socket:
         sock = Path(cfg.socket)
         if sock.exists() or sock.is_symlink():
             sock.unlink()
-        kw["uds"] = str(sock)
-    else:
-        kw["host"], kw["port"] = cfg.host, cfg.port
-    server = _Server(uvicorn.Config(app, **kw))
+    # With uds set, uvicorn ignores host and port.
+    server = _Server(uvicorn.Config(
+        app, uds=cfg.socket, host=cfg.host, port=cfg.port or 0, log_level=cfg.log_level, lifespan="on",
+        access_log=False, timeout_graceful_shutdown=1, ws="none", timeout_keep_alive=KEEP_ALIVE_S,
+    ))
 
     def on_signal(sig: int) -> None:
         session.on_signal(sig)

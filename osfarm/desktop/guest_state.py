@@ -15,7 +15,7 @@ from typing import Annotated, Generic, Protocol, TypeVar
 import psutil
 from fastapi import Depends, Request
 
-from osfarm.desktop.a11y import a11y_bus_ok
+from osfarm.desktop.a11y_bus import a11y_bus_ok
 from osfarm.desktop.capture import ScreenCapture
 from osfarm.desktop.coderunner import CodeRunner
 from osfarm.desktop.models import Window

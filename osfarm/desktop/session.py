@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from osfarm.desktop.process_tree import kill_tree
 from osfarm.desktop.xserver import Xvfb
@@ -106,6 +106,23 @@ class SessionConfig:
     atspi_launcher: str = "/usr/libexec/at-spi-bus-launcher"
     grace: float = 2.0  # seconds between SIGTERM and SIGKILL on stop
     log_level: str = "warning"  # uvicorn's
+
+
+class SessionState(TypedDict):
+    """The state file, written once the guest listens (read by the providers)."""
+
+    display: str  # ":N"
+    width: int
+    height: int
+    pid: int  # the launcher's
+    pids: dict[str, int]  # xvfb, openbox, tint2, dbus, atspi (those started)
+    socket: str | None
+    host: str | None  # None on a unix socket
+    port: int | None
+    dbus_address: str
+    run_dir: str
+    home: str
+    timings_ms: dict[str, float]  # import_ms, xvfb_ready_ms, dbus_ready_ms, a11y_ready_ms, ready_ms
 
 
 class Session:
@@ -301,8 +318,7 @@ class Session:
         """Where the guest listens, for log lines."""
         return f"unix:{self.config.socket}" if self.config.socket else f"{self.config.host}:{self.port}"
 
-    def state(self) -> dict[str, Any]:
-        """The state file's content (read by the providers)."""
+    def state(self) -> SessionState:
         return {
             "display": self.display,
             "width": self.config.width,
