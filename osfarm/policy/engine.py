@@ -18,12 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from osfarm.policy.processing import encode_chat, load_processor
 from osfarm.policy.sampling import LogprobsMode, SamplingParams, cut_at_stop, finite_logprob, sequence_end
+from osfarm.policy.streaming import ChoiceDelta, StepObserver
 from osfarm.policy.tiny import tiny_model_dir
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,17 @@ class Choice:
     finish_reason: str  # "stop" | "length"
     logprobs: list[float] | None  # one per token id
     top_logprobs: list[list[tuple[int, float]]] | None  # per token: (token id, logprob), best first
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to generate: its weights (chosen when it was prepared), its encoded prompt."""
+
+    model: Any
+    policy_version: int | None  # None: a LoRA adapter's weights
+    inputs: Any  # the processor's BatchFeature
+    prompt_token_ids: list[int]
+    params: SamplingParams
 
 
 @dataclass
@@ -300,11 +313,11 @@ class PolicyEngine:
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, messages: list[dict[str, Any]], params: SamplingParams, adapter: str | None = None) -> Generation:
-        """Messages are OpenAI chat messages (plain dicts); ``adapter``: a loaded LoRA adapter's name
-        (None: the base model). Raises MessageError / RequestError."""
-        import torch
+    def prepare(self, messages: list[dict[str, Any]], params: SamplingParams, adapter: str | None = None) -> Prepared:
+        """Pick the request's weights and encode its prompt (blocking: the generation thread).
 
+        Messages are OpenAI chat messages (plain dicts); ``adapter``: a loaded LoRA adapter's name
+        (None: the base model). Raises MessageError / RequestError."""
         # the weights this request runs on, whatever reloads / adapter swaps happen meanwhile
         if adapter is None:
             policy = self.current
@@ -322,6 +335,20 @@ class PolicyEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
                 f"context of {self.max_model_len} tokens",
             )
+        return Prepared(model, version, inputs, prompt_ids, params)
+
+    def generate(self, messages: list[dict[str, Any]], params: SamplingParams, adapter: str | None = None) -> Generation:
+        """``prepare`` + ``run``: the whole answer at once."""
+        return self.run(self.prepare(messages, params, adapter))
+
+    def run(self, req: Prepared, emit: Callable[[list[ChoiceDelta]], None] | None = None,
+            cancel: threading.Event | None = None) -> Generation:
+        """Generate the prepared request (blocking). With ``emit``, every step's tokens, log-probs
+        and text deltas are handed to it as they are sampled (streaming, on this thread); setting
+        ``cancel`` then stops the generation after the current step."""
+        import torch
+
+        params = req.params
         t0 = time.perf_counter()
         if params.seed is not None:
             torch.manual_seed(params.seed)
@@ -332,42 +359,62 @@ class PolicyEngine:
         kwargs: dict[str, Any] = {}
         if params.stop:
             kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
-        with torch.inference_mode():
-            out = model.generate(
-                **inputs,
-                **kwargs,
-                max_new_tokens=params.max_tokens,
-                do_sample=not params.greedy,
-                # Explicit neutral values: a model's generation_config.json (e.g. Qwen's top_k=1,
-                # repetition_penalty=1.05) must not change what the request asked for.
-                temperature=1.0 if params.greedy else params.temperature,
-                top_p=1.0 if params.greedy else params.top_p,
-                top_k=0 if params.greedy else params.top_k,
-                repetition_penalty=1.0,
-                num_return_sequences=n_runs,
-                eos_token_id=sorted(self.eos_ids),
-                pad_token_id=self.pad_id,
-                return_dict_in_generate=True,
-                output_scores=self.logprobs_mode == "processed",
-                output_logits=self.logprobs_mode == "raw",
-            )
+        observer = hook = None
+        if emit is not None:
+            from transformers import StoppingCriteriaList
+
+            observer = StepObserver(n=params.n, rows=n_runs, params=params, eos_ids=self.eos_ids,
+                                    decode=self.decode, finish=lambda ids: self.finish(ids, params), emit=emit,
+                                    cancel=cancel)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([observer])
+            if self.logprobs_mode == "raw":  # the observer sees processed scores only: record the logits
+                hook = req.model.register_forward_hook(observer.record_logits)
+        try:
+            with torch.inference_mode():
+                out = req.model.generate(
+                    **req.inputs,
+                    **kwargs,
+                    max_new_tokens=params.max_tokens,
+                    do_sample=not params.greedy,
+                    # Explicit neutral values: a model's generation_config.json (e.g. Qwen's top_k=1,
+                    # repetition_penalty=1.05) must not change what the request asked for.
+                    temperature=1.0 if params.greedy else params.temperature,
+                    top_p=1.0 if params.greedy else params.top_p,
+                    top_k=0 if params.greedy else params.top_k,
+                    repetition_penalty=1.0,
+                    num_return_sequences=n_runs,
+                    eos_token_id=sorted(self.eos_ids),
+                    pad_token_id=self.pad_id,
+                    return_dict_in_generate=True,
+                    output_scores=self.logprobs_mode == "processed",
+                    output_logits=self.logprobs_mode == "raw",
+                )
+        finally:
+            if hook is not None:
+                hook.remove()
         steps = out.scores if self.logprobs_mode == "processed" else out.logits
-        generated = out.sequences[:, len(prompt_ids) :]
+        generated = out.sequences[:, len(req.prompt_token_ids) :]
         choices = [self._choice(i, generated[i % n_runs].tolist(), steps, params, i % n_runs) for i in range(params.n)]
-        return Generation(version, prompt_ids, choices, time.perf_counter() - t0)
+        return Generation(req.policy_version, req.prompt_token_ids, choices, time.perf_counter() - t0)
+
+    def finish(self, ids: list[int], params: SamplingParams) -> tuple[list[int], str, str]:
+        """A generated sequence's answer: its ids up to the end (stop string, end-of-sequence token;
+        padding dropped), its text (a stop string and what follows cut off) and finish reason."""
+        if params.stop:  # a stop string ends the sequence where it first appears (padding follows)
+            ids = ids[: self._stop_string_end(ids, params.stop)]
+        length, stopped = sequence_end(ids, self.eos_ids)
+        ids = ids[:length]
+        text = self.decode(ids)
+        if params.stop:
+            text, hit = cut_at_stop(text, params.stop)
+            stopped = stopped or hit
+        return ids, text, "stop" if stopped else "length"
 
     def _choice(self, index: int, ids: list[int], steps, params: SamplingParams, row: int) -> Choice:
         """Choice ``index`` from row ``row`` of the generated batch (and of the per-step scores)."""
         import torch
 
-        if params.stop:  # a stop string ends the sequence where it first appears (padding follows)
-            ids = ids[: self._stop_string_end(ids, params.stop)]
-        length, stopped = sequence_end(ids, self.eos_ids)
-        ids = ids[:length]
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        if params.stop:
-            text, hit = cut_at_stop(text, params.stop)
-            stopped = stopped or hit
+        ids, text, finish_reason = self.finish(ids, params)
         logprobs = tops = None
         if params.logprobs or params.top_logprobs:
             logprobs, tops = [], []
@@ -379,11 +426,15 @@ class PolicyEngine:
                     tops.append([(int(i), finite_logprob(float(v))) for v, i in zip(vals, idx)])
                 else:
                     tops.append([])
-        return Choice(index, ids, text, "stop" if stopped else "length", logprobs, tops)
+        return Choice(index, ids, text, finish_reason, logprobs, tops)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The answer text of token ids (special tokens left out)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def _stop_string_end(self, ids: list[int], stop: tuple[str, ...]) -> int:
         for k in range(1, len(ids) + 1):
-            text = self.tokenizer.decode(ids[:k], skip_special_tokens=True)
+            text = self.decode(ids[:k])
             if any(s and s in text for s in stop):
                 return k
         return len(ids)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 
 class TextPart(BaseModel):
@@ -60,6 +60,13 @@ class ChatMessage(BaseModel):
         return v
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = Field(False, description="a last chunk (no choices) with the whole request's usage")
+    continuous_usage_stats: bool = Field(False, description="vLLM extension: usage so far in every chunk")
+
+
 class ChatCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -71,19 +78,20 @@ class ChatCompletionRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1, le=32768)
     max_completion_tokens: int | None = Field(None, ge=1, le=32768)
     n: int = Field(1, ge=1, le=64)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64, description="torch's seed range")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False
     return_token_ids: bool = Field(False, description="vLLM extension: also return prompt_token_ids")
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool = Field(False, description="server-sent events of chat.completion.chunk objects, as vLLM sends them")
+    stream_options: StreamOptions | None = None
 
-    @field_validator("stream")
+    @field_validator("stream_options")
     @classmethod
-    def _no_stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not supported by the osfarm policy server; send stream=false")
+    def _only_when_streaming(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("stream_options can only be set with stream=true")
         return v
 
     @field_validator("stop")
@@ -143,6 +151,33 @@ class ChatCompletionResponse(BaseModel):
     )
     logprobs_mode: Literal["processed", "raw"] = Field(description="osfarm extension: see docs/policy.md")
     prompt_token_ids: list[int] | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length"] | None = None
+    token_ids: list[int] | None = Field(None, description="osfarm/vLLM extension: the token ids of this delta, exactly")
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed answer (``data: {...}``; the stream ends with
+    ``data: [DONE]``). Serialised without the fields left unset, as vLLM does."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    policy_version: int | None = Field(None, description="osfarm extension, in every chunk (see the response's)")
+    prompt_token_ids: list[int] | None = Field(None, description="vLLM extension: first chunk, with return_token_ids")
 
 
 class ModelCard(BaseModel):
