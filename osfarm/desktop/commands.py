@@ -16,6 +16,8 @@ from typing import IO
 
 # A program and its arguments, or one shell command line (with shell=True).
 Command = list[str] | str
+# What Popen raises when the program cannot be started (missing, not executable, bad cwd).
+CANNOT_START = (FileNotFoundError, PermissionError, NotADirectoryError)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from osfarm.desktop import windows
 from osfarm.desktop.a11y import accessibility_tree, terminal_text
 from osfarm.desktop.capture import encode_image
-from osfarm.desktop.commands import Command, run_command, spawn_detached
+from osfarm.desktop.commands import CANNOT_START, Command, run_command, spawn_detached
 from osfarm.desktop.guest_state import DesktopDep
 from osfarm.desktop.recording import RecordingError
 from osfarm.desktop.request_fields import (
@@ -87,7 +87,7 @@ async def execute(request: Request, desk: DesktopDep) -> JSONResponse:
     timeout = get_num(data, "timeout", EXECUTE_TIMEOUT_S)
     try:
         r = await run_in_threadpool(run_command, command, shell, timeout, desk.home)
-    except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+    except CANNOT_START as e:
         raise cannot_start(command, e) from None
     reply: dict[str, Any] = {"status": "success", "output": r.stdout, "error": r.stderr, "returncode": r.returncode}
     if r.timed_out:
@@ -134,7 +134,7 @@ async def execute_with_verification(request: Request, desk: DesktopDep) -> JSONR
 
     try:
         reply, status = await run_in_threadpool(work)
-    except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+    except CANNOT_START as e:
         raise cannot_start(command, e) from None
     return JSONResponse(reply, status)
 
@@ -145,7 +145,7 @@ async def launch(request: Request, desk: DesktopDep) -> PlainTextResponse:
     command, shell = get_command(data)
     try:
         await run_in_threadpool(spawn_detached, command, shell, desk.home)
-    except (FileNotFoundError, PermissionError, NotADirectoryError) as e:
+    except CANNOT_START as e:
         raise cannot_start(command, e, "launch") from None
     return PlainTextResponse(f"{describe_command(command)} launched successfully")
 
