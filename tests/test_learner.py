@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +238,35 @@ def test_a_sampled_image_placeholder_token_still_trains(learner: Learner) -> Non
     lp = learner.score(s)
     assert len(lp) == 2 and all(x < 0 for x in lp)
     learner.update([s])
+
+
+def test_model_loads_and_saves_print_no_progress_bars(tmp_path: Path) -> None:
+    """`osfarm train` shows one progress display: building the tiny model, loading the learner,
+    writing a LoRA and a full checkpoint and loading one in the policy engine print none of
+    transformers' tqdm bars ("Loading weights", "Writing model shards"), and the bars are on
+    again afterwards (a program using osfarm as a library keeps its own). A fresh interpreter:
+    the switch is a process-wide global."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        from pathlib import Path
+        from transformers.utils import logging as hf_logging
+        from osfarm.policy.engine import PolicyEngine
+        from osfarm.policy.tiny import build_tiny_model
+        from osfarm.trainer.learner import Learner, LearnerOptions, LoraOptions
+        root = Path({str(tmp_path)!r})
+        model = build_tiny_model(root / "tiny")
+        Learner(model).save(root / "full")
+        Learner(model, LearnerOptions(lora=LoraOptions(r=2))).save(root / "lora")
+        PolicyEngine(root / "full", served_name="t")
+        print("bars on afterwards:", hf_logging.is_progress_bar_enabled())
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TQDM_MININTERVAL": "0"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    both = out.stdout + out.stderr
+    for bar in ("Loading weights", "Writing model shards", "it/s]"):
+        assert bar not in both, both[-2000:]
+    assert "bars on afterwards: True" in out.stdout

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from osfarm.policy.processing import encode_chat, load_processor
+from osfarm.policy.progress import hf_progress_bars_off
 from osfarm.policy.sampling import LogprobsMode, SamplingParams, cut_at_stop, finite_logprob, sequence_end
 from osfarm.policy.streaming import ChoiceDelta, StepObserver
 from osfarm.policy.tiny import tiny_model_dir
@@ -153,7 +154,8 @@ class PolicyEngine:
     # ---- loading ---------------------------------------------------------------------------
 
     def _load_full(self, path: Path):
-        model = _model_class(path).from_pretrained(path, dtype=_torch_dtype(self.dtype))
+        with hf_progress_bars_off():
+            model = _model_class(path).from_pretrained(path, dtype=_torch_dtype(self.dtype))
         return model.eval()
 
     def _stop_token_ids(self, model) -> set[int]:

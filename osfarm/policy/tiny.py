@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from osfarm.policy.progress import hf_progress_bars_off
+
 # Qwen2's special tokens, in Qwen2's order (ids 0.. here; the real vocabulary puts them at 151643..).
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -282,7 +284,8 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     model.generation_config = GenerationConfig(
         eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None, do_sample=True, temperature=1.0, top_p=1.0, top_k=0
     )
-    model.save_pretrained(out_dir)
+    with hf_progress_bars_off():
+        model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     build_image_processor().save_pretrained(out_dir)
     (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)

@@ -36,6 +36,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from osfarm.policy.processing import encode_chat, load_processor
+from osfarm.policy.progress import hf_progress_bars_off
 from osfarm.trainer.data_manager import Sample
 from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
 
@@ -166,7 +167,8 @@ def load_model_and_processor(path: Path, dtype: torch.dtype, device: torch.devic
     from transformers import AutoModelForImageTextToText
 
     processor = load_processor(path)
-    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
+    with hf_progress_bars_off():
+        model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
     return model.to(device), processor
 
 
@@ -390,13 +392,14 @@ class Learner:
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        if self.lora:
-            self.model.save_pretrained(str(tmp / ADAPTER_DIR))
-            assert self.opts.lora is not None
-            if self.opts.lora.export_merged:
-                self._save_merged(tmp)
-        else:
-            self.model.save_pretrained(str(tmp), safe_serialization=True)
+        with hf_progress_bars_off():
+            if self.lora:
+                self.model.save_pretrained(str(tmp / ADAPTER_DIR))
+                assert self.opts.lora is not None
+                if self.opts.lora.export_merged:
+                    self._save_merged(tmp)
+            else:
+                self.model.save_pretrained(str(tmp), safe_serialization=True)
         copy_processor_files(self.model_path, tmp)
         torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
         state = {"schema": STATE_SCHEMA, "version": self.version, "counters": dict(self.counters),
