@@ -33,6 +33,7 @@ from rich.progress import (
 
 from osfarm.agents import make_agent
 from osfarm.client import AsyncFarm
+from osfarm.farm.local import local_farm, local_farm_settings
 from osfarm.runner.episode import (
     INFRA_ERROR,
     TIMEOUT,
@@ -244,8 +245,6 @@ def run_eval(opts: RunOptions, console: Console | None = None) -> dict[str, Any]
         if not opts.token:
             raise ValueError("--url needs --token (or OSFARM_TOKEN)")
         return asyncio.run(run_async(opts, opts.url, opts.token, console))
-    from osfarm.farm.local import local_farm, local_farm_settings
-
     with local_farm(local_farm_settings(opts.envs, **opts.farm_overrides)) as server:
         return asyncio.run(run_async(opts, server.url, server.token, console))
 

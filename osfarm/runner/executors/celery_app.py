@@ -23,6 +23,8 @@ from typing import Any
 
 from celery import Celery
 
+from osfarm.runner.executors.worker_task import run_job
+
 TASK_NAME = "osfarm.run_episode"
 QUEUE = "osfarm.episodes"
 DEFAULT_BROKER = "redis://127.0.0.1:6379/0"
@@ -77,6 +79,4 @@ def make_app(broker: str) -> Celery:
 
 
 def _run_episode_task(self: Any, **job: Any) -> dict[str, Any]:
-    from osfarm.runner.executors.worker_task import run_job
-
     return run_job(job, worker_name=getattr(self.request, "hostname", None) or "worker")

@@ -21,7 +21,13 @@ from typing import Any, Self
 import redis
 from celery.utils.log import get_task_logger
 
+from osfarm.agents import make_agent
+from osfarm.client import AsyncFarm
+from osfarm.runner.episode import EpisodeConfig, EpisodeResult, run_episode
+from osfarm.runner.results import BlobStore, write_task
 from osfarm.stream.redis_stream import DEFAULT_STREAM, RedisStreamSink, connect
+from osfarm.tasks.filecache import suite_cache
+from osfarm.tasks.suite import Suite, load_suite
 
 CLAIM_TTL_S = 20.0  # a crashed worker's claim is gone this long after its last renewal
 RESULT_TTL_S = 7 * 24 * 3600
@@ -39,9 +45,7 @@ def _redis() -> redis.Redis:
 
 
 @lru_cache(maxsize=8)
-def _suite(suite: str, index: str | None) -> Any:
-    from osfarm.tasks.suite import load_suite
-
+def _suite(suite: str, index: str | None) -> Suite:
     return load_suite(suite, index)
 
 
@@ -119,12 +123,6 @@ def run_job(job: dict[str, Any], worker_name: str) -> dict[str, Any]:
 
 
 def _run(job: dict[str, Any]) -> dict[str, Any]:
-    from osfarm.agents import make_agent
-    from osfarm.client import AsyncFarm
-    from osfarm.runner.episode import EpisodeConfig, run_episode
-    from osfarm.runner.results import BlobStore, write_task
-    from osfarm.tasks.filecache import suite_cache
-
     farm_url = os.environ.get("OSFARM_FARM_URL", "")
     token = os.environ.get("OSFARM_TOKEN", "")
     if not farm_url or not token:
@@ -144,7 +142,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
                         work_dir=out / ".work", record=bool(e.get("record", False)))
     agent = make_agent(job["agent"], **job.get("agent_options", {}))
 
-    async def go() -> Any:
+    async def go() -> EpisodeResult:
         async with AsyncFarm(farm_url, token) as farm:
             return await run_episode(farm, task, agent, cache, cfg, job["run_id"])
 
