@@ -7,10 +7,7 @@ server inside. The farm's pool owns the lifecycle; a provider only does box work
 
 from __future__ import annotations
 
-import fcntl
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import httpx
@@ -18,35 +15,6 @@ import httpx
 
 class ProviderError(RuntimeError):
     """A box could not be made or reached; the message says what is missing and how to fix it."""
-
-
-def take_farm_lock(path: Path, what: str, fix: str, owner: str = "") -> int:
-    """Hold an exclusive lock on ``path`` for this process's life (returns its fd).
-
-    One farm per state/shared dir: a second farm's ``reap_orphans`` would otherwise remove the
-    first one's boxes. ``what`` names the dir in the error, ``fix`` says how to get around it.
-    """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ProviderError(f"another osfarm process is using {what} (lock {path} is held); {fix}") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {owner}".rstrip().encode() + b"\n")
-    return fd
-
-
-def log_tail(path: str, lines: int = 30, what: str = "log") -> str:
-    """The last ``lines`` lines of a box's log (read from its last 8 KiB), for error messages."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return f"(no {what})"
-    return "\n".join(text.splitlines()[-lines:]) or f"(empty {what})"
 
 
 @dataclass(frozen=True)

@@ -28,20 +28,24 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import psutil
 
 from osfarm.config import FarmSettings
-from osfarm.providers.base import (
-    DesktopHandle,
-    DesktopSpec,
-    GuestEndpoint,
-    ProviderError,
+from osfarm.images.daemon import DockerUnavailable, docker_client
+from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
+from osfarm.providers.boxes import (
+    SOCKET_PATH_MAX,
+    abstract_x_displays,
+    check_desktop_id,
+    discarded_on_failure,
+    free_loopback_port,
+    remove_stale_dirs,
     take_farm_lock,
+    wait_guest_ready,
 )
 
 log = logging.getLogger("osfarm.providers.docker")
@@ -50,8 +54,6 @@ LABEL_SCOPE = "org.osfarm.scope"
 LABEL_FARM = "org.osfarm.farm"
 LABEL_DESKTOP = "org.osfarm.desktop"
 GUEST_UID = 1000  # "user" in osfarm/desktop
-SOCKET_PATH_MAX = 107
-HEALTH_POLL_S = 0.025
 STATE_POLL_S = 0.5
 SHM_SIZE = "512m"  # Chromium needs more than docker's 64 MB /dev/shm
 BOX_RUN_DIR = "/run/osfarm"
@@ -63,8 +65,6 @@ class DockerProvider:
     name = "docker"
 
     def __init__(self, settings: FarmSettings):
-        from osfarm.images.daemon import DockerUnavailable, docker_client
-
         self.settings = settings
         try:
             self.client = docker_client(timeout=60)
@@ -115,10 +115,6 @@ class DockerProvider:
 
     # -- helpers ----------------------------------------------------------------------------
 
-    def _check_id(self, desktop_id: str) -> None:
-        if not desktop_id or len(desktop_id) > 12 or not all(c.isalnum() or c in "-_" for c in desktop_id):
-            raise ProviderError(f"bad desktop id {desktop_id!r}: use 1-12 letters, digits, '-' or '_'")
-
     def _make_run_dir(self, desktop_id: str, gen: str, token: str) -> Path:
         run = self.shared_dir / desktop_id / gen
         run.mkdir(parents=True)
@@ -151,9 +147,7 @@ class DockerProvider:
 
     def _host_display(self) -> int:
         """With host networking X's abstract sockets are shared with the host: pick a free number."""
-        from osfarm.providers.sandbox import _abstract_x_displays
-
-        taken = set(_abstract_x_displays())
+        taken = set(abstract_x_displays())
         taken.update(self._host_displays.values())
         return next(n for n in range(200, 10000) if n not in taken)
 
@@ -207,12 +201,7 @@ class DockerProvider:
         found = await asyncio.to_thread(self.client.api.containers, all=True, filters=flt)
         victims = [c for c in found if c.get("Labels", {}).get(LABEL_FARM) != self.farm_id]
         await asyncio.gather(*(asyncio.to_thread(self._remove, c["Id"]) for c in victims))
-        live = set(self._containers)
-        stale = 0
-        for d in self.shared_dir.iterdir():
-            if d.is_dir() and d.name not in live:
-                await asyncio.to_thread(shutil.rmtree, d, True)
-                stale += 1
+        stale = await remove_stale_dirs(self.shared_dir, self._containers)
         if victims or stale:
             log.warning("reaped orphan containers=%d stale_dirs=%d scope=%s", len(victims), stale, self.scope)
         return len(victims)
@@ -220,7 +209,7 @@ class DockerProvider:
     async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
         if self._closed:
             raise ProviderError("docker provider is closed")
-        self._check_id(desktop_id)
+        check_desktop_id(desktop_id)
         t0 = time.monotonic()
         gen = secrets.token_hex(4)
         token = secrets.token_urlsafe(24)
@@ -228,7 +217,7 @@ class DockerProvider:
         port = None
         display = 0
         if self.network == "host":
-            port = _free_loopback_port()
+            port = free_loopback_port()
             display = self._host_display()
             self._host_displays[f"{desktop_id}/{gen}"] = display
         created = asyncio.ensure_future(
@@ -257,52 +246,28 @@ class DockerProvider:
                   "image_id": self.image_id, "dir": str(run), "network": self.network, "gen": gen},
         )  # fmt: skip
         self._containers[desktop_id] = container.id
-        try:
+        async with discarded_on_failure(desktop_id, lambda: self._discard(handle)):
             await self._wait_ready(handle, t0)
             attrs = await asyncio.to_thread(self.client.api.inspect_container, container.id)
             handle.pid = attrs["State"].get("Pid") or None
-        except BaseException as e:  # includes cancellation: never leave a half-started box behind
-            await self._discard(handle)
-            if isinstance(e, ProviderError):
-                raise
-            if isinstance(e, Exception):
-                raise ProviderError(f"desktop {desktop_id} failed to start: {e!r}") from e
-            raise
         handle.info["start_s"] = f"{time.monotonic() - t0:.3f}"
         log.info("docker desktop ready id=%s container=%s start_s=%s", desktop_id, container.name, handle.info["start_s"])
         return handle
 
     async def _wait_ready(self, handle: DesktopHandle, t0: float) -> None:
-        deadline = t0 + self.settings.start_timeout_s
-        cid = handle.info["container"]
-        last = "guest not answering yet"
-        next_state = time.monotonic() + STATE_POLL_S
-        async with handle.endpoint.client(timeout=2.0) as client:
-            while True:
-                now = time.monotonic()
-                if now >= next_state:
-                    next_state = now + STATE_POLL_S
-                    state = (await asyncio.to_thread(self.client.api.inspect_container, cid))["State"]
-                    if state.get("Status") not in ("created", "running"):
-                        raise ProviderError(
-                            f"desktop {handle.id}: container {handle.info['name']} {state.get('Status')} "
-                            f"(exit code {state.get('ExitCode')}) before it was ready; its log:\n"
-                            f"{await asyncio.to_thread(self._logs, cid)}"
-                        )
-                if now > deadline:
-                    raise ProviderError(
-                        f"desktop {handle.id} not ready after {self.settings.start_timeout_s:g}s (last: {last}); "
-                        f"container {handle.info['name']} log:\n{await asyncio.to_thread(self._logs, cid)}"
-                    )
-                if handle.endpoint.uds is None or os.path.exists(handle.endpoint.uds):
-                    try:
-                        r = await client.get("/v1/health")
-                        if r.status_code == 200:
-                            return
-                        last = f"GET /v1/health -> {r.status_code} {r.text[:200]}"
-                    except httpx.TransportError as e:
-                        last = f"GET /v1/health failed: {e!r}"
-                await asyncio.sleep(HEALTH_POLL_S)
+        cid, name = handle.info["container"], handle.info["name"]
+
+        async def container_ended() -> str | None:
+            state = (await asyncio.to_thread(self.client.api.inspect_container, cid))["State"]
+            if state.get("Status") in ("created", "running"):
+                return None
+            return f"container {name} {state.get('Status')} (exit code {state.get('ExitCode')})"
+
+        async def container_log() -> str:
+            return f"container {name} log:\n{await asyncio.to_thread(self._logs, cid)}"
+
+        await wait_guest_ready(handle, t0 + self.settings.start_timeout_s, self.settings.start_timeout_s,
+                               box_gone=container_ended, box_log=container_log, check_box_every_s=STATE_POLL_S)
 
     async def _discard(self, handle: DesktopHandle) -> None:
         """Remove a handle's container and run dir (blocking work in threads)."""
@@ -353,8 +318,6 @@ class DockerProvider:
     def pids(self, handle: DesktopHandle) -> list[int]:
         """Host pids of the container's processes (docker-init and its descendants); empty when
         this farm cannot see the host's pids (e.g. it runs in a container itself)."""
-        import psutil
-
         if not handle.pid or self._containers.get(handle.id) != handle.info.get("container"):
             return []
         try:
@@ -385,9 +348,3 @@ class DockerProvider:
             os.close(self._lock_fd)
         with contextlib.suppress(Exception):
             await asyncio.to_thread(self.client.close)
-
-
-def _free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

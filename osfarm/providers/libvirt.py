@@ -32,7 +32,6 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
@@ -41,18 +40,20 @@ from string import Template
 from typing import Any
 from xml.sax.saxutils import escape
 
-import httpx
 import psutil
 
 from osfarm.config import FarmSettings
 from osfarm.images.libvirt_disk import default_image_dir, disk_files, missing_files
-from osfarm.providers.base import (
-    DesktopHandle,
-    DesktopSpec,
-    GuestEndpoint,
-    ProviderError,
+from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
+from osfarm.providers.boxes import (
+    check_desktop_id,
+    discarded_on_failure,
+    free_loopback_port,
     log_tail,
+    remove_stale_dirs,
     take_farm_lock,
+    wait_guest_ready,
+    wait_pids_gone,
 )
 
 log = logging.getLogger("osfarm.providers.libvirt")
@@ -62,6 +63,7 @@ METADATA_KEY = "osfarm"
 GUEST_PORT = 8000
 SNAPSHOT = "ready"
 HEALTH_POLL_S = 0.05
+QEMU_CHECK_S = 0.5
 MIN_FREE_BYTES = 2 << 30  # an overlay grows with what a task writes, and a snapshot holds the RAM
 TEMPLATE_NAME = "domain.xml"
 DOMAIN_PREFIX = "osfarm-"
@@ -103,12 +105,6 @@ def netdev_arg(host_port: int, private_network: bool) -> str:
     the guest off from the host and the outside (the forward still works)."""
     restrict = "on" if private_network else "off"
     return f"user,id=osfarmnet0,restrict={restrict},hostfwd=tcp:127.0.0.1:{host_port}-:{GUEST_PORT}"
-
-
-def free_loopback_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kvm_usable() -> str | None:
@@ -242,10 +238,6 @@ class LibvirtProvider:
     def desktop_dir(self, desktop_id: str) -> Path:
         return self.root / desktop_id
 
-    def _check_id(self, desktop_id: str) -> None:
-        if not desktop_id or len(desktop_id) > 12 or not all(c.isalnum() or c in "-_" for c in desktop_id):
-            raise ProviderError(f"bad desktop id {desktop_id!r}: use 1-12 letters, digits, '-' or '_'")
-
     def domain_xml(self, desktop_id: str, spec: DesktopSpec, port: int, token: str) -> str:
         ddir = self.desktop_dir(desktop_id)
         if self.domain_type == "kvm":
@@ -334,11 +326,7 @@ class LibvirtProvider:
         victims = [n for n, m in domains if m.get("state-dir") == str(self.state_dir) and n not in live_names]
         for name in victims:
             await asyncio.to_thread(self._destroy, name)
-        stale = 0
-        for d in self.root.iterdir() if self.root.exists() else ():
-            if d.is_dir() and d.name not in self._boxes:
-                await asyncio.to_thread(shutil.rmtree, d, True)
-                stale += 1
+        stale = await remove_stale_dirs(self.root, self._boxes)
         if victims or stale:
             log.warning("reaped orphan VMs domains=%d stale_dirs=%d state_dir=%s", len(victims), stale, self.state_dir)
         return len(victims)
@@ -346,7 +334,7 @@ class LibvirtProvider:
     async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
         if self._closed:
             raise ProviderError("libvirt provider is closed")
-        self._check_id(desktop_id)
+        check_desktop_id(desktop_id)
         if desktop_id in self._boxes:
             old = self._boxes[desktop_id]
             if await asyncio.to_thread(self._is_active, old.name):
@@ -355,20 +343,13 @@ class LibvirtProvider:
         t0 = time.monotonic()
         box = await self._boot(desktop_id, spec)
         handle = self._handle(desktop_id, spec, box)
-        try:
+        async with discarded_on_failure(desktop_id, lambda: self._kill(desktop_id)):
             await self._wait_ready(handle, box, t0)
             if self.settings.libvirt_reset == "snapshot":
                 t_snap = time.monotonic()
                 await asyncio.to_thread(self._take_snapshot, box.name)
                 box.snapshot = True
                 handle.info["snapshot_s"] = f"{time.monotonic() - t_snap:.3f}"
-        except BaseException as e:  # includes cancellation: never leave a half-started VM behind
-            await self._kill(desktop_id)
-            if isinstance(e, ProviderError):
-                raise
-            if isinstance(e, Exception):
-                raise ProviderError(f"desktop {desktop_id} failed to start: {e!r}") from e
-            raise
         handle.info["start_s"] = f"{time.monotonic() - t0:.3f}"
         log.info("vm ready id=%s domain=%s port=%d start_s=%s", desktop_id, box.name, box.port, handle.info["start_s"])
         return handle
@@ -429,30 +410,14 @@ class LibvirtProvider:
             return False
 
     async def _wait_ready(self, handle: DesktopHandle, box: _Box, t0: float) -> None:
-        deadline = t0 + self.start_timeout_s
-        last = "guest not answering yet"
-        n = 0
-        async with handle.endpoint.client(timeout=2.0) as client:
-            while True:
-                if time.monotonic() > deadline:
-                    raise ProviderError(
-                        f"desktop {handle.id} VM not ready after {self.start_timeout_s:g}s "
-                        f"(last: {last}); console {handle.info['log']}:\n{log_tail(handle.info['log'], what='console log')}"
-                    )
-                n += 1
-                if n % 10 == 0 and not self._qemu_running(box):
-                    raise ProviderError(
-                        f"desktop {handle.id}: the VM stopped before its guest was ready; "
-                        f"console {handle.info['log']}:\n{log_tail(handle.info['log'], what='console log')}"
-                    )
-                try:
-                    r = await client.get("/v1/health")
-                    if r.status_code == 200:
-                        return
-                    last = f"GET /v1/health -> {r.status_code} {r.text[:200]}"
-                except httpx.TransportError as e:
-                    last = f"GET /v1/health failed: {e!r}"
-                await asyncio.sleep(HEALTH_POLL_S)
+        async def vm_stopped() -> str | None:
+            return None if self._qemu_running(box) else "the VM stopped"
+
+        async def console_log() -> str:
+            return f"console {handle.info['log']}:\n{log_tail(handle.info['log'], what='console log')}"
+
+        await wait_guest_ready(handle, t0 + self.start_timeout_s, self.start_timeout_s, box_gone=vm_stopped,
+                               box_log=console_log, check_box_every_s=QEMU_CHECK_S, poll_s=HEALTH_POLL_S)
 
     def _qemu_running(self, box: _Box) -> bool:
         if box.qemu_pid is None:
@@ -555,7 +520,7 @@ class LibvirtProvider:
         name = box.name if box else domain_name(self.state_dir, desktop_id)
         await asyncio.to_thread(self._destroy, name)
         if box is not None and box.qemu_pid is not None:
-            await _wait_gone(box.qemu_pid, 10.0)
+            await wait_pids_gone([box.qemu_pid], 10.0)
 
     async def stop(self, handle: DesktopHandle) -> None:
         await self._kill(handle.id)
@@ -598,20 +563,6 @@ class LibvirtProvider:
 
 def _port_of(handle: DesktopHandle) -> int:
     return int(handle.endpoint.base_url.rsplit(":", 1)[-1])
-
-
-async def _wait_gone(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        await asyncio.sleep(0.02)
-    return False
-
-
 
 
 __all__ = ["LibvirtProvider", "domain_name", "kernel_cmdline", "netdev_arg", "read_metadata"]

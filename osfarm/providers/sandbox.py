@@ -30,17 +30,21 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 
+import osfarm
 from osfarm.config import FarmSettings
-from osfarm.providers.base import (
-    DesktopHandle,
-    DesktopSpec,
-    GuestEndpoint,
-    ProviderError,
+from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
+from osfarm.providers.boxes import (
+    SOCKET_PATH_MAX,
+    abstract_x_displays,
+    check_desktop_id,
+    discarded_on_failure,
     log_tail,
+    remove_stale_dirs,
     take_farm_lock,
+    wait_guest_ready,
+    wait_pids_gone,
 )
 
 log = logging.getLogger("osfarm.providers.sandbox")
@@ -75,8 +79,6 @@ XDG_TEMPLATES_DIR="$HOME/Templates"
 XDG_VIDEOS_DIR="$HOME/Videos"
 """
 
-SOCKET_PATH_MAX = 107  # sun_path is 108 bytes including the terminating NUL
-HEALTH_POLL_S = 0.025
 STOP_WAIT_S = 3.0
 # Host environment variables passed into the box; everything else (farm token, API keys) stays out.
 PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV")
@@ -90,8 +92,6 @@ PRIVATE_DIRS = ("/tmp", "/var/tmp", "/run", "/dev", *HIDDEN_DIRS)
 def _needed_host_paths(state_dir: Path) -> list[str]:
     """Directories of this Python (prefix, venv, sys.path) that the box's tmpfs mounts would
     hide; they are bound back read-only so the launcher can run."""
-    import osfarm
-
     wanted = {sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent)}
     wanted.add(str(Path(osfarm.__file__).resolve().parent.parent))
     wanted.update(p for p in sys.path if p and os.path.isabs(p))
@@ -189,10 +189,6 @@ class SandboxProvider:
     def desktop_dir(self, desktop_id: str) -> Path:
         return self.root / desktop_id
 
-    def _check_id(self, desktop_id: str) -> None:
-        if not desktop_id or len(desktop_id) > 12 or not all(c.isalnum() or c in "-_" for c in desktop_id):
-            raise ProviderError(f"bad desktop id {desktop_id!r}: use 1-12 letters, digits, '-' or '_'")
-
     def _fresh_dirs(self, ddir: Path) -> None:
         """New empty run dir and a fresh home copied from the template (old ones moved aside)."""
         ddir.mkdir(parents=True, exist_ok=True)
@@ -217,7 +213,7 @@ class SandboxProvider:
         """
         if spec.private_network:
             return 0
-        taken = set(_abstract_x_displays())
+        taken = set(abstract_x_displays())
         taken.update(n for d, n in self._displays.items() if d != desktop_id)
         return next(n for n in range(100, 10000) if n not in taken)
 
@@ -317,14 +313,9 @@ class SandboxProvider:
         for pid in victims:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        await _wait_gone(list(victims), STOP_WAIT_S)
+        await wait_pids_gone(list(victims), STOP_WAIT_S)
         boxes = set(victims.values())
-        live = set(self._procs)
-        stale = 0
-        for d in self.root.iterdir() if self.root.exists() else ():
-            if d.is_dir() and d.name not in live:
-                await asyncio.to_thread(shutil.rmtree, d, True)
-                stale += 1
+        stale = await remove_stale_dirs(self.root, self._procs)
         if victims or stale:
             log.warning(
                 "reaped orphans boxes=%d processes=%d stale_dirs=%d state_dir=%s",
@@ -335,7 +326,7 @@ class SandboxProvider:
     async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
         if self._closed:
             raise ProviderError("sandbox provider is closed")
-        self._check_id(desktop_id)
+        check_desktop_id(desktop_id)
         old = self._procs.get(desktop_id)
         if old is not None and old.returncode is None:
             raise ProviderError(f"desktop {desktop_id} is already running")
@@ -368,15 +359,8 @@ class SandboxProvider:
             pid=proc.pid,
             info={"dir": str(ddir), "log": str(log_path)},
         )
-        try:
+        async with discarded_on_failure(desktop_id, lambda: self._kill(desktop_id, proc)):
             await self._wait_ready(handle, proc, t0)
-        except BaseException as e:  # includes cancellation: never leave a half-started box behind
-            await self._kill(desktop_id, proc)
-            if isinstance(e, ProviderError):
-                raise
-            if isinstance(e, Exception):
-                raise ProviderError(f"desktop {desktop_id} failed to start: {e!r}") from e
-            raise
         handle.info["start_s"] = f"{time.monotonic() - t0:.3f}"
         for pid in _descendants(proc.pid):
             with contextlib.suppress(psutil.Error):
@@ -387,30 +371,14 @@ class SandboxProvider:
         return handle
 
     async def _wait_ready(self, handle: DesktopHandle, proc: asyncio.subprocess.Process, t0: float) -> None:
-        deadline = t0 + self.settings.start_timeout_s
-        sock = Path(handle.endpoint.uds or "")
-        last = "guest socket not created yet"
-        async with handle.endpoint.client(timeout=2.0) as client:
-            while True:
-                if proc.returncode is not None:
-                    raise ProviderError(
-                        f"desktop {handle.id}: session launcher exited with code {proc.returncode} "
-                        f"before it was ready; log {handle.info['log']}:\n{log_tail(handle.info['log'])}"
-                    )
-                if time.monotonic() > deadline:
-                    raise ProviderError(
-                        f"desktop {handle.id} not ready after {self.settings.start_timeout_s:g}s "
-                        f"(last: {last}); log {handle.info['log']}:\n{log_tail(handle.info['log'])}"
-                    )
-                if sock.exists():
-                    try:
-                        r = await client.get("/v1/health")
-                        if r.status_code == 200:
-                            return
-                        last = f"GET /v1/health -> {r.status_code} {r.text[:200]}"
-                    except httpx.TransportError as e:
-                        last = f"GET /v1/health failed: {e!r}"
-                await asyncio.sleep(HEALTH_POLL_S)
+        async def launcher_exited() -> str | None:
+            return None if proc.returncode is None else f"session launcher exited with code {proc.returncode}"
+
+        async def session_log() -> str:
+            return f"log {handle.info['log']}:\n{log_tail(handle.info['log'])}"
+
+        await wait_guest_ready(handle, t0 + self.settings.start_timeout_s, self.settings.start_timeout_s,
+                               box_gone=launcher_exited, box_log=session_log)
 
     async def _kill(self, desktop_id: str, proc: asyncio.subprocess.Process | None) -> None:
         """Kill the box: SIGKILL its PID-namespace init so the kernel kills every process in it.
@@ -436,7 +404,7 @@ class SandboxProvider:
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(proc.wait(), STOP_WAIT_S)
-        left = await _wait_gone(pids, STOP_WAIT_S)
+        left = await wait_pids_gone(pids, STOP_WAIT_S)
         if left:
             for pid in left:
                 with contextlib.suppress(ProcessLookupError):
@@ -451,7 +419,7 @@ class SandboxProvider:
             # A handle from before a provider restart: kill by pid (checked to be our bwrap).
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(handle.pid, signal.SIGKILL)
-            await _wait_gone([handle.pid], STOP_WAIT_S)
+            await wait_pids_gone([handle.pid], STOP_WAIT_S)
         ddir = self.desktop_dir(handle.id)
         if ddir.exists() and handle.id not in self._procs:
             await asyncio.to_thread(shutil.rmtree, ddir, True)
@@ -515,38 +483,3 @@ def _is_our_box(pid: int, root: Path) -> bool:
         return p.name() == "bwrap" and any(a.startswith(f"{root}/") for a in p.cmdline())
     except psutil.Error:
         return False
-
-
-def _gone(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-    except psutil.Error:
-        return False
-
-
-async def _wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait until every pid has exited (zombies count as gone); returns those still alive."""
-    deadline = time.monotonic() + timeout
-    left = [p for p in pids if not _gone(p)]
-    while left and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-        left = [p for p in left if not _gone(p)]
-    return left
-
-
-
-
-def _abstract_x_displays() -> list[int]:
-    """Display numbers whose abstract X socket is bound in this network namespace."""
-    out = []
-    try:
-        with open("/proc/net/unix") as f:
-            for line in f:
-                path = line.rsplit(None, 1)[-1]
-                if path.startswith("@/tmp/.X11-unix/X") and path[17:].isdigit():
-                    out.append(int(path[17:]))
-    except OSError:
-        pass
-    return out
