@@ -19,17 +19,15 @@ import base64
 import io
 import os
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
+from PIL import Image
 from pydantic import BaseModel
 
 from osfarm.desktop.models import Observation, ObserveOptions, StepResult
 from osfarm.farm.schemas import LeaseInfo
 from osfarm.http.errors import error_detail
-
-if TYPE_CHECKING:
-    from PIL import Image
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 OWNER_HEADER = "X-Osfarm-Owner"
@@ -109,10 +107,8 @@ def screenshot_bytes(obs: Observation) -> bytes:
     return base64.b64decode(obs.screenshot)
 
 
-def screenshot_image(obs: Observation) -> "Image.Image":
+def screenshot_image(obs: Observation) -> Image.Image:
     """The observation's screenshot decoded as a PIL image."""
-    from PIL import Image
-
     img = Image.open(io.BytesIO(screenshot_bytes(obs)))
     img.load()
     return img
