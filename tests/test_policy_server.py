@@ -355,7 +355,7 @@ def test_reload_swaps_weights_and_version(
     lp_before = [c["logprob"] for c in before["choices"][0]["logprobs"]["content"]]
     lp_after = [c["logprob"] for c in after["choices"][0]["logprobs"]["content"]]
     assert before["choices"][0]["token_ids"] != after["choices"][0]["token_ids"] or not all(
-        math.isclose(a, b, abs_tol=1e-3) for a, b in zip(lp_before, lp_after)
+        math.isclose(a, b, abs_tol=1e-3) for a, b in zip(lp_before, lp_after, strict=False)
     )
     # the new log-probs are those of the new weights
     new_ref = Reference(new_dir, tiny_dir)

@@ -425,7 +425,7 @@ class PolicyEngine:
                 logprobs.append(finite_logprob(float(lp[tok])))
                 if params.top_logprobs:
                     vals, idx = torch.topk(lp, k=min(params.top_logprobs, lp.shape[-1]))
-                    tops.append([(int(i), finite_logprob(float(v))) for v, i in zip(vals, idx)])
+                    tops.append([(int(i), finite_logprob(float(v))) for v, i in zip(vals, idx, strict=True)])
                 else:
                     tops.append([])
         return Choice(index, ids, text, finish_reason, logprobs, tops)

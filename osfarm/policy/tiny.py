@@ -255,7 +255,7 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS)))
+    ids = dict(zip(SPECIAL_TOKENS, tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS), strict=True))
     eos, pad = ids["<|im_end|>"], ids["<|endoftext|>"]
     config = Qwen2VLConfig(
         text_config={

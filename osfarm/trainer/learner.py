@@ -22,6 +22,7 @@ controller's states) and ``optimizer.pt``.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -415,8 +416,6 @@ class Learner:
 
     def _save_merged(self, out: Path) -> None:
         """The base weights with the adapter folded in, without touching the training model."""
-        import copy
-
         merged = copy.deepcopy(self.model).merge_and_unload()
         merged.save_pretrained(str(out), safe_serialization=True)
         del merged

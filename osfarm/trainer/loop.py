@@ -33,20 +33,40 @@ import shutil
 import signal
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from rich.console import Console
 
+from osfarm.agents import Agent, make_agent
+from osfarm.client import AsyncFarm
+from osfarm.farm.local import local_farm_settings, start_local_farm
+from osfarm.farm.server import FarmServer
 from osfarm.policy.client import PolicyServer
 from osfarm.policy.process import PolicyProcess, PolicyStartError
+from osfarm.policy.tiny import tiny_model_dir
+from osfarm.runner.episode import EpisodeConfig, StepRecord, run_episode
+from osfarm.runner.results import episode_record
+from osfarm.runner.scheduler import RolloutScheduler
+from osfarm.stream.blobs import BlobStore, LocalBlobStore
+from osfarm.stream.jsonl import JsonlSink
+from osfarm.tasks.filecache import FileCache, suite_cache
+from osfarm.tasks.model import Task
+from osfarm.tasks.suite import OSWORLD_INDEX, Suite, load_suite
 from osfarm.trainer.config import TrainConfig
-from osfarm.trainer.learner import Learner, latest_checkpoint, read_state
+from osfarm.trainer.data_manager import Batch, DataConfig, DataManager, Sample
+from osfarm.trainer.learner import Learner, UpdateStats, latest_checkpoint, read_state
 from osfarm.trainer.metrics import TrainMetrics
-from osfarm.trainer.weight_sync import WeightSync
+from osfarm.trainer.rollout_controller import ControllerConfig, RolloutController
+from osfarm.trainer.weight_sync import SyncResult, WeightSync
+
+P = ParamSpec("P")
+R = TypeVar("R")
+EpisodeRecord = dict[str, Any]  # an osfarm.episode/1 record (osfarm.stream.record checks it)
 
 CHECKPOINTS = "checkpoints"
 DM_STATE = "data_manager.json"
@@ -81,7 +101,7 @@ class Window:
     env_busy_s: float = 0.0
     outcomes: dict[str, int] = field(default_factory=dict)
 
-    def add(self, rec: dict[str, Any] | None, outcome: str, started: float, finished: float) -> None:
+    def add(self, rec: EpisodeRecord | None, outcome: str, started: float, finished: float) -> None:
         self.episodes += 1
         self.env_busy_s += overlap(started, finished, self.started, finished)
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -105,7 +125,7 @@ def pin_learner(cpus: set[int]) -> None:
     torch.set_num_threads(len(cpus))
 
 
-def tag_versions(steps: list[Any], version: int) -> int:
+def tag_versions(steps: list[StepRecord], version: int) -> int:
     """Give ``version`` to the steps whose model call reported none (a server that does not say
     which weights answered, e.g. vLLM); returns how many were tagged.
 
@@ -120,7 +140,7 @@ def tag_versions(steps: list[Any], version: int) -> int:
     return n
 
 
-def staleness_of(samples: list[Any], version: int) -> list[int]:
+def staleness_of(samples: list[Sample], version: int) -> list[int]:
     return [version - int(s.policy_version) for s in samples if s.policy_version is not None]
 
 
@@ -142,7 +162,7 @@ class Trainer:
         self.processes: list[PolicyProcess] = []
         self.in_flight: dict[int, float] = {}  # running episodes: id -> monotonic start
         self.in_flight_versions: dict[int, int] = {}  # running episodes: id -> version of the model they request
-        self.farm_client: dict[str, Any] = {}  # the AsyncFarm, opened by the first rollout on the loop
+        self.farm: AsyncFarm | None = None  # opened by the first rollout, on the event loop
         self.stop = asyncio.Event()
         self.learner_pool: ThreadPoolExecutor | None = None  # None: asyncio's default executor
 
@@ -150,8 +170,6 @@ class Trainer:
 
     def model_dir(self) -> Path:
         if self.cfg.model == "tiny":
-            from osfarm.policy.tiny import tiny_model_dir
-
             return tiny_model_dir()
         p = Path(self.cfg.model).expanduser()
         if not (p / "config.json").is_file():
@@ -166,9 +184,7 @@ class Trainer:
             return learner, latest, state
         return Learner(self.model_dir(), self.cfg.learner), None, {}
 
-    def load_tasks(self) -> tuple[Any, list[Any]]:
-        from osfarm.tasks.suite import OSWORLD_INDEX, load_suite
-
+    def load_tasks(self) -> tuple[Suite, list[Task]]:
         suite_dir = Path(self.cfg.suite)
         index = suite_dir / OSWORLD_INDEX if (suite_dir / OSWORLD_INDEX).is_file() else None
         suite = load_suite(suite_dir, index)
@@ -183,15 +199,11 @@ class Trainer:
             raise TrainError(f"{suite_dir}: no tasks")
         return suite, tasks
 
-    def make_agent(self, base_url: str, name: str) -> Any:
+    def make_agent(self, base_url: str, name: str) -> Agent:
         a = self.cfg.agent
         if a.kind == "choice":
-            from osfarm.agents.choice import ChoiceAgent
-
-            return ChoiceAgent(base_url, name, choices=a.choices, temperature=a.temperature, timeout_s=a.timeout_s,
-                               screenshot=a.screenshot)
-        from osfarm.agents import make_agent
-
+            return make_agent("choice", base_url=base_url, model=name, choices=a.choices, temperature=a.temperature,
+                              timeout_s=a.timeout_s, screenshot=a.screenshot)
         return make_agent("vlm", base_url=base_url, model=name, prompt_format=a.prompt_format, observation=a.observation,
                           history_turns=a.history_turns, history_images=a.history_images, temperature=a.temperature,
                           max_tokens=a.max_tokens, timeout_s=a.timeout_s, capture_logprobs=True)
@@ -204,22 +216,21 @@ class Trainer:
         for i in range(p.spawn):
             self.processes.append(PolicyProcess(model, version, p.model_name, self.run_dir / f"policy-{i}.log",
                                                 delay_ms=p.delay_ms, threads=threads, delay_sigma=p.delay_sigma))
-        for proc in self.processes:
-            try:
-                await proc.wait_ready(p.start_timeout_s)
-            except PolicyStartError as e:
-                raise TrainError(str(e)) from None
+        with self.console.status(f"starting {p.spawn} policy server(s) ..."):
+            for proc in self.processes:
+                try:
+                    await proc.wait_ready(p.start_timeout_s)
+                except PolicyStartError as e:
+                    raise TrainError(str(e)) from None
         return [PolicyServer(url=proc.url, kind="osfarm") for proc in self.processes]
 
-    def start_farm(self) -> tuple[str, str, Any]:
+    def start_farm(self) -> tuple[str, str, FarmServer | None]:
         f = self.cfg.farm
         if f.url:
             token = f.token or os.environ.get("OSFARM_TOKEN")
             if not token:
                 raise TrainError("farm.url needs farm.token (or OSFARM_TOKEN)")
             return f.url, token, None
-        from osfarm.farm.local import local_farm_settings, start_local_farm
-
         server = start_local_farm(local_farm_settings(self.cfg.rollout.envs, **f.overrides))
         return server.url, server.token, server
 
@@ -251,28 +262,19 @@ class Trainer:
                                                initargs=(set(cpus),))
         return allowed
 
-    async def in_learner(self, fn: Any, *args: Any) -> Any:
+    async def in_learner(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run blocking learner work on the learner's thread (its own CPUs when pinned)."""
-        return await asyncio.get_running_loop().run_in_executor(self.learner_pool, functools.partial(fn, *args))
+        return await asyncio.get_running_loop().run_in_executor(self.learner_pool, functools.partial(fn, *args, **kwargs))
 
     async def _run(self) -> dict[str, Any]:
-        from osfarm.runner.episode import EpisodeConfig, run_episode
-        from osfarm.runner.scheduler import RolloutScheduler
-        from osfarm.stream.blobs import LocalBlobStore
-        from osfarm.stream.jsonl import JsonlSink
-        from osfarm.tasks.filecache import suite_cache
-        from osfarm.trainer.data_manager import DataConfig, DataManager
-        from osfarm.trainer.rollout_controller import (
-            ControllerConfig,
-            RolloutController,
-        )
-
         cfg, ro = self.cfg, self.cfg.rollout
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "train_config.json").write_text(cfg.model_dump_json(indent=2))
         suite, tasks = self.load_tasks()
         by_id = {t.id: t for t in tasks}
-        learner, ckpt, _state = await self.in_learner(self.load_learner)
+        # osfarm's one progress display for the slow start steps (transformers' bars are off)
+        with self.console.status(f"loading the policy model ({cfg.model}) ..."):
+            learner, ckpt, _state = await self.in_learner(self.load_learner)
         self.learner = learner
         start_version = learner.version
         if learner.version >= cfg.updates:
@@ -318,11 +320,11 @@ class Trainer:
             except TypeError as e:
                 raise TrainError(f"rollout.options: {e}") from None
 
-            scheduler: RolloutScheduler[Any, Any] = RolloutScheduler(self._run_one_factory(
+            scheduler: RolloutScheduler[Rollout, EpisodeRecord] = RolloutScheduler(self._run_one_factory(
                 by_id, suite_cache(suite, Path(cfg.suite), None, self.run_dir, True), url, token, servers,
                 EpisodeConfig(max_steps=ro.max_steps, time_limit_s=ro.episode_time_limit_s, infra_retries=0,
                               work_dir=self.run_dir / ".work"),
-                LocalBlobStore(self.run_dir), JsonlSink(self.run_dir / "episodes.jsonl"), run_episode), ro.envs)
+                LocalBlobStore(self.run_dir), JsonlSink(self.run_dir / "episodes.jsonl")), ro.envs)
 
             async def submit(task_id: str, n: int, version: int) -> None:
                 for _ in range(n):
@@ -343,9 +345,10 @@ class Trainer:
                 filler.cancel()
                 consumer.cancel()
                 await scheduler.aclose()
-                if "farm" in self.farm_client:
+                if self.farm is not None:
+                    farm, self.farm = self.farm, None
                     with contextlib.suppress(Exception):
-                        await self.farm_client.pop("farm").__aexit__(None, None, None)
+                        await farm.__aexit__(None, None, None)
                 for t in (filler, consumer):
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await t
@@ -360,18 +363,15 @@ class Trainer:
             metrics.close()
         return self.summary(start_version)
 
-    def _run_one_factory(self, by_id: dict[str, Any], cache: Any, url: str, token: str, servers: list[PolicyServer],
-                         ecfg: Any, blobs: Any, sink: Any, run_episode: Any) -> Any:
-        from osfarm.client import AsyncFarm
-        from osfarm.runner.results import episode_record
-
-        farm_holder = self.farm_client
-
-        async def run_one(item: Rollout) -> dict[str, Any]:
+    def _run_one_factory(self, by_id: dict[str, Task], cache: FileCache, url: str, token: str,
+                         servers: list[PolicyServer], ecfg: EpisodeConfig, blobs: BlobStore,
+                         sink: JsonlSink) -> Callable[[Rollout], Awaitable[EpisodeRecord]]:
+        async def run_one(item: Rollout) -> EpisodeRecord:
             self.in_flight[id(item)] = time.monotonic()
-            if "farm" not in farm_holder:
-                farm_holder["farm"] = AsyncFarm(url, token)
-                await farm_holder["farm"].__aenter__()
+            if self.farm is None:
+                self.farm = AsyncFarm(url, token)
+                await self.farm.__aenter__()
+            farm = self.farm
             task_id, seq = item.task_id, item.seq
             server = servers[seq % len(servers)]
             model, version = self.sync.route(server)
@@ -379,7 +379,7 @@ class Trainer:
                 self.in_flight_versions[id(item)] = version
             agent = self.make_agent(server.url, model)
             try:
-                res = await run_episode(farm_holder["farm"], by_id[task_id], agent, cache, ecfg, self.run_id)
+                res = await run_episode(farm, by_id[task_id], agent, cache, ecfg, self.run_id)
             finally:
                 self.in_flight_versions.pop(id(item), None)
             if version is not None:
@@ -392,7 +392,8 @@ class Trainer:
 
         return run_one
 
-    async def _consume(self, scheduler: Any, dm: Any, controller: Any) -> None:
+    async def _consume(self, scheduler: RolloutScheduler[Rollout, EpisodeRecord], dm: DataManager,
+                       controller: RolloutController) -> None:
         async for done in scheduler.results():
             rec = done.result
             if rec is None:
@@ -410,7 +411,7 @@ class Trainer:
                 self.console.print(f"episode budget reached ({self.cfg.max_episodes}): stopping", highlight=False)
                 self.stop.set()
 
-    async def _sync(self, sync: WeightSync, path: Path, version: int) -> list[Any]:
+    async def _sync(self, sync: WeightSync, path: Path, version: int) -> list[SyncResult]:
         results = await sync.sync(path, version)
         for r in results:
             if not r.ok:
@@ -418,8 +419,8 @@ class Trainer:
                 self.console.print(f"[red]weight sync failed[/]: {r.error}", highlight=False)
         return results
 
-    async def _learn(self, learner: Learner, dm: Any, controller: Any, sync: WeightSync, n_groups: int,
-                     consumer: asyncio.Task[None]) -> None:
+    async def _learn(self, learner: Learner, dm: DataManager, controller: RolloutController, sync: WeightSync,
+                     n_groups: int, consumer: asyncio.Task[None]) -> None:
         cfg, eta = self.cfg, self.cfg.rollout.eta
         while learner.version < cfg.updates and not self.stop.is_set():
             get = asyncio.create_task(dm.get_batch(n_groups))
@@ -463,8 +464,8 @@ class Trainer:
             self.totals["updates_this_run"] += 1
             self._log_row(stats, samples, stale, update_s, sync_s, results, batch, controller)
 
-    def _log_row(self, stats: Any, samples: list[Any], stale: list[int], update_s: float, sync_s: float,
-                 results: list[Any], batch: Any, controller: Any) -> None:
+    def _log_row(self, stats: UpdateStats, samples: list[Sample], stale: list[int], update_s: float, sync_s: float,
+                 results: list[SyncResult], batch: Batch, controller: RolloutController) -> None:
         now = time.monotonic()
         w, self.window = self.window, Window(started=now)
         wall = max(1e-9, now - w.started)

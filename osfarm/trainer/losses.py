@@ -141,7 +141,10 @@ def decoupled_ppo_loss(
     loss = masked_aggregate(per_token, keep, aggregation, count_mask=mask)
 
     n_tok = float(mask.sum())
-    frac = (lambda b: float((b & on).sum()) / n_tok if n_tok else 0.0)
+
+    def frac(b: torch.Tensor) -> float:
+        return float((b & on).sum()) / n_tok if n_tok else 0.0
+
     stats = {
         "loss": float(loss.detach()),
         "tokens": n_tok,
