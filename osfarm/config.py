@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import yaml
@@ -102,30 +103,61 @@ class _YamlFileSource(PydanticBaseSettingsSource):
 
 
 def load_yaml_config(path: Path) -> dict[str, Any]:
+    """The farm settings in a YAML file; an unknown key is an error naming its line."""
+    data, text = read_yaml_mapping(path)
+    unknown = sorted(set(data) - set(FarmSettings.model_fields))
+    if unknown:
+        raise ConfigError(f"{path}:{yaml_line(text, (unknown[0],))}: unknown setting {unknown[0]!r}")
+    return data
+
+
+# -- YAML files with errors that name the line (the farm's config, the trainer's train.yaml) ------
+
+
+def read_yaml_mapping(path: Path, error: type[Exception] = ConfigError) -> tuple[dict[str, Any], str]:
+    """The mapping in a YAML file, and the file's text (to find lines in later).
+
+    Raises ``error`` naming ``FILE:LINE`` when the file cannot be read, is not YAML or is not
+    a mapping.
+    """
     try:
-        text = path.read_text()
+        text = Path(path).read_text()
     except OSError as e:
-        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+        raise error(f"{path}: cannot read config file: {e.strerror}") from None
     try:
         data = yaml.safe_load(text) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        raise error(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}:1: expected a mapping of settings, got {type(data).__name__}")
-    unknown = set(data) - set(FarmSettings.model_fields)
-    if unknown:
-        line = _line_of(text, sorted(unknown)[0])
-        raise ConfigError(f"{path}:{line}: unknown setting {sorted(unknown)[0]!r}")
-    return data
+        raise error(f"{path}:1: expected a mapping of settings, got {type(data).__name__}")
+    return data, text
 
 
-def _line_of(text: str, key: str) -> int:
-    for i, line in enumerate(text.splitlines(), 1):
-        if line.lstrip().startswith(f"{key}:"):
-            return i
-    return 1
+def yaml_line(text: str, loc: Sequence[Any]) -> int:
+    """The line of the deepest key of ``loc`` (a pydantic error location) found in order in the
+    YAML text; 1 when none is found. Keys of list items (``- key:``) count."""
+    lines = text.splitlines()
+    line = 0
+    for key in loc:
+        if not isinstance(key, str):
+            continue
+        for i in range(line, len(lines)):
+            if lines[i].lstrip().lstrip("- ").startswith(f"{key}:"):
+                line = i
+                break
+    return line + 1
+
+
+def validation_message(e: ValidationError, path: Path | str | None, text: str, where: str = "settings") -> str:
+    """``FILE:LINE: key.path: message`` for the first error of a model read from a YAML file
+    (``where`` instead of ``FILE:LINE`` when there is no file)."""
+    err = e.errors()[0]
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    place = f"{path}:{yaml_line(text, loc)}" if path is not None else where
+    return f"{place}: {key}: {err['msg']}"
 
 
 def load_settings(config: Path | None = None, **overrides: Any) -> FarmSettings:
@@ -135,8 +167,8 @@ def load_settings(config: Path | None = None, **overrides: Any) -> FarmSettings:
     try:
         return FarmSettings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as e:
-        err = e.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
+        key = ".".join(str(p) for p in e.errors()[0]["loc"])
         src = os.environ.get("OSFARM_CONFIG")
-        where = f"{src}:{_line_of(Path(src).read_text(), key)}" if src and Path(src).exists() else "settings"
-        raise ConfigError(f"{where}: {key}: {err['msg']} (env var OSFARM_{key.upper()})") from None
+        text = Path(src).read_text() if src and Path(src).exists() else ""
+        message = validation_message(e, src if text else None, text)
+        raise ConfigError(f"{message} (env var OSFARM_{key.upper()})") from None

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from osfarm.config import read_yaml_mapping, validation_message
 from osfarm.trainer.learner import LearnerOptions
 from osfarm.policy.client import PolicyServer
 
@@ -116,43 +116,14 @@ class TrainConfig(_Strict):
         return self
 
 
-def _line_of(text: str, loc: tuple[Any, ...]) -> int:
-    """The line of the deepest key of ``loc`` found in order in the YAML text (1 if none)."""
-    lines = text.splitlines()
-    line = 0
-    for key in loc:
-        if not isinstance(key, str):
-            continue
-        for i in range(line, len(lines)):
-            if lines[i].lstrip().lstrip("- ").startswith(f"{key}:"):
-                line = i
-                break
-    return line + 1
-
-
 def load_train_config(path: Path | None, **overrides: Any) -> TrainConfig:
     """The config from ``path`` (None: the embedded default) with top-level ``overrides``."""
     data: dict[str, Any] = {}
     text = ""
     if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise TrainConfigError(f"{path}: cannot read: {e.strerror}") from None
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f"{path}:{mark.line + 1}" if mark else str(path)
-            raise TrainConfigError(f"{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
-        if not isinstance(data, dict):
-            raise TrainConfigError(f"{path}:1: expected a mapping of settings, got {type(data).__name__}")
+        data, text = read_yaml_mapping(Path(path), TrainConfigError)
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = tuple(err["loc"])
-        key = ".".join(str(p) for p in loc) or "(top level)"
-        where = f"{path}:{_line_of(text, loc)}" if path is not None else "train config"
-        raise TrainConfigError(f"{where}: {key}: {err['msg']}") from None
+        raise TrainConfigError(validation_message(e, path, text, "train config")) from None
