@@ -184,6 +184,12 @@ def test_stream_wire_format(http: httpx.Client) -> None:
     assert all(str(c["policy_version"]) == version for c in chunks)
     assert [c["choices"][0]["finish_reason"] for c in rest][-1] == "length"
     assert sum(len(c["choices"][0]["token_ids"]) for c in rest) == 6
+    # vLLM's continuous usage: the usage so far in every chunk, then the total
+    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(e.removeprefix("data: ")) for e in r.read().decode().split("\n\n")[:-2]]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 2, 3, 4, 5, 6, 6]
+    assert chunks[-1]["choices"] == [] and len({c["usage"]["prompt_tokens"] for c in chunks}) == 1
 
 
 @pytest.mark.parametrize("body, param", [

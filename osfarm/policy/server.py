@@ -3,8 +3,10 @@
 Routes: ``GET /v1/models``, ``POST /v1/chat/completions``, ``POST /v1/weights/reload``,
 ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's runtime LoRA API, with
 ``--enable-lora``), ``GET /health``, ``GET /metrics`` (Prometheus), OpenAPI at ``/docs``.
-Generation runs on one dedicated thread (requests queue for it; the event loop never blocks); a
-reload or an adapter load runs in another thread and swaps the weights between requests. Every
+``stream: true`` answers with server-sent events of ``chat.completion.chunk`` objects as vLLM
+sends them (``_stream``). Generation runs on one dedicated thread (requests queue for it; the
+event loop never blocks); a reload or an adapter load runs in another thread and swaps the
+weights between requests. Every
 response carries the policy version (JSON ``policy_version`` and the ``X-Policy-Version``
 header), except those of LoRA adapters and of the adapter routes: as from vLLM, none there.
 """

@@ -40,7 +40,7 @@ from osfarm.trainer.staleness import (
 log = logging.getLogger("osfarm.trainer.rollouts")
 
 STATE_SCHEMA = "osfarm.rollout_controller/1"
-Submit = Callable[[str, int, int], Awaitable[Any]]
+Submit = Callable[[str, int, int], Awaitable[None]]  # (task_id, rollouts, policy version)
 
 
 @dataclass
