@@ -19,6 +19,7 @@ callers without an event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -86,8 +87,6 @@ def parse_options(kw: dict[str, Any]) -> VLMOptions:
 def parse_agent_opts(pairs: list[str]) -> dict[str, Any]:
     """``["k=v", ...]`` from the command line -> {k: v}; values are read as JSON when they are
     JSON (numbers, true/false, null), else kept as strings."""
-    import json
-
     out: dict[str, Any] = {}
     for p in pairs:
         key, sep, value = p.partition("=")

@@ -7,6 +7,7 @@ version it does not know with a message that says which one it knows.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal
 
@@ -121,8 +122,6 @@ def check_record(rec: Any) -> dict[str, Any]:
 
 def parse_record(line: str | bytes) -> dict[str, Any]:
     """One JSON text (a JSONL line or a stream entry) to a validated record."""
-    import json
-
     try:
         rec = json.loads(line)
     except ValueError as e:

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from osfarm.evaluators.scoring import INFEASIBLE
 from osfarm.tasks.model import Issue, TaskError
 from osfarm.tasks.suite import Suite, load_suite
 
@@ -71,8 +72,6 @@ def implemented(kind: Kind) -> set[str]:
     if kind == "getter":
         names |= {n[len("get_"):] for n in names if n.startswith("get_")}
     if kind == "metric":
-        from osfarm.evaluators.scoring import INFEASIBLE
-
         names.add(INFEASIBLE)  # decided by scoring from the last action, not by a metric function
     return names
 

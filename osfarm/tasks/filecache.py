@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
 import httpx
+import yaml
 
 if TYPE_CHECKING:
     from osfarm.tasks.suite import Suite
@@ -45,8 +46,6 @@ def load_url_map(path: str | Path) -> dict[str, str]:
     path = Path(path)
     text = path.read_text()
     if path.suffix.lower() in (".yaml", ".yml"):
-        import yaml
-
         data = yaml.safe_load(text) or {}
     else:
         data = json.loads(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from pathlib import Path
@@ -33,8 +34,6 @@ def worker_command(
     os.environ.update(OSFARM_FARM_URL=farm.rstrip("/"), OSFARM_TOKEN=token, OSFARM_BROKER=broker, OSFARM_STREAM=stream)
     if out is not None:
         os.environ["OSFARM_WORKER_OUT"] = str(out.resolve())
-    import logging
-
     from osfarm.runner.executors.celery_app import QUEUE, make_app
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per farm request drowns the episode log
