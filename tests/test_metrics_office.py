@@ -387,6 +387,25 @@ def test_compare_docx_files_and_ignore_new_lines(tmp_path: Path) -> None:
     assert docs_m.compare_docx_files_and_ignore_new_lines(make_docx(tmp_path / "x.docx", ["a", "c"]), gold) == 0.0
 
 
+def test_compare_docx_lines(tmp_path: Path) -> None:
+    # OSWorld: the sets of non-blank, stripped paragraph texts must be equal (order, repeats,
+    # blank paragraphs and surrounding spaces ignored; inner spaces and case count).
+    gold = make_docx(tmp_path / "g.docx", ["alpha", "beta", "gamma"])
+    shuffled = make_docx(tmp_path / "s.docx", ["  gamma ", "", "alpha", "beta", "alpha"])
+    assert docs_m.compare_docx_lines(shuffled, gold) == 1.0
+    assert docs_m.compare_docx_lines(gold, shuffled) == 1.0
+    assert docs_m.compare_docx_lines(make_docx(tmp_path / "m.docx", ["alpha", "beta"]), gold) == 0.0
+    assert docs_m.compare_docx_lines(make_docx(tmp_path / "x.docx", ["alpha", "beta", "gamma", "delta"]), gold) == 0.0
+    assert docs_m.compare_docx_lines(make_docx(tmp_path / "c.docx", ["Alpha", "beta", "gamma"]), gold) == 0.0
+    assert docs_m.compare_docx_lines(make_docx(tmp_path / "i.docx", ["al pha", "beta", "gamma"]), gold) == 0.0
+    not_docx = tmp_path / "n.docx"
+    not_docx.write_text("not a zip")
+    for bad in (None, "", str(tmp_path / "missing.docx"), str(not_docx)):
+        assert docs_m.compare_docx_lines(bad, gold) == 0.0
+        assert docs_m.compare_docx_lines(gold, bad) == 0.0
+    assert docs_m.METRICS["compare_docx_lines"] is docs_m.compare_docx_lines
+
+
 def test_compare_docx_files_odt(tmp_path: Path) -> None:
     import zipfile
 

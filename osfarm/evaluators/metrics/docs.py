@@ -474,6 +474,18 @@ def compare_unique_train_records(processed_file: Any, expected_files: Any, **kwa
     return float(len(p_lines) == len(g_lines))
 
 
+@never_raises
+def compare_docx_lines(file1: Any, file2: Any) -> float:
+    """OSWorld: 1 iff both .docx hold the same set of non-blank paragraph texts (each stripped;
+    order and repeats ignored)."""
+    doc1, doc2 = _open(file1), _open(file2)
+    if doc1 is None or doc2 is None:
+        return 0.0
+    lines1 = {p.text.strip() for p in doc1.paragraphs if p.text.strip()}
+    lines2 = {p.text.strip() for p in doc2.paragraphs if p.text.strip()}
+    return float(lines1 == lines2)
+
+
 # OSWorld's rule texts are what EasyOCR reads (the ``ls`` task expects " Ls"); another engine
 # reads the same screenshot differently (tesseract: "1s"), so its verdicts would not be OSWorld's.
 OCR_UNSUPPORTED = (
@@ -493,6 +505,7 @@ def compare_image_text(image_path: str | None, rule: dict[str, Any]) -> float:
 METRICS: dict[str, Callable[..., float]] = {
     "compare_image_text": compare_image_text,
     "compare_docx_files": compare_docx_files,
+    "compare_docx_lines": compare_docx_lines,
     "compare_docx_files_and_ignore_new_lines": compare_docx_files_and_ignore_new_lines,
     "compare_docx_tables": compare_docx_tables,
     "compare_line_spacing": compare_line_spacing,
