@@ -103,11 +103,51 @@ def test_malformed_task_names_file_and_json_path(tmp_path: Path) -> None:
 
 def test_wrong_types_are_not_coerced() -> None:
     raw = json.loads(_sample().read_text())
-    raw["proxy"] = "false"
     raw["config"][1]["type"] = 3
+    raw["instruction"] = ["not", "a", "string"]
     errs = _errors(raw)
-    assert any(e.startswith("tasks/calc/abc.json: $.proxy: ") for e in errs)
     assert any(e.startswith("tasks/calc/abc.json: $.config[1].type: ") for e in errs)
+    assert any(e.startswith("tasks/calc/abc.json: $.instruction: ") for e in errs)
+
+
+def test_keys_osworld_never_reads_take_any_value_and_proxy_warns() -> None:
+    # OSWorld's runner reads id, instruction, config, evaluator and proxy (by truthiness) only.
+    raw = json.loads(_sample().read_text())
+    raw.update(source=["https://a.example/q", "https://b.example"], snapshot=None, trajectory=7,
+               related_apps="chrome", fixed_ip="no", possibility_of_env_change=None, proxy="false")
+    del raw["snapshot"]
+    task = parse_task(raw, "tasks/calc/abc.json")
+    assert task.to_json() == raw and task.source == raw["source"]
+    assert task.apps == ["chrome"] and task.uses_proxy is True  # "false" is truthy, as in OSWorld
+    (w,) = [str(x) for x in task.warnings]
+    assert w.startswith("tasks/calc/abc.json: $.proxy: proxy should be true or false, got str")
+
+
+def test_func_list_shorter_than_result_runs_as_osworld_indexes_it() -> None:
+    raw = json.loads(_sample("libreoffice_writer").read_text())
+    ev = raw["evaluator"]
+    ev["result"].append({"type": "vm_file", "path": "/x", "dest": "x"})
+    ev["expected"].append({"type": "rule", "rules": {}})
+    ev["options"] = [{}, {}, {"ignore_case": True}]
+    task = parse_task(raw, "f.json")
+    assert task.to_json() == raw  # kept as read
+    assert [str(w).split(": has")[0] for w in task.warnings] == [
+        "f.json: $.evaluator.result[2]", "f.json: $.evaluator.expected[2]", "f.json: $.evaluator.options[2]"]
+    assert "never evaluated" in str(task.warnings[0]) and "asserts equal lengths" in str(task.warnings[0])
+    assert task.evaluator.aligned("result") == task.evaluator.result[:2]
+    assert task.evaluator.aligned("options") == [{}, {}]
+    assert len(task.evaluator.getters()) == 4  # the third result/expected is never fetched
+
+
+def test_every_osworld_example_loads() -> None:
+    # The 369 task files of OSWorld's current index, as OSWorld publishes them.
+    suite = load_suite(OSWORLD / "examples", strict=False)
+    assert len(suite) == 369 and suite.refused == []
+    assert len(load_suite(OSWORLD / "examples")) == 369  # strict too
+    warned = {w.file.rsplit("/", 1)[-1] for w in suite.warnings}
+    assert warned == {"b070486d-e161-459b-aa2b-ef442d973b92.json"}
+    vs = suite["ea98c5d7-3cf9-4f9b-8ad3-366b58e0fcae"]
+    assert isinstance(vs.source, list) and vs.to_json() == json.loads(vs.path.read_text())
 
 
 def test_missing_required_key() -> None:
@@ -204,6 +244,27 @@ def test_suite_reports_every_bad_file(tmp_path: Path) -> None:
     assert "$.evaluator.func: Input should be a valid string" in text
 
 
+def test_lenient_suite_lists_refused_tasks_and_loads_the_rest(tmp_path: Path) -> None:
+    root = _suite_dir(tmp_path, ["vlc", "chrome", "gimp"])
+    (root / "chrome" / "broken.json").write_text("{")
+    raw = json.loads(_sample("vlc").read_text())
+    raw["evaluator"]["func"] = 7
+    _write(root / "vlc" / _sample("vlc").name, raw)
+    index = _write(tmp_path / "idx.json", {"vlc": [_sample("vlc").stem], "chrome": [_sample("chrome").stem, "broken"],
+                                           "gimp": [_sample("gimp").stem, "ghost"]})
+    suite = load_suite(root, index, strict=False)
+    assert [t.id for t in suite] == [_sample("chrome").stem, _sample("gimp").stem]
+    refused = {r.task_id: r for r in suite.refused}
+    assert set(refused) == {_sample("vlc").stem, "broken", "ghost"}
+    assert refused["broken"].domain == "chrome" and refused["broken"].file == root / "chrome" / "broken.json"
+    assert f"{root / 'chrome' / 'broken.json'}:1:2: invalid JSON" in refused["broken"].error
+    assert "$.evaluator.func: Input should be a valid string" in refused[_sample("vlc").stem].error
+    assert f"{index}: $.gimp[1]: task ghost has no file" in refused["ghost"].error
+    with pytest.raises(TaskError) as e:  # strict: the same issues, raised together
+        load_suite(root, index)
+    assert len(e.value.issues) == 3
+
+
 def test_osworld_layout_examples_plus_test_all(tmp_path: Path) -> None:
     ee = tmp_path / "evaluation_examples"
     ee.mkdir()
@@ -270,6 +331,18 @@ def test_cli_validate_ok_and_errors(tmp_path: Path) -> None:
     assert res.exit_code == 1
     assert f"{index}: $.vlc[1]: task ghost has no file" in res.output
     assert f"{bad}: $.evaluator.result.type: Field required" in res.output
+
+
+def test_cli_validate_and_coverage_of_the_osworld_examples() -> None:
+    res = runner.invoke(tasks_app, ["validate", str(OSWORLD / "examples")])
+    assert res.exit_code == 0, res.output
+    assert "ok: 369 tasks in 10 domains, 2 warning(s)" in res.output
+    assert "warning: " in res.output and "b070486d-e161-459b-aa2b-ef442d973b92.json: $.evaluator.result[2]" in res.output
+    res = runner.invoke(tasks_app, ["coverage", str(OSWORLD / "examples"), "--json"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["n_tasks"] == 369 and data["refused"] == []
+    assert all(s["missing"] == 0 for s in data["summary"].values()), data["summary"]
 
 
 def test_cli_ls(tmp_path: Path) -> None:

@@ -28,6 +28,8 @@ def solution_path(task: Any, solutions: Path | None = None) -> Path:
     ref = getattr(task, "trajectory", "") or ""
     if not ref:
         raise ReplayError(f"task {getattr(task, 'id', '?')}: no 'trajectory' (reference solution) to replay")
+    if not isinstance(ref, str):  # OSWorld never reads the key, so a task file may hold anything there
+        raise ReplayError(f"task {getattr(task, 'id', '?')}: 'trajectory' must be a path, got {type(ref).__name__}")
     p = Path(ref)
     if p.is_absolute():
         return p

@@ -22,10 +22,11 @@ from rich.console import Console
 from rich.table import Table
 
 from osfarm.agents.prompts.messages import strip_images
-from osfarm.runner.episode import INFRA_ERROR, SUCCESS, TIMEOUT, EpisodeResult
+from osfarm.runner.episode import INFRA_ERROR, SUCCESS, TIMEOUT, EpisodeResult, episode_id
 from osfarm.stream.blobs import BlobStore
 from osfarm.stream.jsonl import JsonlSink
 from osfarm.stream.record import SCHEMA, SchemaError, check_record
+from osfarm.tasks.suite import RefusedTask
 
 RESULTS_SCHEMA = "osfarm.results/1"
 # OSWorld's folders are named libreoffice_calc etc.; its paper calls them calc etc.: both count.
@@ -149,6 +150,33 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
         row["recording_error"] = res.recording_error
     (d / "episode.json").write_text(json.dumps(row, indent=2))
     rec = episode_record(res, run_id, blobs)
+    if emit is not None:
+        emit(rec)
+    else:
+        JsonlSink(out / "episodes.jsonl").publish(rec)
+    return row
+
+
+def write_refused(out: Path, refused: RefusedTask, run_id: str, agent: str,
+                  emit: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
+    """A task whose file did not load: an ``infra_error`` row and episode record (no steps) whose
+    error names the file and the JSON path of every issue; it gets no result.txt, so ``--resume``
+    tries it again once the file is fixed."""
+    d = task_dir(out, refused.domain, refused.task_id)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "result.txt").unlink(missing_ok=True)
+    (d / "error.txt").write_text(refused.error + "\n")
+    now = datetime.now(tz=UTC).timestamp()
+    eid = episode_id(run_id, refused.task_id, 1)
+    row = {"task_id": refused.task_id, "domain": refused.domain, "status": INFRA_ERROR, "score": 0.0,
+           "error": refused.error, "steps": 0, "attempts": 1, "seconds": 0.0, "episode_id": eid}
+    (d / "episode.json").write_text(json.dumps(row, indent=2))
+    rec = {"schema": SCHEMA, "episode_id": eid, "run_id": run_id, "task_id": refused.task_id,
+           "domain": refused.domain, "group_id": refused.task_id, "attempt": 1, "agent": agent,
+           "policy": {"name": agent, "version_start": None, "version_end": None},
+           "desktop": {"provider": None, "image": None}, "status": INFRA_ERROR, "score": 0.0,
+           "error": refused.error, "infra_retries": 0, "timings": {}, "started_at": _iso(now),
+           "finished_at": _iso(now), "steps": []}
     if emit is not None:
         emit(rec)
     else:

@@ -46,6 +46,7 @@ from osfarm.runner.results import (
     finished_row,
     summarize,
     write_report,
+    write_refused,
     write_results,
     write_task,
 )
@@ -173,7 +174,7 @@ async def run_async(opts: RunOptions, url: str | None, token: str | None, consol
     index = opts.index
     if index is None and (Path(opts.suite) / OSWORLD_INDEX).is_file():
         index = Path(opts.suite) / OSWORLD_INDEX  # a suite's own test_all.json fixes its tasks
-    suite = load_suite(opts.suite, index)
+    suite = load_suite(opts.suite, index, strict=False)  # a bad task file costs that task, not the run
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     make_agent(opts.agent, **opts.agent_options())  # an unknown agent fails before any lease
@@ -193,6 +194,11 @@ async def run_async(opts: RunOptions, url: str | None, token: str | None, consol
     started = time.time()
     counts = {"success": 0, "failure": 0, "infra_error": 0, "timeout": 0}
     jsonl = JsonlSink(out / "episodes.jsonl")
+    refused_rows = []
+    for r in suite.refused:
+        row = write_refused(out, r, run_id, opts.agent)
+        refused_rows.append(row)
+        counts[INFRA_ERROR] += 1
     stream_sink = None
     if opts.stream_url:
         from osfarm.stream.redis_stream import RedisStreamSink
@@ -226,11 +232,12 @@ async def run_async(opts: RunOptions, url: str | None, token: str | None, consol
                 counts[row["status"]] += 1
                 progress.update(bar, advance=1, description=describe())
 
-    ordered = [rows[t.id] for t in suite]
+    ordered = [rows[t.id] for t in suite] + refused_rows
     summary = summarize(ordered, run_id, opts.agent, {
         "suite": str(opts.suite), "index": str(index) if index else None, "envs": opts.envs,
         "executor": opts.executor, "max_concurrent": opts.concurrency(len(todo)), "sync_batches": opts.sync_batches,
         "max_steps": opts.max_steps, "resumed": len(suite) - len(todo), "ran": len(todo),
+        "refused": len(refused_rows),
         "started_at": started, "finished_at": time.time(), "seconds": round(time.time() - started, 2)})
     write_results(out, summary)
     write_report(out, summary)

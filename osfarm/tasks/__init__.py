@@ -13,13 +13,14 @@ from osfarm.tasks.model import (
     load_task,
     parse_task,
 )
-from osfarm.tasks.suite import Suite, load_suite
+from osfarm.tasks.suite import RefusedTask, Suite, load_suite
 
 __all__ = [
     "ConfigStep",
     "Evaluator",
     "Getter",
     "Issue",
+    "RefusedTask",
     "Suite",
     "Task",
     "TaskError",

@@ -56,9 +56,21 @@ def _load(directory: Path, index: Path | None) -> Suite:
 
 @tasks_app.command("validate")
 def validate(directory: DirArg, index: IndexOpt = None) -> None:
-    """Check every task (and the index); print each problem as FILE: PATH: message, exit 1 if any."""
-    suite = _load(directory, index)
-    typer.echo(f"ok: {len(suite)} tasks in {len(suite.domains())} domains")
+    """Check every task (and the index); print each problem as FILE: PATH: message, exit 1 if any.
+
+    Warnings (tasks that load as OSWorld's runner would run them, e.g. a func list shorter than
+    its result list) print as 'warning: FILE: PATH: message' and do not fail."""
+    try:
+        suite = load_suite(directory, index, strict=False)
+    except TaskError as e:
+        _fail(e)
+        return
+    for w in suite.warnings:
+        typer.echo(f"warning: {w}")
+    if suite.refused:
+        _fail(TaskError([i for r in suite.refused for i in r.issues]))
+    warned = f", {len(suite.warnings)} warning(s)" if suite.warnings else ""
+    typer.echo(f"ok: {len(suite)} tasks in {len(suite.domains())} domains{warned}")
 
 
 @tasks_app.command("ls")
@@ -77,7 +89,7 @@ def ls(
         table.add_row(
             t.domain,
             t.id,
-            ",".join(t.related_apps),
+            ",".join(t.apps),
             ",".join(t.config_types()),
             "+".join(t.evaluator.funcs),
             _prefix(t.instruction, 60),
@@ -104,8 +116,12 @@ def coverage_cmd(
         return
     if as_json:
         typer.echo(json.dumps(cov.to_json(), indent=2))
-        return
-    _print_tables(cov)
+    else:
+        _print_tables(cov)
+        for line in cov.refused:
+            typer.echo(f"refused: {line}")
+    if cov.refused:
+        raise typer.Exit(1)
 
 
 def _print_tables(cov: Coverage) -> None:

@@ -111,8 +111,10 @@ def evaluate(run: TaskRun, last_action: Any) -> float:
             raise EvaluationError(f"evaluation: getter {typ!r} crashed: {type(e).__name__}: {e}") from e
 
     if isinstance(ev.func, list):
-        results = [get(x) for x in (ev.result or [])] if isinstance(ev.result, list) else []
-        expecteds = [get(x) for x in ev.expected] if isinstance(ev.expected, list) else []
+        # Metric i gets entry i; entries past len(func) are never fetched (OSWorld's indexing).
+        result, expected = ev.aligned("result"), ev.aligned("expected")
+        results = [get(x) for x in result] if isinstance(result, list) else []
+        expecteds = [get(x) for x in expected] if isinstance(expected, list) else []
     else:
         results = [get(ev.result)]
         expecteds = [get(ev.expected)] if ev.expected is not None else []

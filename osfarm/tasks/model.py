@@ -7,6 +7,17 @@ order is remembered so ``Task.to_json()`` gives back the same JSON document, key
 Problems are reported as :class:`Issue` values naming the file and a JSON path
 (``tasks/calc/abc.json: $.evaluator.result[1]: ...``) or, for text that is not JSON at all, the
 file, line and column (``tasks/calc/abc.json:3:7: invalid JSON: ...``).
+
+What is refused follows OSWorld's runner (``DesktopEnv``): a task loads wherever OSWorld's runner
+can run it. Keys OSWorld never reads (``source``, ``trajectory``, ``related_apps``, ``snapshot``,
+``fixed_ip``, ``possibility_of_env_change``, ...) may hold any JSON value (``source`` is a list in
+one published task); ``proxy`` is read by truthiness, as OSWorld does, with a warning when it is
+not a boolean. A ``func`` list shorter than its ``result``/``expected``/``options`` lists runs as
+OSWorld's ``evaluate`` indexes it (metric ``i`` gets entry ``i``; the extra entries are never
+evaluated), with a warning: OSWorld's ``_set_evaluator_info`` asserts equal lengths, so OSWorld
+itself errors on such a task at reset. Shapes OSWorld's runner cannot evaluate (a list shorter
+than ``func``, a list beside a single ``func``) are refused. Warnings are :class:`Issue` values
+too, in ``Task.warnings``.
 """
 
 from __future__ import annotations
@@ -139,17 +150,27 @@ class Evaluator(OpenModel):
         return self.func == "infeasible"
 
     def getters(self) -> list[Getter]:
-        """Every result and expected getter spec (nulls skipped)."""
+        """Every result and expected getter spec that is evaluated (nulls and entries past a
+        ``func`` list skipped)."""
         out: list[Getter] = []
-        for g in (self.result, self.expected):
+        for g in (self.aligned("result"), self.aligned("expected")):
             if isinstance(g, list):
                 out.extend(x for x in g if x is not None)
             elif g is not None:
                 out.append(g)
         return out
 
+    def aligned(self, name: str) -> Any:
+        """``result``/``expected``/``options`` as OSWorld's ``evaluate`` reads them: with a ``func``
+        list, only the first ``len(func)`` entries (metric ``i`` gets entry ``i``)."""
+        value = getattr(self, name)
+        if isinstance(self.func, list) and isinstance(value, list):
+            return value[: len(self.func)]
+        return value
+
     def alignment_issues(self) -> list[tuple[str, str]]:
-        """(json path, message) for breaches of OSWorld's index-aligned list rule."""
+        """(json path, message) for breaches of OSWorld's index-aligned list rule that OSWorld's
+        runner cannot evaluate (see :meth:`alignment_warnings` for the ones it can)."""
         found: list[tuple[str, str]] = []
         fields = self.model_fields_set
         if isinstance(self.func, list):
@@ -164,7 +185,7 @@ class Evaluator(OpenModel):
                     continue
                 if not isinstance(value, list):
                     found.append((f"$.evaluator.{name}", f"must be a list of {n} (func is a list), got {_kind(value)}"))
-                elif len(value) != n:
+                elif len(value) < n:
                     found.append((f"$.evaluator.{name}", f"has {len(value)} entries but func has {n}"))
         else:
             for name in ("result", "expected", "options"):
@@ -172,6 +193,23 @@ class Evaluator(OpenModel):
                     found.append((f"$.evaluator.{name}", "is a list but func is a single name"))
             if not self.is_infeasible and self.result is None:
                 found.append(("$.evaluator.result", f"missing; metric {self.func!r} needs a result getter"))
+        return found
+
+    def alignment_warnings(self) -> list[tuple[str, str]]:
+        """(json path, message) for lists longer than a ``func`` list: OSWorld's ``evaluate``
+        indexes them by metric, so their extra entries are never evaluated."""
+        found: list[tuple[str, str]] = []
+        if not isinstance(self.func, list):
+            return found
+        n = len(self.func)
+        for name in ("result", "expected", "options"):
+            value = getattr(self, name)
+            if isinstance(value, list) and len(value) > n:
+                extra = f"[{n}]" if len(value) == n + 1 else f"[{n}:{len(value)}]"
+                found.append((f"$.evaluator.{name}{extra}",
+                              f"has {len(value)} entries but func has {n}: entries past {n} are never evaluated "
+                              f"(OSWorld's evaluate indexes by metric; its DesktopEnv asserts equal lengths and "
+                              f"errors on this task at reset)"))
         return found
 
 
@@ -182,23 +220,43 @@ def _kind(v: Any) -> str:
 class Task(OpenModel):
     """One OSWorld task (``evaluation_examples/examples/<domain>/<id>.json``)."""
 
+    # What OSWorld's runner reads (task_config["id"], ["instruction"], ["evaluator"], .get("config"),
+    # .get("proxy")) is typed; keys it never reads take any JSON value and are kept as read.
     id: str
-    snapshot: str
     instruction: str
     evaluator: Evaluator
-    source: str = ""
-    trajectory: str = ""
-    related_apps: list[str] = Field(default_factory=list)
-    proxy: bool = False
-    fixed_ip: bool = False
-    possibility_of_env_change: str = ""
     config: list[ConfigStep] = Field(default_factory=list)
-    # Rare keys whose value shapes vary upstream: kept as read.
+    proxy: Any = False
+    snapshot: Any = ""
+    source: Any = ""  # a list of URLs in one published task
+    trajectory: Any = ""
+    related_apps: Any = Field(default_factory=list)
+    fixed_ip: Any = False
+    possibility_of_env_change: Any = ""
     hint: Any = None
     env_may_change: Any = None
 
     _domain: str = PrivateAttr(default="")
     _path: Path | None = PrivateAttr(default=None)
+    _warnings: list[Issue] = PrivateAttr(default_factory=list)
+
+    @property
+    def warnings(self) -> list[Issue]:
+        """What loads but deserves a look (an uneven evaluator list, a non-boolean ``proxy``)."""
+        return self._warnings
+
+    @property
+    def uses_proxy(self) -> bool:
+        """OSWorld's reading of ``proxy``: truthiness (``"false"`` is true there too)."""
+        return bool(self.proxy)
+
+    @property
+    def apps(self) -> list[str]:
+        """``related_apps`` as a list of names, whatever shape the file gave it."""
+        apps = self.related_apps
+        if isinstance(apps, str):
+            return [apps]
+        return [str(a) for a in apps] if isinstance(apps, list) else []
 
     @property
     def domain(self) -> str:
@@ -230,6 +288,11 @@ def parse_task(data: Any, file: str = "<task>") -> Task:
     problems = task.evaluator.alignment_issues()
     if problems:
         raise TaskError([Issue(file, msg, path) for path, msg in problems])
+    task._warnings = [Issue(file, msg, path) for path, msg in task.evaluator.alignment_warnings()]
+    if not isinstance(task.proxy, bool):
+        task._warnings.append(Issue(file, f"proxy should be true or false, got {_kind(task.proxy)} "
+                                          f"{json.dumps(task.proxy)[:40]}; read by truthiness as OSWorld does "
+                                          f"({task.uses_proxy})", "$.proxy"))
     return task
 
 

@@ -4,6 +4,10 @@
 Also reads OSWorld's own tree (``evaluation_examples/``: ``examples/<domain>/<id>.json`` with
 ``test_all.json`` beside it). Every problem in every file is collected before raising, so
 ``osfarm tasks validate`` can show them all at once.
+
+``strict=False`` loads what can be loaded and lists the rest as :class:`RefusedTask` values (file,
+id, every issue), so one bad task file costs that task, not the suite: ``osfarm eval`` records a
+refused task as an ``infra_error`` naming the file and JSON path and runs the others.
 """
 
 from __future__ import annotations
@@ -17,11 +21,27 @@ from osfarm.tasks.model import Issue, Task, TaskError, load_task, read_json
 OSWORLD_INDEX = "test_all.json"
 
 
+@dataclass(frozen=True)
+class RefusedTask:
+    """A task of the suite that cannot be run: its file is missing, unreadable or invalid."""
+
+    domain: str
+    task_id: str  # the index's id, else the file name's stem
+    file: Path
+    issues: tuple[Issue, ...]
+
+    @property
+    def error(self) -> str:
+        """One line per issue, each naming the file and the JSON path (or line:col)."""
+        return "refused task file:\n" + "\n".join(str(i) for i in self.issues)
+
+
 @dataclass
 class Suite:
     root: Path  # the folder holding <domain>/<id>.json
     tasks: list[Task]
     index_file: Path | None = None
+    refused: list[RefusedTask] = field(default_factory=list)  # strict=False: what did not load
     _by_id: dict[str, Task] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +65,11 @@ class Suite:
 
     def in_domain(self, domain: str) -> list[Task]:
         return [t for t in self.tasks if t.domain == domain]
+
+    @property
+    def warnings(self) -> list[Issue]:
+        """Every loaded task's warnings (see :attr:`osfarm.tasks.model.Task.warnings`)."""
+        return [w for t in self.tasks for w in t.warnings]
 
     def index(self) -> dict[str, list[str]]:
         """This suite as an OSWorld-style index."""
@@ -90,16 +115,18 @@ def resolve_layout(directory: str | Path, index: str | Path | None) -> tuple[Pat
     return d, Path(index) if index is not None else None
 
 
-def load_suite(directory: str | Path, index: str | Path | None = None) -> Suite:
+def load_suite(directory: str | Path, index: str | Path | None = None, *, strict: bool = True) -> Suite:
     """Load every task of the index, in index order (or every file, sorted, when no index).
 
-    Raises :class:`TaskError` with all issues found: bad task files, index entries without a
-    file (naming the index file and the id), unreadable index.
+    ``strict`` (the default) raises :class:`TaskError` with all issues found: bad task files,
+    index entries without a file (naming the index file and the id). ``strict=False`` returns
+    the tasks that load and lists the others in ``Suite.refused``. Either way an unreadable index
+    or a missing folder raises.
     """
     root, index_file = resolve_layout(directory, index)
     if not root.is_dir():
         raise TaskError([Issue(str(root), "not a folder of <domain>/<id>.json task files")])
-    issues: list[Issue] = []
+    refused: list[RefusedTask] = []
     wanted: list[tuple[str, Path]] = []
     if index_file is not None:
         for domain, ids in read_index(index_file).items():
@@ -108,22 +135,24 @@ def load_suite(directory: str | Path, index: str | Path | None = None) -> Suite:
                 if p.is_file():
                     wanted.append((domain, p))
                 else:
-                    issues.append(
-                        Issue(str(index_file), f"task {tid} has no file {p}", f"$.{domain}[{i}]")
-                    )
+                    issue = Issue(str(index_file), f"task {tid} has no file {p}", f"$.{domain}[{i}]")
+                    refused.append(RefusedTask(domain, tid, p, (issue,)))
     else:
         wanted = [(p.parent.name, p) for p in sorted(root.glob("*/*.json"))]
     tasks: list[Task] = []
+    seen: dict[str, Path] = {}
     for domain, p in wanted:
         try:
-            tasks.append(load_task(p, domain=domain))
+            task = load_task(p, domain=domain)
         except TaskError as e:
-            issues.extend(e.issues)
-    seen: dict[str, Path] = {}
-    for t in tasks:  # without an index the same id may sit in two domains
-        if t.id in seen:
-            issues.append(Issue(str(t.path), f"duplicate task id (also {seen[t.id]})", "$.id"))
-        seen[t.id] = t.path  # type: ignore[assignment]
-    if issues:
-        raise TaskError(issues)
-    return Suite(root=root, tasks=tasks, index_file=index_file)
+            refused.append(RefusedTask(domain, p.stem, p, tuple(e.issues)))
+            continue
+        if task.id in seen:  # without an index the same id may sit in two domains
+            issue = Issue(str(p), f"duplicate task id (also {seen[task.id]})", "$.id")
+            refused.append(RefusedTask(domain, task.id, p, (issue,)))
+            continue
+        seen[task.id] = p
+        tasks.append(task)
+    if strict and refused:
+        raise TaskError([i for r in refused for i in r.issues])
+    return Suite(root=root, tasks=tasks, index_file=index_file, refused=refused)
