@@ -1,34 +1,84 @@
-"""Suite-wide checks: every test run must leave no process of ours behind."""
+"""Suite-wide fixtures and checks: the shared farm, and no process of ours left behind."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import psutil
 import pytest
+from farms import release_all_leases, running_farm
 
-def _is_ours(p: psutil.Process) -> bool:
-    """Sandbox boxes carry OSFARM_SANDBOX_DIR in their environment (set by the provider)."""
+from osfarm.farm.server import FarmServer
+from osfarm.providers.sandbox import SANDBOX_ENV
+
+# -- the shared farm ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def session_farm() -> Iterator[FarmServer]:
+    """One farm for the whole session: its desktops are started once and reset between leases."""
+    with running_farm() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def farm(session_farm: FarmServer) -> Iterator[FarmServer]:
+    """The session's farm (settings: tests/farms.py). Leases a module leaves behind are released
+    when it ends, so every module starts with all desktops free."""
+    yield session_farm
+    release_all_leases(session_farm)
+
+
+@pytest.fixture(scope="module")
+def api(farm: FarmServer) -> Iterator[httpx.Client]:
+    """A client of the farm's REST API with its token."""
+    with httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {farm.token}"}, timeout=180) as c:
+        yield c
+
+
+# -- no process left behind -----------------------------------------------------------------------
+
+
+def _lock_holder(sandbox_dir: str) -> int | None:
+    """The pid of the farm whose sandbox holds this box (``<state_dir>/sandbox/<id>``): it
+    wrote its pid into ``<state_dir>/sandbox.lock``."""
+    try:
+        return int((Path(sandbox_dir).parent.parent / "sandbox.lock").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _is_ours(p: psutil.Process, mine: set[int]) -> bool:
+    """A sandbox box's process (it carries OSFARM_SANDBOX_DIR), unless a live farm that is not
+    this test process or one of its children holds that sandbox: other test runs on this
+    machine are not ours to judge."""
     try:
         env = p.environ()
     except psutil.Error:
-        env = {}
-    if any(k.startswith("OSFARM_SANDBOX") for k in env):
-        return True
-    return False
+        return False
+    box = env.get(SANDBOX_ENV)
+    if box is None:
+        return False
+    holder = _lock_holder(box)
+    return holder is None or holder in mine or not psutil.pid_exists(holder)
 
 
 def _leftovers() -> list[str]:
     me = psutil.Process()
     found: dict[int, str] = {}
-    for p in me.children(recursive=True):
+    children = me.children(recursive=True)
+    for p in children:
         found[p.pid] = " ".join(p.cmdline()[:4]) if p.is_running() else ""
+    mine = {me.pid, *(c.pid for c in children)}
     for p in psutil.process_iter(["pid", "name", "cmdline"]):
         if p.pid == me.pid:
             continue
         try:
-            if _is_ours(p):
+            if _is_ours(p, mine):
                 found[p.pid] = " ".join((p.info["cmdline"] or [])[:4])
         except psutil.Error:
             pass

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -15,37 +14,9 @@ import httpx
 import pytest
 from PIL import Image, ImageChops
 
-from osfarm.config import FarmSettings
+from farms import H, W
+
 from osfarm.farm.server import FarmServer
-
-W, H = 1024, 768
-
-
-def farm_settings(state_dir: str) -> FarmSettings:
-    # private_network: each box gets its own network namespace, so its X server's abstract
-    # socket (@/tmp/.X11-unix/X0) cannot collide with other X servers on this host.
-    return FarmSettings(
-        pool_min=1, pool_max=2, width=W, height=H, state_dir=state_dir, token="test-token-1234",
-        private_network=True, lease_ttl_s=120, health_interval_s=1.0,
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def farm() -> Iterator[FarmServer]:
-    # A short state dir: guest sockets live under it and sun_path is 108 bytes.
-    with tempfile.TemporaryDirectory(prefix="osfa") as d:
-        server = FarmServer(farm_settings(d))
-        server.start(timeout=120)
-        try:
-            yield server
-        finally:
-            server.stop()
-
-
-@pytest.fixture(scope="module")
-def api(farm: FarmServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {farm.token}"}, timeout=90) as c:
-        yield c
 
 
 @pytest.fixture
@@ -125,9 +96,9 @@ def test_docs_and_openapi(api: httpx.Client) -> None:
     assert "/v1/desktops/{lease_id}/reset" in paths and "/v1/desktops/{lease_id}/evaluate" in paths
 
 
-def test_pool_status(api: httpx.Client) -> None:
+def test_pool_status(farm: FarmServer, api: httpx.Client) -> None:
     body = api.get("/v1/pool").json()
-    assert body["pool_min"] == 1 and body["pool_max"] == 2
+    assert body["pool_min"] == farm.settings.pool_min and body["pool_max"] == farm.settings.pool_max
     assert body["counts"]["ready"] + body["counts"]["starting"] + body["counts"]["resetting"] >= 1
     assert all({"id", "state"} <= set(d) for d in body["desktops"])
 
@@ -421,10 +392,10 @@ def test_lease_expires_without_heartbeat(api: httpx.Client) -> None:
     assert r.status_code == 410
 
 
-def test_capacity_429_with_retry_after(api: httpx.Client) -> None:
+def test_capacity_429_with_retry_after(farm: FarmServer, api: httpx.Client) -> None:
     ids = []
     try:
-        for _ in range(2):  # pool_max
+        for _ in range(farm.settings.pool_max):
             r = api.post("/v1/desktops", json={"wait_s": 60})
             assert r.status_code == 201, r.text
             ids.append(r.json()["id"])

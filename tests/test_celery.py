@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,6 @@ import redis
 from redis_server import RedisServer
 from waiting import wait_until
 
-from osfarm.config import FarmSettings
 from osfarm.farm.server import FarmServer
 from osfarm.stream.jsonl import read_jsonl
 
@@ -28,19 +26,6 @@ SUITE = ROOT / "tasks" / "mini"
 N_TASKS = 3
 TIME_LIMIT_S = 40  # per episode; the hard limit is 70 s
 VISIBILITY_S = 75  # > the hard limit: a dead worker's episode is redelivered after this
-
-
-@pytest.fixture(scope="module")
-def farm() -> Iterator[FarmServer]:
-    with tempfile.TemporaryDirectory(prefix="osfc") as d:
-        settings = FarmSettings(pool_min=3, pool_max=3, width=800, height=600, state_dir=d, token="celery-token",
-                                private_network=True, lease_ttl_s=60)
-        server = FarmServer(settings)
-        server.start(timeout=180)
-        try:
-            yield server
-        finally:
-            server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from PIL import Image
 from typer.testing import CliRunner
+
+from farms import H, W
 
 from osfarm.cli import app
 from osfarm.client import (
@@ -33,27 +34,11 @@ from osfarm.client import (
     screenshot_bytes,
     screenshot_image,
 )
-from osfarm.config import FarmSettings
 from osfarm.desktop.actions import Click, ClickParams
 from osfarm.desktop.models import ObserveOptions
 from osfarm.farm.server import FarmServer
 
-W, H = 1024, 768
 OSFARM = [sys.executable, "-m", "osfarm.cli"]
-
-
-@pytest.fixture(scope="module")
-def farm() -> Iterator[FarmServer]:
-    with tempfile.TemporaryDirectory(prefix="osfc") as d:
-        # private_network keeps each box's X abstract socket apart from other X servers here.
-        settings = FarmSettings(pool_min=1, pool_max=2, width=W, height=H, state_dir=d, token="cli-token-5678",
-                                private_network=True, lease_ttl_s=120)  # fmt: skip
-        server = FarmServer(settings)
-        server.start(timeout=120)
-        try:
-            yield server
-        finally:
-            server.stop()
 
 
 def cli_env(farm: FarmServer | None = None, **extra: str) -> dict[str, str]:
@@ -74,7 +59,7 @@ def osfarm(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.
 def test_sync_client_end_to_end(farm: FarmServer) -> None:
     with Farm(farm.url, farm.token) as f:
         assert f.healthz()["status"] == "ok"
-        assert f.pool()["pool_max"] == 2
+        assert f.pool()["pool_max"] == farm.settings.pool_max
         with f.lease(owner="carol", ttl_s=60) as desk:
             assert desk.screen == (W, H)
             res = desk.step(Click(action_type="CLICK", parameters=ClickParams(x=200, y=150)),
@@ -136,7 +121,7 @@ def test_sync_background_heartbeat_keeps_lease(farm: FarmServer) -> None:
 
 async def test_async_client_end_to_end(farm: FarmServer) -> None:
     async with AsyncFarm(farm.url, farm.token) as f:
-        assert (await f.pool())["pool_min"] == 1
+        assert (await f.pool())["pool_min"] == farm.settings.pool_min
         async with await f.lease(ttl_s=1.0, heartbeat=0.2) as desk:
             res = await desk.step({"action_type": "MOVE_TO", "parameters": {"x": 300, "y": 301}}, observe=True)
             assert res.results[0].ok

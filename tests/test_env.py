@@ -7,9 +7,7 @@ is 0 until DONE/FAIL or max_steps end the episode, then the task's real evaluato
 from __future__ import annotations
 
 import asyncio
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +15,6 @@ import httpx
 import pytest
 
 from osfarm.client import AsyncFarm
-from osfarm.config import FarmSettings
 from osfarm.env import EpisodeTimeout, InfraError, Observation, SyncTaskEnv, TaskEnv
 from osfarm.farm.server import FarmServer
 from osfarm.tasks.filecache import suite_cache
@@ -26,19 +23,6 @@ from osfarm.tasks.suite import load_suite
 SUITE = Path(__file__).resolve().parent.parent / "tasks" / "mini"
 HELLO, MKDIR, INFEASIBLE = (f"5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a0{i}" for i in (1, 2, 3))
 PNG = b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.fixture(scope="module")
-def farm() -> Iterator[FarmServer]:
-    with tempfile.TemporaryDirectory(prefix="osfe") as d:
-        settings = FarmSettings(pool_min=2, pool_max=2, width=1024, height=768, state_dir=d, token="env-token",
-                                private_network=True, lease_ttl_s=120)  # fmt: skip
-        server = FarmServer(settings)
-        server.start(timeout=120)
-        try:
-            yield server
-        finally:
-            server.stop()
 
 
 @pytest.fixture(scope="module")

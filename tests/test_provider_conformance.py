@@ -2,7 +2,7 @@
 (uvicorn on 127.0.0.1) and real desktops: lease, reset with a task, step, observe, evaluate,
 a crashed desktop detected and replaced, and boxes of a crashed farm reaped by the next one.
 
-Add a provider by adding its name to PROVIDERS and a branch to ``provider_settings`` (and, if
+Add a provider by adding its name to PROVIDERS and a branch to ``provider_options`` (and, if
 its main process is found differently, to ``kill_main_process``).
 """
 
@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from docker_env import containers, ensure_images
-from osfarm.config import FarmSettings
+from farms import H, W, farm_settings, running_farm
 from osfarm.farm.server import FarmServer
 from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopSpec
@@ -41,7 +41,6 @@ NO_KVM = kvm_usable()
 def needs_kvm(name: str) -> None:
     if name == "libvirt" and NO_KVM is not None:
         pytest.skip(f"libvirt conformance needs KVM: {NO_KVM}; test_libvirt_provider.py covers libvirt under TCG")
-W, H = 1024, 768
 ROOT = Path(__file__).resolve().parent.parent
 MINI = ROOT / "tasks" / "mini" / "os"
 MKDIR_TASK = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a02"  # terminal: mkdir -p ~/projects/osfarm
@@ -52,17 +51,16 @@ IMAGES = {"sandbox": None, "docker": "osfarm/desktop:latest", "libvirt": str(VM_
 pytestmark = pytest.mark.timeout(3600)
 
 
-def provider_settings(name: str, state_dir: str, **kw: Any) -> FarmSettings:
+def provider_options(name: str) -> dict[str, Any]:
+    """The settings of provider ``name`` here; its image or disk is built first when missing."""
     if name == "docker":
         ensure_images("desktop")
-        kw.setdefault("docker_memory", "2g")
-        kw.setdefault("docker_cpus", 2.0)
+        return {"provider": name, "docker_memory": "2g", "docker_cpus": 2.0}
     if name == "libvirt":
         ensure_images("desktop")
         build_libvirt_disk(VM_DISK_DIR)  # once per machine: cached by the desktop recipe label
-        kw.setdefault("libvirt_image_dir", VM_DISK_DIR)
-        kw.setdefault("libvirt_memory_mb", 2048)
-    return FarmSettings(provider=name, state_dir=state_dir, width=W, height=H, **kw)
+        return {"provider": name, "libvirt_image_dir": VM_DISK_DIR, "libvirt_memory_mb": 2048}
+    return {"provider": name}
 
 
 def kill_main_process(provider: Any, handle: Any) -> int:
@@ -92,21 +90,8 @@ def load_task(task_id: str) -> tuple[dict[str, Any], list[list[str]]]:
 def farm(request: pytest.FixtureRequest) -> Iterator[FarmServer]:
     name = request.param
     needs_kvm(name)
-    with tempfile.TemporaryDirectory(prefix=f"ofc{name[:2]}", dir="/tmp") as d:
-        settings = provider_settings(name, d, pool_min=1, pool_max=2, token="conformance-token-1234",
-                                     lease_ttl_s=120, health_interval_s=1.0)  # fmt: skip
-        server = FarmServer(settings)
-        server.start(timeout=180)
-        try:
-            yield server
-        finally:
-            server.stop()
-
-
-@pytest.fixture(scope="module")
-def api(farm: FarmServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {farm.token}"}, timeout=180) as c:
-        yield c
+    with running_farm(prefix=f"ofc{name[:2]}", pool_min=1, pool_max=2, **provider_options(name)) as server:
+        yield server
 
 
 def lease(api: httpx.Client) -> dict[str, Any]:
@@ -190,7 +175,7 @@ async def _alive_after_crash(provider: Any, handle: Any) -> str | None:
 async def test_next_farm_reaps_boxes_of_a_crashed_farm(name: str) -> None:
     needs_kvm(name)
     with tempfile.TemporaryDirectory(prefix=f"ofr{name[:2]}", dir="/tmp") as d:
-        settings = provider_settings(name, d)
+        settings = farm_settings(d, **provider_options(name))
         first = make_provider(settings)
         handle = await first.start("leak1", DesktopSpec(width=640, height=480))
         pids = first.pids(handle)

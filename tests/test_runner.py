@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from typer.testing import CliRunner
 
 from osfarm.agents import make_agent
 from osfarm.agents.replay import ReplayError
-from osfarm.config import FarmSettings
 from osfarm.farm.server import FarmServer
 from osfarm.runner.cli import eval_command
 from osfarm.runner.results import SCHEMA, SchemaError, check_record, read_episodes
@@ -30,19 +28,6 @@ MISSING_URL = "https://osfarm.invalid/suite_mini/missing-input.xlsx"
 app = typer.Typer()
 app.command()(eval_command)
 app.command("unused")(lambda: None)  # two commands: typer keeps "eval-command" as a sub-command name
-
-
-@pytest.fixture(scope="module")
-def farm() -> Iterator[FarmServer]:
-    with tempfile.TemporaryDirectory(prefix="osfr") as d:
-        settings = FarmSettings(pool_min=2, pool_max=2, width=1024, height=768, state_dir=d, token="runner-token",
-                                private_network=True, lease_ttl_s=120)  # fmt: skip
-        server = FarmServer(settings)
-        server.start(timeout=120)
-        try:
-            yield server
-        finally:
-            server.stop()
 
 
 def run_eval(out: Path, *args: str, farm: FarmServer | None = None, suite: Path = SUITE) -> dict:

@@ -3,7 +3,6 @@ provider, a real 1024x768 desktop with a real terminal."""
 
 from __future__ import annotations
 
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,30 +11,8 @@ from typing import Any
 import httpx
 import pytest
 
-from osfarm.config import FarmSettings
-from osfarm.farm.server import FarmServer
 
-W, H = 1024, 768
 OUT = "/home/user/Desktop/out.txt"
-
-
-@pytest.fixture(scope="module")
-def farm() -> Iterator[FarmServer]:
-    with tempfile.TemporaryDirectory(prefix="osft") as d:
-        settings = FarmSettings(pool_min=1, pool_max=1, width=W, height=H, state_dir=d, token="task-token-1234",
-                                private_network=True, lease_ttl_s=120, health_interval_s=1.0)  # fmt: skip
-        server = FarmServer(settings)
-        server.start(timeout=120)
-        try:
-            yield server
-        finally:
-            server.stop()
-
-
-@pytest.fixture(scope="module")
-def api(farm: FarmServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {farm.token}"}, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,6 @@ be complete. And the policy server going down ends episodes as infra errors, the
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +13,6 @@ import typer
 from typer.testing import CliRunner
 from vlm_servers import FaultProxy, closed_port_url, policy_server
 
-from osfarm.config import FarmSettings
 from osfarm.farm.server import FarmServer
 from osfarm.runner.cli import eval_command
 from osfarm.runner.results import read_episodes
@@ -27,22 +24,6 @@ FAST_RETRIES = ["--agent-opt", "retries=1", "--agent-opt", "backoff_s=0.05", "--
 app = typer.Typer()
 app.command()(eval_command)
 app.command("unused")(lambda: None)
-
-
-@pytest.fixture(scope="module")
-def farm() -> Iterator[FarmServer]:
-    base = os.environ.get("OSFARM_STATE_DIR")
-    if base:
-        Path(base).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="osfv", dir=base) as d:
-        settings = FarmSettings(pool_min=2, pool_max=2, width=1024, height=768, state_dir=d, token="vlm-token",
-                                private_network=True, lease_ttl_s=120)  # fmt: skip
-        server = FarmServer(settings)
-        server.start(timeout=180)
-        try:
-            yield server
-        finally:
-            server.stop()
 
 
 @pytest.fixture(scope="module")
