@@ -1,4 +1,7 @@
-"""The lease pool over real sandboxes: warm leases, background resets, expiry, crashes."""
+"""The lease pool: its state machine first against the in-memory provider and a clock moved by
+hand (fast, deterministic: every state, TTL expiry, heartbeats, pool_min/pool_max, crash
+replacement, capacity errors, start backoff, idle stops), then over real sandboxes (warm leases,
+background resets, expiry, crashes)."""
 
 from __future__ import annotations
 
@@ -18,16 +21,231 @@ import pytest
 from prometheus_client import generate_latest
 
 from osfarm.config import FarmSettings
-from osfarm.farm.errors import CapacityError, ForeignLease, LeaseGone, UnknownDesktop
+from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, UnknownDesktop
 from osfarm.farm.metrics import REGISTRY
 from osfarm.farm.pool import LeasePool, new_lease_id
 from osfarm.providers.sandbox import SANDBOX_ENV, SandboxProvider
 from boxes import box_processes
+from memory_provider import MemoryProvider
 from waiting import async_wait_until as wait_until
 
 
 def counts(pool: LeasePool) -> dict[str, int]:
     return pool.status()["counts"]
+
+
+# -- the state machine: in-memory provider, hand-moved clock ------------------------------------------
+
+
+class HandClock:
+    """The pool's clock, moved only by ``advance``."""
+
+    def __init__(self) -> None:
+        self.wall, self.mono = 1_700_000_000.0, 1000.0
+
+    def time(self) -> float:
+        return self.wall
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def advance(self, seconds: float) -> None:
+        self.wall += seconds
+        self.mono += seconds
+
+
+@pytest.fixture
+async def memory_pool():
+    """``make(**settings)`` -> (pool, provider, clock), the pool not started yet. The health
+    loop never runs by itself (health_interval_s is an hour): tests call ``pool.tick()``."""
+    pools: list[LeasePool] = []
+
+    def make(provider: MemoryProvider | None = None, **kw: Any) -> tuple[LeasePool, MemoryProvider, HandClock]:
+        opts: dict[str, Any] = dict(state_dir="/nonexistent", pool_min=1, pool_max=2, lease_ttl_s=30,
+                                    idle_stop_s=60, health_interval_s=3600)
+        settings = FarmSettings(**{**opts, **kw})
+        provider = provider or MemoryProvider()
+        clock = HandClock()
+        pool = LeasePool(provider, settings, clock)
+        pools.append(pool)
+        return pool, provider, clock
+
+    yield make
+    for pool in pools:
+        await pool.close()
+
+
+async def test_memory_states_starting_ready_leased_resetting_ready(memory_pool) -> None:
+    pool, boxes, _ = memory_pool(pool_min=1, pool_max=2)
+    with boxes.hold():
+        await pool.start()
+        assert counts(pool)["starting"] == 1 and counts(pool)["ready"] == 0
+    await pool.wait_warm(5)
+    assert counts(pool)["ready"] == 1
+    lease = await pool.lease(owner="alice")
+    assert (lease.owner, lease.provider, lease.image, lease.wait_s) == ("alice", "memory", "memory:1", 0.0)
+    assert counts(pool)["leased"] == 1
+    await pool.wait_warm(5)  # one more starts: pool_min stay ready while one is leased
+    assert counts(pool)["ready"] == 1 and counts(pool)["leased"] == 1
+    with boxes.hold():
+        await pool.release(lease.id)
+        assert counts(pool)["resetting"] == 1
+        with pytest.raises(LeaseGone, match="was released"):
+            pool.get(lease.id)
+        await pool.release(lease.id)  # idempotent
+    await wait_until(lambda: counts(pool)["ready"] == 2, 5, "the released desktop back to ready")
+    assert boxes.started == ["d1", "d2", "d1"]
+
+
+async def test_memory_ttl_expiry_and_heartbeats(memory_pool) -> None:
+    pool, boxes, clock = memory_pool(pool_min=1, pool_max=1, lease_ttl_s=30)
+    await pool.start()
+    await pool.wait_warm(5)
+    lease = await pool.lease()
+    assert lease.expires_at == clock.time() + 30
+    clock.advance(20)
+    await pool.heartbeat(lease.id)  # expires 30 s from now
+    clock.advance(20)
+    assert pool.get(lease.id) is lease  # 40 s after the lease, 20 s after the heartbeat
+    await pool.heartbeat(lease.id, ttl_s=5)
+    assert lease.ttl_s == 5 and lease.expires_at == clock.time() + 5
+    clock.advance(6)
+    await pool.tick()  # the health loop expires it and recycles the desktop
+    with pytest.raises(LeaseGone, match=r"expired at .* \(no heartbeat within 5s\)"):
+        pool.get(lease.id)
+    with pytest.raises(LeaseGone):
+        await pool.heartbeat(lease.id)
+    await wait_until(lambda: counts(pool)["ready"] == 1, 5, "the expired lease's desktop reset")
+    assert boxes.started == ["d1", "d1"]
+    # Expiry is also noticed on access, between health rounds.
+    lease = await pool.lease()
+    clock.advance(31)
+    with pytest.raises(LeaseGone, match="expired"):
+        pool.get(lease.id)
+
+
+async def test_memory_pool_max_capacity_429_and_waiters(memory_pool) -> None:
+    pool, _, _ = memory_pool(pool_min=1, pool_max=2)
+    await pool.start()
+    a = await pool.lease(owner="a", wait_s=5)
+    b = await pool.lease(owner="b", wait_s=5)
+    assert counts(pool)["leased"] == 2 and len(pool.status()["desktops"]) == 2  # never above pool_max
+    with pytest.raises(CapacityError) as e:
+        await pool.lease(wait_s=0)
+    assert e.value.status == 429 and "all 2 desktops are leased" in e.value.message and e.value.retry_after_s >= 1
+    # A waiting request gets the first desktop that comes back.
+    late = asyncio.create_task(pool.lease(owner="late", wait_s=5))
+    await wait_until(lambda: pool.status()["waiting"] == 1, 5, "the request to wait")
+    await pool.release(a.id)
+    c = await late
+    assert c.desktop_id == a.desktop_id and c.owner == "late"
+    with pytest.raises(ForeignLease):
+        pool.get(b.id, owner="mallory")
+    with pytest.raises(UnknownDesktop, match="no desktop lease"):
+        pool.get("nope")
+
+
+async def test_memory_dead_box_ends_its_lease_and_is_replaced(memory_pool) -> None:
+    pool, boxes, _ = memory_pool(pool_min=1, pool_max=2)
+    await pool.start()
+    lease = await pool.lease()
+    await pool.wait_warm(5)
+    boxes.kill(lease.desktop_id, "Xvfb exited")
+    await pool.tick()
+    with pytest.raises(LeaseGone, match=f"desktop {lease.desktop_id} crashed: Xvfb exited"):
+        pool.get(lease.id)
+    await wait_until(lambda: lease.desktop_id in boxes.stopped, 5, "the dead box stopped")
+    assert lease.desktop_id not in {d["id"] for d in pool.status()["desktops"]}
+    await pool.wait_warm(5)
+    again = await pool.lease()
+    assert again.desktop_id != lease.desktop_id
+
+
+async def test_memory_silent_guest_fails_on_the_second_strike(memory_pool) -> None:
+    pool, boxes, _ = memory_pool(pool_min=1, pool_max=1)
+    await pool.start()
+    await pool.wait_warm(5)
+    await pool.tick()  # a healthy round: the guest answers over HTTP
+    assert counts(pool)["ready"] == 1
+    boxes.silence("d1")
+    await pool.tick()  # one unanswered health check is a strike, not a crash
+    assert counts(pool)["ready"] == 1
+    await pool.tick()
+    await wait_until(lambda: "d1" in boxes.stopped, 5, "the silent box replaced")
+    await pool.wait_warm(5)
+    assert [d["id"] for d in pool.status()["desktops"]] == ["d2"]
+
+
+async def test_memory_mark_failed_and_reset_lease(memory_pool) -> None:
+    pool, boxes, _ = memory_pool(pool_min=1, pool_max=2)
+    await pool.start()
+    lease = await pool.lease()
+    old = lease.endpoint
+    with boxes.hold():
+        resetting = asyncio.create_task(pool.reset_lease(lease.id))
+        await wait_until(lambda: counts(pool)["resetting"] == 1, 5, "the reset to begin")
+        with pytest.raises(Busy):
+            await pool.reset_lease(lease.id)
+    assert await resetting is lease and lease.endpoint != old and counts(pool)["leased"] == 1
+    pool.mark_failed(lease.id, "guest server unreachable: ConnectError")
+    with pytest.raises(LeaseGone, match="crashed: guest server unreachable"):
+        pool.get(lease.id)
+
+
+async def test_memory_failing_starts_back_off_answer_503_then_recover(memory_pool) -> None:
+    pool, boxes, clock = memory_pool(MemoryProvider(fail_starts=3), pool_min=1, pool_max=2)
+    await pool.start()
+    await wait_until(lambda: pool.status()["start_failures"] == 1, 5, "the first start to fail")
+    await pool.tick()  # within the backoff: nothing starts
+    assert pool.status()["start_failures"] == 1 and boxes.fail_starts == 2
+    for failures, backoff in ((2, 0.5), (3, 1.0)):
+        clock.advance(backoff)
+        await pool.tick()
+        await wait_until(lambda f=failures: pool.status()["start_failures"] == f, 5, f"start failure {failures}")
+    with pytest.raises(CapacityError) as e:
+        await pool.lease(wait_s=5)  # answered at once: no desktop is coming
+    assert e.value.status == 503 and "3 failures in a row" in e.value.message
+    assert "no room for a box" in e.value.message and e.value.retry_after_s >= 1
+    with pytest.raises(CapacityError):
+        await pool.wait_warm(5)
+    clock.advance(2.0)
+    await pool.tick()
+    await pool.wait_warm(5)
+    status = pool.status()
+    assert status["start_failures"] == 0 and status["last_error"] is None and counts(pool)["ready"] == 1
+
+
+async def test_memory_idle_spares_stop_after_idle_stop_s(memory_pool) -> None:
+    pool, boxes, clock = memory_pool(pool_min=1, pool_max=3, idle_stop_s=60)
+    await pool.start()
+    leases = [await pool.lease(wait_s=5) for _ in range(3)]
+    for lease in leases:
+        await pool.release(lease.id)
+    await wait_until(lambda: counts(pool)["ready"] == 3, 5, "three ready desktops")
+    clock.advance(59)
+    await pool.tick()
+    assert counts(pool)["ready"] == 3
+    clock.advance(2)
+    await pool.tick()  # the burst is over: back to pool_min
+    await wait_until(lambda: len(pool.status()["desktops"]) == 1, 5, "idle spares stopped")
+    assert len(boxes.boxes) == 1 and counts(pool)["ready"] == 1
+
+
+async def test_memory_close_ends_leases_stops_boxes_and_the_provider(memory_pool) -> None:
+    pool, boxes, _ = memory_pool(MemoryProvider(orphans=2), pool_min=2, pool_max=2)
+    await pool.start()
+    await pool.wait_warm(5)
+    lease = await pool.lease()
+    await pool.close()
+    assert boxes.closed and boxes.boxes == {} and sorted(boxes.stopped) == ["d1", "d2"]
+    with pytest.raises(LeaseGone, match="the farm shut down"):
+        pool.get(lease.id)
+    with pytest.raises(CapacityError) as e:
+        await pool.lease()
+    assert e.value.status == 503
+
+
+# -- over real sandboxes ------------------------------------------------------------------------------
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ import string
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Coroutine
+from typing import Any, Coroutine, Protocol
 
 import httpx
 
@@ -52,6 +52,24 @@ HEALTH_TIMEOUT_S = 3.0
 # Guest health timeouts/connection errors in a row before a desktop counts as crashed: one slow
 # answer under load must not kill a lease. A dead box or a non-200 answer counts at once.
 UNREACHABLE_STRIKES = 2
+
+
+class Clock(Protocol):
+    """Where the pool reads the time: wall time for what clients see (lease creation and expiry,
+    state timestamps), monotonic time for intervals, deadlines and backoff. Tests pass a clock
+    they move by hand, so TTLs, idle stops and backoff are checked without waiting."""
+
+    def time(self) -> float: ...
+
+    def monotonic(self) -> float: ...
+
+
+class SystemClock:
+    def time(self) -> float:
+        return time.time()
+
+    def monotonic(self) -> float:
+        return time.monotonic()
 
 
 @dataclass
@@ -94,9 +112,10 @@ class _Desktop:
 class LeasePool:
     """Warm pool + leases (see module doc). ``close`` also closes the provider."""
 
-    def __init__(self, provider: Provider, settings: FarmSettings):
+    def __init__(self, provider: Provider, settings: FarmSettings, clock: Clock | None = None):
         self.provider = provider
         self.settings = settings
+        self.clock: Clock = clock or SystemClock()
         self.spec = DesktopSpec(
             width=settings.width,
             height=settings.height,
@@ -138,11 +157,11 @@ class LeasePool:
         """Wait until ``pool_min`` desktops are ready; TimeoutError (or CapacityError 503 when
         desktops keep failing to start) otherwise."""
         want = min(self.settings.pool_min, self.settings.pool_max)
-        deadline = time.monotonic() + timeout
+        deadline = self.clock.monotonic() + timeout
         while self._count(READY) < want:
             if self._fail_count >= MAX_START_FAILURES and not self._coming():
                 raise CapacityError(self._failing_message(), status=503, retry_after_s=self._retry_after())
-            left = deadline - time.monotonic()
+            left = deadline - self.clock.monotonic()
             if left <= 0:
                 raise TimeoutError(
                     f"pool not warm after {timeout:g}s: {self._counts()}"
@@ -193,7 +212,7 @@ class LeasePool:
     async def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0) -> Lease:
         if self._closed or not self._started:
             raise CapacityError("the farm is not running", status=503)
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         ttl = float(ttl_s or self.settings.lease_ttl_s)
         deadline = t0 + max(0.0, wait_s)
         while True:
@@ -207,12 +226,12 @@ class LeasePool:
             id=new_lease_id(),
             desktop_id=d.id,
             owner=owner,
-            created_at=time.time(),
-            expires_at=time.time() + ttl,
+            created_at=self.clock.time(),
+            expires_at=self.clock.time() + ttl,
             ttl_s=ttl,
             endpoint=d.handle.endpoint,
             screen=(d.handle.spec.width, d.handle.spec.height),
-            wait_s=time.monotonic() - t0,
+            wait_s=self.clock.monotonic() - t0,
             provider=d.handle.provider,
             image=d.handle.info.get("image"),
         )
@@ -227,13 +246,13 @@ class LeasePool:
         return lease
 
     async def _wait_for_desktop(self, deadline: float, wait_s: float) -> _Desktop:
-        if self._fail_count >= MAX_START_FAILURES and not self._coming() and time.monotonic() < self._next_start_at:
+        if self._fail_count >= MAX_START_FAILURES and not self._coming() and self.clock.monotonic() < self._next_start_at:
             raise CapacityError(self._failing_message(), status=503, retry_after_s=self._retry_after())
         fut: asyncio.Future[_Desktop] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         self._replenish()
         try:
-            await asyncio.wait({fut}, timeout=max(0.0, deadline - time.monotonic()))
+            await asyncio.wait({fut}, timeout=max(0.0, deadline - self.clock.monotonic()))
         except asyncio.CancelledError:
             # The requester went away; a desktop already handed to it goes back to ready.
             self._abandon(fut)
@@ -273,7 +292,7 @@ class LeasePool:
         lease = self.get(lease_id)
         if ttl_s:
             lease.ttl_s = float(ttl_s)
-        lease.expires_at = time.time() + lease.ttl_s
+        lease.expires_at = self.clock.time() + lease.ttl_s
         return lease
 
     async def reset_lease(self, lease_id: str) -> Lease:
@@ -292,7 +311,7 @@ class LeasePool:
         old = d.handle
         self._drop_client(d.id)
         self._set(d, RESETTING)
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         try:
             handle = await self.provider.reset(old)
         except BaseException as e:
@@ -306,8 +325,8 @@ class LeasePool:
             if not isinstance(e, Exception):
                 raise
             raise ResetFailed(f"desktop reset failed ({why}); the lease has ended, lease a new desktop") from None
-        metrics.RESET_SECONDS.observe(time.monotonic() - t0)
-        log.info("leased desktop reset desktop=%s reset_s=%.3f", d.id, time.monotonic() - t0)
+        metrics.RESET_SECONDS.observe(self.clock.monotonic() - t0)
+        log.info("leased desktop reset desktop=%s reset_s=%.3f", d.id, self.clock.monotonic() - t0)
         if lease.id not in self._leases or d.lease_id != lease.id:
             self._box_ready(d, handle)  # released or expired meanwhile: back to the pool
             self.get(lease.id)  # raises LeaseGone with the pool's own message
@@ -324,7 +343,7 @@ class LeasePool:
         if lease is not None:
             if owner is not None and owner != lease.owner:
                 raise ForeignLease(f"lease {lease_id} belongs to another owner")
-            if time.time() > lease.expires_at:
+            if self.clock.time() > lease.expires_at:
                 self._expire(lease)
             else:
                 return lease
@@ -355,6 +374,7 @@ class LeasePool:
             "pool_min": self.settings.pool_min,
             "pool_max": self.settings.pool_max,
             "leases": len(self._leases),
+            "waiting": self._pending_waiters(),
             "start_failures": self._fail_count,
             "last_error": self._last_error or None,
         }
@@ -379,7 +399,7 @@ class LeasePool:
 
     def _set(self, d: _Desktop, state: str) -> None:
         d.state = state
-        d.since = time.time()
+        d.since = self.clock.time()
         self._publish()
 
     def _publish(self) -> None:
@@ -450,7 +470,7 @@ class LeasePool:
         return f"desktops cannot be started ({self._fail_count} failures in a row): {self._last_error}"
 
     def _retry_after(self) -> float:
-        return max(1.0, self._next_start_at - time.monotonic())
+        return max(1.0, self._next_start_at - self.clock.monotonic())
 
     # -- box work (background tasks) --------------------------------------------------------
 
@@ -474,7 +494,7 @@ class LeasePool:
         """Start desktops until pool_min + waiting requests are ready or coming (<= pool_max)."""
         if self._closed or not self._started:
             return
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now < self._next_start_at:
             if self._retry_handle is None:
                 loop = asyncio.get_running_loop()
@@ -484,7 +504,7 @@ class LeasePool:
         have = self._count(READY) + self._coming()
         while have < need and len(self._desktops) < self.settings.pool_max:
             self._seq += 1
-            d = _Desktop(id=f"d{self._seq}", state=STARTING, since=time.time())
+            d = _Desktop(id=f"d{self._seq}", state=STARTING, since=self.clock.time())
             self._desktops[d.id] = d
             self._publish()
             self._spawn(self._start_box(d), d.id)
@@ -495,13 +515,13 @@ class LeasePool:
         self._replenish()
 
     async def _start_box(self, d: _Desktop) -> None:
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         try:
             handle = await self.provider.start(d.id, self.spec)
         except Exception as e:
             self._box_failed(d, e, "start_failed")
             return
-        dt = time.monotonic() - t0
+        dt = self.clock.monotonic() - t0
         metrics.START_SECONDS.observe(dt)
         log.info("desktop ready desktop=%s start_s=%.3f", d.id, dt)
         self._box_ready(d, handle)
@@ -513,7 +533,7 @@ class LeasePool:
 
     async def _reset_box(self, d: _Desktop) -> None:
         assert d.handle is not None
-        t0 = time.monotonic()
+        t0 = self.clock.monotonic()
         try:
             handle = await self.provider.reset(d.handle)
         except Exception as e:
@@ -521,7 +541,7 @@ class LeasePool:
                 await self.provider.stop(d.handle)
             self._box_failed(d, e, "reset_failed")
             return
-        dt = time.monotonic() - t0
+        dt = self.clock.monotonic() - t0
         metrics.RESET_SECONDS.observe(dt)
         log.info("desktop reset desktop=%s reset_s=%.3f", d.id, dt)
         self._box_ready(d, handle)
@@ -539,7 +559,7 @@ class LeasePool:
         self._fail_count += 1
         text = str(e) or repr(e)
         self._last_error = text if len(text) <= 2000 else text[:600] + "\n...\n" + text[-1400:]
-        self._next_start_at = time.monotonic() + min(BACKOFF_MAX_S, 0.5 * 2 ** (self._fail_count - 1))
+        self._next_start_at = self.clock.monotonic() + min(BACKOFF_MAX_S, 0.5 * 2 ** (self._fail_count - 1))
         metrics.DESKTOP_FAILURES.labels(kind).inc()
         log.error("desktop %s desktop=%s failures=%d error=%s", kind, d.id, self._fail_count, text.splitlines()[0])
         self._desktops.pop(d.id, None)
@@ -581,12 +601,15 @@ class LeasePool:
         while True:
             await asyncio.sleep(self.settings.health_interval_s)
             try:
-                await self._tick()
+                await self.tick()
             except Exception:
                 log.exception("health tick failed")
 
-    async def _tick(self) -> None:
-        now = time.time()
+    async def tick(self) -> None:
+        """One round of the health loop (run every ``health_interval_s``): expire leases whose
+        heartbeat lapsed, check every ready or leased desktop, stop idle spares, start missing
+        ones."""
+        now = self.clock.time()
         for lease in list(self._leases.values()):
             if now > lease.expires_at:
                 self._expire(lease)
@@ -610,12 +633,12 @@ class LeasePool:
         """Stop ready desktops above pool_min that idled for idle_stop_s: the burst that needed
         them is over, and each idle desktop holds ~100-200 MB."""
         spare = self._count(READY) - self.settings.pool_min - self._pending_waiters()
-        cutoff = time.time() - self.settings.idle_stop_s
+        cutoff = self.clock.time() - self.settings.idle_stop_s
         for d in sorted((d for d in self._desktops.values() if d.state == READY), key=lambda d: d.since):
             if spare <= 0 or d.since > cutoff:
                 break
             spare -= 1
-            log.info("stopping idle desktop desktop=%s idle_s=%.0f", d.id, time.time() - d.since)
+            log.info("stopping idle desktop desktop=%s idle_s=%.0f", d.id, self.clock.time() - d.since)
             self._set(d, STOPPING)  # now, so no lease can take it before _remove runs
             self._spawn(self._remove(d))
 

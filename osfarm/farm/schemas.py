@@ -68,6 +68,7 @@ class PoolStatus(BaseModel):
     pool_min: int | None = None
     pool_max: int | None = None
     leases: int | None = Field(default=None, description="live leases")
+    waiting: int | None = Field(default=None, description="lease requests waiting for a desktop")
     start_failures: int | None = Field(default=None, description="desktop start/reset failures in a row")
     last_error: str | None = None
 

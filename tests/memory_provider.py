@@ -1,0 +1,149 @@
+"""A real Provider whose boxes live in this process, for fast, deterministic pool tests.
+
+Each box is a tiny HTTP/1.1 server on a unix socket answering the guest's ``GET /v1/health``,
+so the pool's health checks go over real HTTP to something that can really stop answering.
+The test steers it: ``hold()`` keeps starts and resets pending (the pool's ``starting`` and
+``resetting`` states stay observable), ``fail_starts`` makes the next starts fail, ``kill`` makes
+a box dead (``alive`` says why), ``silence`` closes its guest (connection refused), and
+``orphans`` is what ``reap_orphans`` reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
+
+HEALTH = json.dumps({"status": "ok"}).encode()
+
+
+@dataclass
+class _Box:
+    handle: DesktopHandle
+    server: asyncio.AbstractServer
+    connections: set[asyncio.StreamWriter]
+    dead: str | None = None
+
+    def shut(self) -> None:
+        """Stop listening and drop the open keep-alive connections too."""
+        self.server.close()
+        for writer in self.connections:
+            writer.close()
+        Path(self.handle.endpoint.uds or "").unlink(missing_ok=True)
+
+
+@dataclass
+class MemoryProvider:
+    orphans: int = 0
+    fail_starts: int = 0  # the next this many starts (or resets) raise ProviderError
+    name: str = "memory"
+    boxes: dict[str, _Box] = field(default_factory=dict)
+    started: list[str] = field(default_factory=list)  # desktop ids, one entry per start or reset
+    stopped: list[str] = field(default_factory=list)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="osfm")
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._serial = 0
+
+    # -- steering -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Starts and resets begun inside the block wait until it ends."""
+        self._gate.clear()
+        try:
+            yield
+        finally:
+            self._gate.set()
+
+    def release_held(self) -> None:
+        self._gate.set()
+
+    def kill(self, desktop_id: str, reason: str = "box killed") -> None:
+        self.boxes[desktop_id].dead = reason
+
+    def silence(self, desktop_id: str) -> None:
+        """The guest server stops answering (its socket refuses connections)."""
+        self.boxes[desktop_id].shut()
+
+    # -- the Provider protocol ----------------------------------------------------------------
+
+    async def reap_orphans(self) -> int:
+        return self.orphans
+
+    async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
+        if self.closed:
+            raise ProviderError("memory provider is closed")
+        await self._gate.wait()
+        if self.fail_starts > 0:
+            self.fail_starts -= 1
+            raise ProviderError(f"desktop {desktop_id}: no room for a box (test failure)")
+        self._serial += 1
+        sock = str(Path(self._dir.name) / f"{desktop_id}-{self._serial}.sock")
+        connections: set[asyncio.StreamWriter] = set()
+
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            connections.add(writer)
+            try:
+                await _serve_health(reader, writer)
+            finally:
+                connections.discard(writer)
+
+        server = await asyncio.start_unix_server(serve, path=sock)
+        handle = DesktopHandle(id=desktop_id, provider=self.name, spec=spec,
+                               endpoint=GuestEndpoint(base_url="http://guest", token="t", uds=sock),
+                               info={"image": "memory:1"})
+        self.boxes[desktop_id] = _Box(handle, server, connections)
+        self.started.append(desktop_id)
+        return handle
+
+    async def stop(self, handle: DesktopHandle) -> None:
+        box = self.boxes.get(handle.id)
+        if box is not None and box.handle is handle:
+            del self.boxes[handle.id]
+            box.shut()
+        self.stopped.append(handle.id)
+
+    async def reset(self, handle: DesktopHandle) -> DesktopHandle:
+        await self.stop(handle)
+        return await self.start(handle.id, handle.spec)
+
+    async def alive(self, handle: DesktopHandle) -> str | None:
+        box = self.boxes.get(handle.id)
+        if box is None or box.handle is not handle:
+            return "box is gone"
+        return box.dead
+
+    def pids(self, handle: DesktopHandle) -> list[int]:
+        return []
+
+    async def close(self) -> None:
+        for box in list(self.boxes.values()):
+            box.shut()
+        self.closed = True
+        self._dir.cleanup()
+
+
+async def _serve_health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """HTTP/1.1 with keep-alive: 200 and a JSON body for /v1/health, 404 for anything else."""
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            target = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+            status, body = (b"200 OK", HEALTH) if target == b"/v1/health" else (b"404 Not Found", b'{"detail":"no"}')
+            writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
