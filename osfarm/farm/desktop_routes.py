@@ -12,7 +12,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Response
 
-from osfarm.desktop.actions import ActionError, check_on_screen, parse_action
+from osfarm.desktop.actions import ActionError, parse_actions
 from osfarm.desktop.models import ImageFormat, Observation, ObserveOptions, StepRequest, StepResult
 from osfarm.farm.errors import ApiError
 from osfarm.farm.metrics import STEP_SECONDS
@@ -57,14 +57,10 @@ async def get_desktop(lease: LeaseOf) -> LeaseInfo:
 @router.post("/v1/desktops/{lease_id}/step", response_model=StepResult, summary="Run actions, optionally observe",
              responses={**DESKTOP_ERRORS, 502: {"model": ErrorBody}})
 async def step(req: StepRequest, lease: LeaseOf, state: State) -> Response:
-    width, height = lease.screen
-    # Validate every action before any runs, so a bad batch has no partial effect.
-    for i, raw in enumerate(req.actions):
-        try:
-            action = parse_action(raw, f"actions.{i}")
-            check_on_screen(action, width, height, f"actions.{i}")
-        except ActionError as e:
-            raise ApiError(422, str(e)) from None
+    try:
+        parse_actions(req.actions, *lease.screen)  # every action checked before any runs
+    except ActionError as e:
+        raise ApiError(422, str(e)) from None
     timeout_s = req.code_timeout * len(req.actions) + 60.0
     t0 = time.perf_counter()
     r = await state.guest_call(lease, "POST", "/v1/step", json=req.model_dump(mode="json"), timeout_s=timeout_s)
