@@ -38,7 +38,7 @@ class FakeCache:
     def __init__(self, files: dict[str, Path]):
         self.files = files
 
-    def lookup(self, url: str) -> Path | None:
+    def lookup(self, url: str, name: str | None = None) -> Path | None:
         return self.files.get(url)
 
 

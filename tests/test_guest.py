@@ -18,6 +18,7 @@ import httpx
 import pytest
 from PIL import Image
 
+from asset_server import HF, asset_server
 from osfarm.desktop.process_tree import descendants
 from waiting import wait_until
 
@@ -49,7 +50,8 @@ def guest():  # noqa: ANN201
     (home / ".config").mkdir()
     (home / ".config" / "mimeapps.list").write_text("[Default Applications]\ntext/plain=oftext.desktop\n")
     sock, state_file = tmp / "g.sock", tmp / "state.json"
-    env = dict(os.environ, OSFARM_GUEST_TOKEN=TOKEN)
+    # the download route may reach this test's loopback file server (and nothing else private)
+    env = dict(os.environ, OSFARM_GUEST_TOKEN=TOKEN, OSFARM_DOWNLOAD_ALLOW_HOSTS="127.0.0.1")
     log = open(tmp / "session.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "osfarm.desktop.launcher", "--width", str(W), "--height", str(H),
@@ -278,6 +280,28 @@ def test_upload_then_file_and_list_directory(guest: Guest) -> None:
     tree = guest.c.post("/list_directory", json={"path": "~/up"}).json()["directory_tree"]
     assert tree == {"type": "directory", "name": "up", "children": [
         {"type": "directory", "name": "deep", "children": [{"type": "file", "name": "blob.bin"}]}]}
+
+
+def test_setup_download_file(guest: Guest) -> None:
+    # OSWorld's route: the desktop itself downloads {url} to {path} (a task file names both).
+    with asset_server({HF + "/a.bin": b"x" * 70_000}) as srv:
+        srv.cut_once.add(HF + "/a.bin")  # a body cut short is detected and resumed
+        r = guest.c.post("/setup/download_file", json={"url": srv.url(f"/redirect/2{HF}/a.bin"), "path": "~/dl/a.bin"})
+        assert r.status_code == 200 and r.text == "File downloaded successfully: 70000 bytes"
+        assert (guest.tmp / "home" / "dl" / "a.bin").read_bytes() == b"x" * 70_000 and srv.ranges == ["bytes=35000-"]
+        assert sorted(p.name for p in (guest.tmp / "home" / "dl").iterdir()) == ["a.bin"]  # nothing else left
+        r = guest.c.post("/setup/download_file", json={"url": srv.url(HF + "/gone"), "path": "~/dl/gone"})
+        assert r.status_code == 500 and r.text.startswith(f"Failed to download {srv.url(HF + '/gone')}. No retries left.")
+        assert "HTTP 404" in r.text and not list((guest.tmp / "home" / "dl").glob("gone*"))
+        for url, words in ((srv.url("/to-file"), "url: only http and https URLs are downloaded, not 'file'"),
+                           ("file:///etc/passwd", "url: only http and https"),
+                           (srv.url("/to-private"), "url: host localhost is not on the allow-list")):
+            r = guest.c.post("/setup/download_file", json={"url": url, "path": "~/dl/x"})
+            assert r.status_code == 400 and detail(r).startswith(words), r.text
+        r = guest.c.post("/setup/download_file", json={"path": "~/dl/x"})
+        assert r.status_code == 400 and detail(r) == "url: required"
+        r = guest.c.post("/setup/download_file", json={"url": srv.url(HF + "/a.bin"), "path": "~/dl"})
+        assert r.status_code == 400 and detail(r).startswith("path: is a directory")
 
 
 def test_file_routes_bad_input(guest: Guest) -> None:

@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 from osfarm.config import FarmSettings
+from osfarm.http.download import DownloadPolicy
 from osfarm.providers.base import DesktopSpec
 from osfarm.providers.sandbox import SandboxProvider
 from osfarm.tasks.controller import GuestController, GuestError
@@ -124,7 +125,10 @@ def test_cache_offline_missing_names_url_and_places(tmp_path: Path) -> None:
 def test_cache_http_download_is_cached(tmp_path: Path, http_root) -> None:
     base, www, _srv = http_root
     (www / "e.txt").write_bytes(b"x" * 5000)
-    fc = FileCache(tmp_path / "cache")
+    # a task may not make the harness fetch from a loopback address unless it is allowed by name
+    with pytest.raises(AssetMissing, match="non-public address 127.0.0.1"):
+        FileCache(tmp_path / "cache", policy=DownloadPolicy()).fetch(f"{base}/e.txt", "t3")
+    fc = FileCache(tmp_path / "cache", policy=DownloadPolicy(allowed_hosts=("127.0.0.1",)))
     p = fc.fetch(f"{base}/e.txt", "t3")
     assert p.read_bytes() == b"x" * 5000 and p.parent == tmp_path / "cache" / "t3"
     (www / "e.txt").unlink()  # served from the cache now, even offline

@@ -38,9 +38,11 @@ from osfarm.desktop.request_fields import (
     require_str,
 )
 from osfarm.desktop.wallpaper import paint_root
+from osfarm.http.download import DownloadError, DownloadPolicy, DownloadRefused, download
 
 EXECUTE_TIMEOUT_S = 120.0  # OSWorld's subprocess.run timeout for /execute
 RUN_PYTHON_TIMEOUT_S = 30.0
+DOWNLOAD_TIMEOUT_S = 900.0  # OSWorld: 3 tries of up to 300 s each
 OPEN_FILE_TIMEOUT_S = 120.0  # OSWorld waits up to 1800 s; callers may pass timeout_seconds
 
 router = APIRouter()
@@ -327,6 +329,32 @@ async def upload(request: Request) -> PlainTextResponse:
     except (IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError) as e:
         raise bad("file_path", f"cannot write {path}: {e.strerror or e}") from None
     return PlainTextResponse(f"File Uploaded: {size} bytes")
+
+
+@router.post("/setup/download_file")
+async def download_file(request: Request) -> PlainTextResponse:
+    """OSWorld's ``{url, path}``: the desktop itself downloads ``url`` to ``path``. Its limits
+    are :mod:`osfarm.http.download`'s (http(s) only, no redirect off http(s), no private
+    addresses unless on ``$OSFARM_DOWNLOAD_ALLOW_HOSTS``, size and time caps, a truncated body
+    detected and resumed); a URL the policy refuses answers 400 naming ``url``, a download that
+    fails answers 500 as OSWorld's does, leaving no partial file at ``path``."""
+    data = await json_object(request)
+    url = require_str(data, "url")
+    path = expand(require_str(data, "path"))
+    if os.path.isdir(path):
+        raise bad("path", f"is a directory: {path}")
+    policy = DownloadPolicy.from_env(timeout_s=DOWNLOAD_TIMEOUT_S)
+    try:
+        got = await download(url, path, policy, lock=False)
+    except DownloadRefused as e:
+        raise bad("url", e.reason) from None
+    except DownloadError as e:
+        Path(path + ".part").unlink(missing_ok=True)
+        Path(path + ".part.json").unlink(missing_ok=True)
+        return PlainTextResponse(f"Failed to download {url}. No retries left. Error: {e.reason}", 500)
+    except OSError as e:
+        raise bad("path", f"cannot write {path}: {e.strerror or e}") from None
+    return PlainTextResponse(f"File downloaded successfully: {got.size} bytes")
 
 
 # --------------------------------------------------------------------------- windows

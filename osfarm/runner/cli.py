@@ -20,7 +20,8 @@ def eval_command(
     url: Annotated[str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)] = None,
     token: Annotated[str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)] = None,
     cache: Annotated[Path | None, typer.Option("--cache", help="offline file cache (default <suite>/cache)", show_default=False)] = None,
-    offline: Annotated[bool, typer.Option("--offline/--online", help="never download task files")] = True,
+    offline: Annotated[bool, typer.Option("--offline/--online", help="never download task files (--online: download what the cache lacks, as `osfarm tasks fetch` does)")] = True,
+    allow_host: Annotated[list[str] | None, typer.Option("--allow-host", help="--online: download only from this host (repeatable; default $OSFARM_DOWNLOAD_ALLOW_HOSTS, else any public host)", show_default=False)] = None,
     time_limit: Annotated[float, typer.Option("--time-limit", help="wall-clock seconds per episode")] = 600.0,
     retries: Annotated[int, typer.Option("--retries", min=0, help="retries of an infra error per task")] = 2,
     action_space: Annotated[str, typer.Option("--action-space", help="pyautogui or computer_13")] = "pyautogui",
@@ -54,7 +55,8 @@ def eval_command(
                       url=url, token=token, cache=cache, offline=offline, time_limit_s=time_limit,
                       infra_retries=retries, action_space=action_space, progress=progress, record=record,
                       solutions=solutions, farm_overrides=overrides, executor=executor, broker=broker,
-                      max_concurrent=max_concurrent, sync_batches=sync_batches, stream_url=stream_url, stream=stream)
+                      max_concurrent=max_concurrent, sync_batches=sync_batches, stream_url=stream_url, stream=stream,
+                      allow_hosts=tuple(allow_host) if allow_host else None)
     if executor not in ("inprocess", "celery"):
         err.print(f"[bold red]error:[/] --executor must be inprocess or celery, got {executor!r}", highlight=False)
         raise typer.Exit(2)

@@ -34,6 +34,7 @@ from rich.progress import (
 from osfarm.agents import make_agent
 from osfarm.client import AsyncFarm
 from osfarm.farm.local import local_farm, local_farm_settings
+from osfarm.http.download import DownloadPolicy
 from osfarm.runner.episode import (
     INFRA_ERROR,
     TIMEOUT,
@@ -87,6 +88,7 @@ class RunOptions:
     sync_batches: bool = False  # batches of max_concurrent with a barrier (the comparison baseline)
     stream_url: str | None = None  # also publish records to this Redis (in-process executor)
     stream: str = "osfarm:episodes"
+    allow_hosts: tuple[str, ...] | None = None  # --online: the download allow-list (None: $OSFARM_DOWNLOAD_ALLOW_HOSTS)
 
     def concurrency(self, n_tasks: int = 1) -> int:
         """Episodes in flight: --max-concurrent, else --envs in process; with Celery every task is
@@ -178,7 +180,8 @@ async def run_async(opts: RunOptions, url: str | None, token: str | None, consol
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     make_agent(opts.agent, **opts.agent_options())  # an unknown agent fails before any lease
-    cache = suite_cache(suite, Path(opts.suite), opts.cache, out, opts.offline)
+    policy = DownloadPolicy.from_env(**({"allowed_hosts": opts.allow_hosts} if opts.allow_hosts else {}))
+    cache = suite_cache(suite, Path(opts.suite), opts.cache, out, opts.offline, policy)
     run_id = datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     cfg = EpisodeConfig(max_steps=opts.max_steps, time_limit_s=opts.time_limit_s, infra_retries=opts.infra_retries,
                         offline=opts.offline, work_dir=out / ".work", record=opts.record)

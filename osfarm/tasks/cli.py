@@ -6,20 +6,33 @@ bad JSON) and exit 1, so editors and CI can jump to them.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
 from rich.table import Table
 
+from osfarm.http.download import DownloadPolicy
 from osfarm.tasks.coverage import KINDS, Coverage, coverage
+from osfarm.tasks.fetch import Asset, FetchReport, fetch_assets, suite_assets
 from osfarm.tasks.model import TaskError
 from osfarm.tasks.suite import Suite, load_suite
 
 tasks_app = typer.Typer(
-    help="OSWorld-compatible task suites: validate, list, coverage.",
+    help="OSWorld-compatible task suites: validate, list, coverage, fetch their files, audit them.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -141,3 +154,85 @@ def _print_tables(cov: Coverage) -> None:
         for n in cov.of(kind):
             table.add_row(n.name, str(n.uses), str(n.tasks), f"[{_STATUS_STYLE[n.status]}]{n.label}[/]")
         con.print(table)
+
+
+AllowHostOpt = Annotated[
+    list[str] | None,
+    typer.Option("--allow-host", help="download only from this host (repeatable; .example.org = the domain and its "
+                 "sub-domains); a host named here may also be a private address. Default: $OSFARM_DOWNLOAD_ALLOW_HOSTS, "
+                 "else any host with a public address", show_default=False),
+]
+
+
+def download_policy(allow_host: list[str] | None, max_mb: float, timeout: float, attempts: int = 3) -> DownloadPolicy:
+    """The policy of the download options shared by ``tasks fetch``, ``tasks audit`` and ``eval --online``."""
+    over: dict[str, object] = {"max_bytes": int(max_mb * (1 << 20)), "timeout_s": timeout, "attempts": attempts}
+    if allow_host:
+        over["allowed_hosts"] = tuple(allow_host)
+    return DownloadPolicy.from_env(**over)
+
+
+@tasks_app.command("fetch")
+def fetch_cmd(
+    directory: DirArg,
+    cache: Annotated[Path, typer.Option("--cache", help="cache folder to fill (OSWorld's <task_id>/<file> layout)")],
+    index: IndexOpt = None,
+    domain: Annotated[str | None, typer.Option("--domain", "-d", help="only this domain")] = None,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, max=32, help="downloads at once")] = 4,
+    allow_host: AllowHostOpt = None,
+    max_mb: Annotated[float, typer.Option("--max-mb", min=0.001, help="largest file accepted, MiB")] = 2048.0,
+    timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="seconds per file, retries included")] = 600.0,
+    attempts: Annotated[int, typer.Option("--attempts", min=1, max=10, help="tries per file (a partial file is resumed)")] = 3,
+    verify: Annotated[bool, typer.Option("--verify", help="re-hash cached files against the manifest; fetch again what changed")] = False,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")] = True,
+) -> None:
+    """Download every file SUITE's tasks need into --cache, so offline machines can run it.
+
+    Resumable (partial files are continued, cached files skipped), checksummed (SHA-256 in
+    <cache>/fetch-manifest.json), bounded (--concurrency, --max-mb, --timeout). Task files are
+    hostile: only http(s), no redirect to another scheme, no private addresses unless named with
+    --allow-host. Exits 1 when any file could not be fetched (each one listed with its task and
+    JSON path)."""
+    try:
+        suite = load_suite(directory, index, strict=False)
+    except TaskError as e:
+        _fail(e)
+        return
+    tasks = suite.in_domain(domain) if domain else list(suite)
+    assets = suite_assets(tasks)
+    policy = download_policy(allow_host, max_mb, timeout, attempts)
+    con = _console()
+    report = _run_fetch(assets, cache, policy, concurrency, verify, progress, con)
+    for r in report.failed:
+        typer.echo(f"{r.status}: {r.asset.task_id}: {r.asset.where}: {r.asset.url}: {r.error}")
+    mib = report.bytes_fetched / (1 << 20)
+    con.print(f"{len(assets)} files for {len(tasks)} tasks: {report.count('fetched')} fetched ({mib:.1f} MiB), "
+              f"{report.count('cached')} already cached, {report.count('linked')} linked, "
+              f"{report.count('failed')} failed, {report.count('refused')} refused; manifest {cache / 'fetch-manifest.json'}")
+    for r in suite.refused:
+        typer.echo(f"refused task file (its files are unknown): {r.file}")
+    if report.failed or suite.refused:
+        raise typer.Exit(1)
+
+
+def _run_fetch(assets: list[Asset], cache: Path, policy: DownloadPolicy, concurrency: int, verify: bool,
+               show: bool, con: Console) -> FetchReport:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=con, disable=not show, transient=False) as bars:
+        overall = bars.add_task("files", total=len(assets))
+        live: dict[int, TaskID] = {}
+
+        def on_progress(asset: Asset, got: int | None, total: int | None) -> None:
+            key = id(asset)
+            if got is None:  # this asset is done (fetched, cached, linked or failed)
+                if key in live:
+                    bars.remove_task(live.pop(key))
+                bars.advance(overall)
+                return
+            if key not in live:
+                live[key] = bars.add_task(f"  {asset.name[:40]}", total=total)
+            bars.update(live[key], completed=got, total=total)
+
+        return asyncio.run(fetch_assets(assets, cache, policy, concurrency=concurrency, verify=verify,
+                                        progress=on_progress))

@@ -157,10 +157,11 @@ _URL = re.compile(r"https?://[^\s\"'<>]+")
 
 
 def _live_urls(value: Any) -> Iterable[str]:
-    """URLs in a JSON value that are not the HuggingFace file cache (which we mirror)."""
+    """URLs in a JSON value that are not OSWorld's HuggingFace file cache (or its hf-mirror.com
+    copy): those are files ``osfarm tasks fetch`` caches, not live pages."""
     if isinstance(value, str):
         for u in _URL.findall(value):
-            if "huggingface.co" not in u:
+            if "huggingface.co" not in u and "hf-mirror.com" not in u:
                 yield u
     elif isinstance(value, dict):
         for v in value.values():

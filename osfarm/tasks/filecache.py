@@ -7,7 +7,10 @@ Where a URL's bytes are looked for, in order:
 2. the URL map (``url -> path``; a JSON or YAML file's relative paths are relative to that file,
    a dict's relative paths to ``root``);
 3. ``file://`` URLs, and plain paths (relative ones against ``suite_dir``);
-4. http(s), downloaded once into the OSWorld layout above (never when ``offline``).
+4. http(s), downloaded once into the OSWorld layout above (never when ``offline``), under a
+   :class:`~osfarm.http.download.DownloadPolicy` (http(s) only, no redirect off http(s), size and
+   time limits, no private addresses, optional host allow-list: task files are hostile), and
+   recorded with its SHA-256 in the cache's manifest (:mod:`osfarm.tasks.manifest`).
 
 A file that cannot be found raises :class:`AssetMissing`, whose message names the URL and every
 place that was looked at.
@@ -17,14 +20,15 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlparse
 
-import httpx
 import yaml
+
+from osfarm.http.download import DownloadError, DownloadPolicy, download_sync
+from osfarm.tasks.manifest import Manifest
 
 if TYPE_CHECKING:
     from osfarm.tasks.suite import Suite
@@ -66,11 +70,12 @@ def cache_name(url: str, name: str) -> str:
 
 class FileCache:
     def __init__(self, root: Path, url_map: dict[str, str] | None = None, *, suite_dir: Path | None = None,
-                 offline: bool = False, timeout: float = 300.0):
+                 offline: bool = False, timeout: float = 300.0, policy: DownloadPolicy | None = None):
         self.root = Path(root)
         self.suite_dir = Path(suite_dir) if suite_dir else None
         self.offline = offline
-        self.timeout = timeout
+        self.policy = policy or DownloadPolicy.from_env(timeout_s=timeout)
+        self.manifest = Manifest(self.root)
         self.url_map = {u: (p if os.path.isabs(p) else str(self.root / p)) for u, p in (url_map or {}).items()}
 
     @classmethod
@@ -97,7 +102,10 @@ class FileCache:
         fname = self.file_name(url, name)
         looked: list[str] = []
         tdir = self.root / task_id
-        for cand in (tdir / cache_name(url, fname), tdir / fname):
+        # the task's own name for the file (OSWorld: cache/<task>/<uuid5>_<name> for downloads,
+        # cache/<task>/<dest> for cloud_file), then the URL's file name
+        names = list(dict.fromkeys([fname, self.file_name(url)]))
+        for cand in [tdir / cache_name(url, n) for n in names] + [tdir / n for n in names]:
             looked.append(str(cand))
             if cand.is_file():
                 return cand
@@ -131,39 +139,27 @@ class FileCache:
         return self._download(url, self.task_dir(task_id) / cache_name(url, fname), looked)
 
     def _download(self, url: str, dest: Path, looked: list[str]) -> Path:
-        fd, tmp = tempfile.mkstemp(prefix=".part-", dir=dest.parent)
         try:
-            with os.fdopen(fd, "wb") as f, httpx.stream("GET", url, follow_redirects=True, timeout=self.timeout) as r:
-                if r.status_code != 200:
-                    raise AssetMissing(url, looked + [url], f"could not be downloaded (HTTP {r.status_code})")
-                expected = r.headers.get("content-length")
-                got = 0
-                for chunk in r.iter_bytes(1 << 20):
-                    f.write(chunk)
-                    got += len(chunk)
-                if expected is not None and expected.isdigit() and int(expected) != got and \
-                        not r.headers.get("content-encoding"):
-                    raise AssetMissing(url, looked + [url], f"download truncated ({got} of {expected} bytes)")
-            os.replace(tmp, dest)
-        except httpx.HTTPError as e:
-            raise AssetMissing(url, looked + [url], f"could not be downloaded ({type(e).__name__}: {e})") from e
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            got = download_sync(url, dest, self.policy)
+        except DownloadError as e:
+            raise AssetMissing(url, looked + [url], f"could not be downloaded ({e.reason})") from e
+        self.manifest.record(got.path, url, got.sha256, got.size)
         return dest
 
 
-def suite_cache(suite: Suite, suite_dir: Path, cache: Path | None, out: Path, offline: bool) -> FileCache:
+def suite_cache(suite: Suite, suite_dir: Path, cache: Path | None, out: Path, offline: bool,
+                policy: DownloadPolicy | None = None) -> FileCache:
     """A suite's file cache: ``cache`` or else ``<suite_dir>/cache`` (OSWorld's ``cache/<task>/<file>``
     layout, plus an optional ``url_map.json``/``.yaml``), else ``<out>/cache``; relative task paths
-    resolve against the suite's task root."""
+    resolve against the suite's task root. ``policy`` rules online downloads (default: from the
+    environment, see :meth:`DownloadPolicy.from_env`)."""
     root = cache if cache is not None else (suite_dir / "cache" if (suite_dir / "cache").is_dir() else out / "cache")
     url_map: dict[str, str] = {}
     for name in URL_MAP_NAMES:
         if (root / name).is_file():
             url_map = load_url_map(root / name)
             break
-    return FileCache(root, url_map, suite_dir=suite.root, offline=offline)
+    return FileCache(root, url_map, suite_dir=suite.root, offline=offline, policy=policy)
 
 
 __all__ = ["URL_MAP_NAMES", "AssetMissing", "FileCache", "cache_name", "load_url_map", "suite_cache"]

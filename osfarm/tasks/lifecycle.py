@@ -55,14 +55,14 @@ class TaskRun:
 
 
 class CacheLookup:
-    """``EvalEnv.offline_cache`` over a FileCache: ``lookup(url) -> Path | None``."""
+    """``EvalEnv.offline_cache`` over a FileCache: ``lookup(url, name) -> Path | None``."""
 
     def __init__(self, cache: FileCache, task_id: str, offline: bool):
         self.cache, self.task_id, self.offline = cache, task_id, offline
 
-    def lookup(self, url: str) -> Path | None:
+    def lookup(self, url: str, name: str | None = None) -> Path | None:
         try:
-            return self.cache.fetch(url, self.task_id, offline=self.offline)
+            return self.cache.fetch(url, self.task_id, name=name, offline=self.offline)
         except AssetMissing:
             return None
 

@@ -4,7 +4,7 @@ OSWorld passes its ``DesktopEnv``; our getters need only a few of its attributes
 evaluator builds an :class:`EvalEnv` instead. ``controller`` is a
 :class:`osfarm.tasks.controller.GuestController` (sync), ``cache_dir`` is where fetched files
 are written (OSWorld's ``env.cache_dir``, ``cache/<task_id>``), ``offline_cache`` resolves the
-URLs of ``cloud_file`` getters to local files (an object with ``lookup(url) -> Path | None``),
+URLs of ``cloud_file`` getters to local files (an object with ``lookup(url, name) -> Path | None``),
 and ``clock`` is the "now" that relative-date rules are computed from (injectable for tests).
 """
 
@@ -23,7 +23,9 @@ HOME = "/home/user"
 
 
 class OfflineCache(Protocol):
-    def lookup(self, url: str) -> Path | None: ...
+    def lookup(self, url: str, name: str | None = None) -> Path | None:
+        """The local copy of ``url`` (``name``: the file name the task gives it), or None."""
+        ...
 
 
 @dataclass

@@ -80,7 +80,8 @@ def get_cloud_file(env: EvalEnv, config: dict[str, Any]) -> str | None | list[st
     for i, (url, d) in enumerate(zip(paths, dests)):
         local = env.cache_path(d)
         if not local.exists():
-            src = env.offline_cache.lookup(url) if env.offline_cache is not None else None
+            # the dest names the cached copy, as in OSWorld's cache/<task_id>/<dest>
+            src = env.offline_cache.lookup(url, d) if env.offline_cache is not None else None
             if src is None or not src.exists():
                 log.warning("cloud_file: %s is not in the offline cache", url)
                 if i in gives:
