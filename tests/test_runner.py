@@ -142,6 +142,43 @@ def test_missing_offline_asset_is_a_counted_infra_error(farm: FarmServer, tmp_pa
     assert "infra_error" in (out / "report.html").read_text()
 
 
+def test_refused_task_files_are_infra_errors_and_the_others_run(farm: FarmServer, tmp_path: Path) -> None:
+    # One bad task file must cost that task only: it is an infra_error naming the file and the JSON
+    # path, the others run. A func list shorter than its result list loads (OSWorld indexes by metric).
+    suite = tmp_path / "suite"
+    shutil.copytree(SUITE, suite)
+    broken, uneven, absent = (f"5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0b0{i}" for i in (1, 2, 3))
+    (suite / "os" / f"{broken}.json").write_text(json.dumps({
+        "id": broken, "instruction": "x", "config": [{"type": 3}],
+        "evaluator": {"func": "exact_match", "result": {"type": "vm_command_line", "command": "true"}}}))
+    (suite / "os" / f"{uneven}.json").write_text(json.dumps({
+        "id": uneven, "snapshot": "os", "instruction": "Say no.", "source": ["https://a.example", "b"],
+        "proxy": True, "my_key": {"kept": 1}, "config": [],
+        "evaluator": {"func": ["exact_match"], "conj": "and",
+                      "result": [{"type": "vm_command_line", "command": "echo yes"},
+                                 {"type": "no_such_getter"}],
+                      "expected": [{"type": "rule", "rules": {"expected": "yes\n"}}, None]}}))
+    (suite / "test_all.json").write_text(json.dumps({"os": [HELLO, broken, uneven, absent, INFEASIBLE]}))
+    out = tmp_path / "run"
+    res = run_eval(out, "--agent", "noop", farm=farm, suite=suite)
+    rows = by_id(res)
+    assert res["n_tasks"] == 5 and res["refused"] == 2 and res["infra_errors"] == 2
+    assert rows[HELLO]["status"] == "failure" and rows[INFEASIBLE]["status"] == "failure"
+    # the uneven task ran: its second (never evaluated) getter does not exist, yet it scored
+    assert rows[uneven]["status"] == "success" and rows[uneven]["score"] == 1.0
+    bad = rows[broken]
+    assert bad["status"] == "infra_error" and bad["score"] == 0.0 and bad["steps"] == 0
+    assert f"{suite / 'os' / broken}.json: $.config[0].type" in bad["error"]
+    assert f"{suite / 'os' / broken}.json: $.snapshot" not in bad["error"]  # a key OSWorld never reads
+    assert f"{suite / 'test_all.json'}: $.os[3]: task {absent} has no file" in rows[absent]["error"]
+    for tid in (broken, absent):
+        assert not (out / "os" / tid / "result.txt").exists()  # --resume tries them again
+        assert "$." in (out / "os" / tid / "error.txt").read_text()
+    recs = {r["task_id"]: r for r in read_episodes(out / "episodes.jsonl")}
+    assert set(recs) == {HELLO, broken, uneven, absent, INFEASIBLE}
+    assert recs[broken]["status"] == "infra_error" and recs[broken]["steps"] == []
+
+
 def test_in_process_farm_when_no_url_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Its own state dir: the in-process farm takes the state dir's lock, like `osfarm serve`.
     monkeypatch.setenv("OSFARM_STATE_DIR", tempfile.mkdtemp(prefix="ofr", dir="/tmp"))
