@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.console import Console
 
 VM_IMAGE = "osfarm/desktop-vm"
 DESKTOP_IMAGE = "osfarm/desktop:latest"
@@ -330,8 +331,6 @@ def build_vm_command(
     force: Annotated[bool, typer.Option("--force", help="rebuild the disk even if it is up to date")] = False,
 ) -> None:
     """Build the libvirt VM disk (osfarm/desktop-vm -> base.qcow2 + vmlinuz + initrd.img). Needs root and dockerd."""
-    from rich.console import Console
-
     console = Console(stderr=True)
     target = out_dir or Path(os.environ.get("OSFARM_LIBVIRT_IMAGE_DIR") or default_image_dir())
     t0 = time.monotonic()
