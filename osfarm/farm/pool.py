@@ -109,6 +109,20 @@ class _Desktop:
     misses: int = 0  # guest health failures in a row
 
 
+async def _close_after(client: httpx.AsyncClient, check: asyncio.Task[Any] | None) -> None:
+    """Close a box's health-check client once the check still using it has ended.
+
+    Closed under a check waiting for the guest's answer, the unix-socket stream (anyio, under
+    httpx) resolves the pending read itself while uvloop still polls the socket; the box's end
+    then makes the socket readable and the poll resolves the read again: "Exception in callback
+    <built-in method set_result of _asyncio.Future> ... InvalidStateError" on the farm's loop.
+    The check ends soon anyway (its box is going, and it has a timeout); its result is stale.
+    """
+    if check is not None:
+        await asyncio.wait({check})
+    await client.aclose()
+
+
 class LeasePool:
     """Warm pool + leases (see module doc). ``close`` also closes the provider."""
 
@@ -129,6 +143,7 @@ class LeasePool:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._box_tasks: dict[str, asyncio.Task[Any]] = {}  # start/reset in flight, by desktop
         self._clients: dict[str, tuple[DesktopHandle, httpx.AsyncClient]] = {}
+        self._checks: dict[str, asyncio.Task[tuple[DesktopHandle, str | None, bool]]] = {}  # in flight, by desktop
         self._changed = asyncio.Event()
         self._seq = 0
         self._fail_count = 0
@@ -614,7 +629,14 @@ class LeasePool:
             if now > lease.expires_at:
                 self._expire(lease)
         targets = [d for d in self._desktops.values() if d.state in (READY, LEASED) and d.handle is not None]
-        results = await asyncio.gather(*(self._check(d) for d in targets))
+        checks = {d.id: asyncio.create_task(self._check(d)) for d in targets}
+        self._checks.update(checks)  # a client dropped meanwhile is closed after its check
+        try:
+            results = await asyncio.gather(*checks.values())
+        finally:
+            for desktop_id, task in checks.items():
+                if self._checks.get(desktop_id) is task:
+                    del self._checks[desktop_id]
         for d, (handle, reason, strike) in zip(targets, results):
             if d.handle is not handle or d.state not in (READY, LEASED):
                 continue  # changed hands during the check (released, reset): result is stale
@@ -671,5 +693,5 @@ class LeasePool:
     def _drop_client(self, desktop_id: str) -> None:
         cached = self._clients.pop(desktop_id, None)
         if cached is not None:
-            self._spawn(cached[1].aclose())
+            self._spawn(_close_after(cached[1], self._checks.get(desktop_id)))
 
