@@ -29,6 +29,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from osfarm.config import ConfigError, FarmSettings, load_settings
+from osfarm.http.errors import error_detail
 from osfarm.http.hosts import is_loopback_host
 from osfarm.runner.cli import eval_command
 from osfarm.tasks.cli import tasks_app
@@ -397,8 +398,7 @@ def desktop_exec(
     except ValueError:
         reply = {}
     if r.status_code >= 400 or not isinstance(reply, dict) or reply.get("status") != "success":
-        msg = reply.get("detail") or reply.get("message") if isinstance(reply, dict) else None
-        raise _fail(f"{r.status_code}: {msg or r.text[:500]}")
+        raise _fail(f"{r.status_code}: {error_detail(r.content)}")
     if reply.get("output"):
         sys.stdout.write(reply["output"])
     if reply.get("error"):
