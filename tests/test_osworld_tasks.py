@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import re
 import shutil
 import tarfile
@@ -218,6 +219,18 @@ def state_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+class _ErrorRecords(logging.Handler):
+    """Errors logged while it is attached (under pytest the root logger's handlers are pytest's,
+    so an event loop's "Exception in callback" never reaches stderr here)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(self.format(record))
+
+
 def _eval(cache: Path, out: Path, agent: str, *extra: str) -> dict[str, Any]:
     index = out.parent / f"{out.name}-index.json"
     hostable: dict[str, list[str]] = {}
@@ -227,9 +240,16 @@ def _eval(cache: Path, out: Path, agent: str, *extra: str) -> dict[str, Any]:
     index.write_text(json.dumps(hostable))
     app = typer.Typer()
     app.command()(eval_command)
-    res = CliRunner().invoke(app, ["--suite", str(TASKS), "--index", str(index), "--cache", str(cache),
-                                   "--agent", agent, *extra, "--envs", "2", "--out", str(out), "--no-progress"])
+    loop_errors = _ErrorRecords()
+    logging.getLogger("asyncio").addHandler(loop_errors)  # where the in-process farm's event loop reports
+    try:
+        res = CliRunner().invoke(app, ["--suite", str(TASKS), "--index", str(index), "--cache", str(cache),
+                                       "--agent", agent, *extra, "--envs", "2", "--out", str(out), "--no-progress"])
+    finally:
+        logging.getLogger("asyncio").removeHandler(loop_errors)
     assert res.exit_code == 0, res.output
+    # e.g. "Exception in callback <built-in method set_result of _asyncio.Future> ... InvalidStateError"
+    assert loop_errors.messages == [] and "InvalidStateError" not in res.output, loop_errors.messages
     results = json.loads((out / "results.json").read_text())
     assert results["n_tasks"] == sum(map(len, hostable.values()))
     return results
