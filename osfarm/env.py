@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 import threading
@@ -59,7 +60,7 @@ from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, evaluate, run_postconfig, run_setup
 from osfarm.tasks.model import Task, parse_task
-from osfarm.tasks.setup import SetupFailed
+from osfarm.tasks.setup import SetupFailed, StepReport
 
 # The observation should show the screen after the apps have drawn the effect of the input: wait
 # for the screen to stop changing and the apps to go idle (at most this long) instead of OSWorld's
@@ -257,7 +258,7 @@ class TaskEnv:
             raise EpisodeTimeout(f"episode exceeded its {self.time_limit_s:g} s limit") from None
         assert self.observation is not None
         return self.observation, {"task_id": task.id, "desktop": dict(self.desktop),
-                                  "setup": [r.__dict__ for r in reports], "timings": dict(self.timings)}
+                                  "setup": [dataclasses.asdict(r) for r in reports], "timings": dict(self.timings)}
 
     async def step(self, actions: Action | Sequence[Action]) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         """Run one step's actions in order; ``(observation, reward, terminated, truncated, info)``.
@@ -350,7 +351,7 @@ class TaskEnv:
 
     # -- the lifecycle -------------------------------------------------------------------------
 
-    async def _start(self, task: Task) -> list[Any]:
+    async def _start(self, task: Task) -> list[StepReport]:
         assert self._clock is not None
         try:
             desk = await self.farm.lease(ttl_s=self.lease_ttl_s, wait_s=self.lease_wait_s, heartbeat=True)
