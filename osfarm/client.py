@@ -169,7 +169,7 @@ def _heartbeat_interval(info: LeaseInfo, interval: float | None) -> float:
 class AsyncRemoteDesktop:
     """One leased desktop (async). ``close()`` releases it; also an async context manager."""
 
-    def __init__(self, farm: "AsyncFarm", info: LeaseInfo):
+    def __init__(self, farm: AsyncFarm, info: LeaseInfo):
         self.farm = farm
         self.info = info
         self._headers = {OWNER_HEADER: info.owner} if info.owner else {}
@@ -255,7 +255,7 @@ class AsyncRemoteDesktop:
 
     release = close
 
-    async def __aenter__(self) -> "AsyncRemoteDesktop":
+    async def __aenter__(self) -> AsyncRemoteDesktop:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -306,7 +306,7 @@ class AsyncFarm:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "AsyncFarm":
+    async def __aenter__(self) -> AsyncFarm:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -323,7 +323,7 @@ class RemoteDesktop:
     which is safe to use from several threads.
     """
 
-    def __init__(self, farm: "Farm", info: LeaseInfo):
+    def __init__(self, farm: Farm, info: LeaseInfo):
         self.farm = farm
         self.info = info
         self._headers = {OWNER_HEADER: info.owner} if info.owner else {}
@@ -408,7 +408,7 @@ class RemoteDesktop:
 
     release = close
 
-    def __enter__(self) -> "RemoteDesktop":
+    def __enter__(self) -> RemoteDesktop:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -459,7 +459,7 @@ class Farm:
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "Farm":
+    def __enter__(self) -> Farm:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -83,7 +83,7 @@ class FarmSettings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _YamlFileSource(settings_cls))
 
-    def ensure_token(self) -> "FarmSettings":
+    def ensure_token(self) -> FarmSettings:
         if not self.token:
             self.token = secrets.token_urlsafe(24)
         return self

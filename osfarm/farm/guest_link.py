@@ -70,7 +70,7 @@ class GuestLink:
             ) as r:
                 body = await r.read()
                 return GuestReply(r.status, r.reason or "", body, {k.lower(): v for k, v in r.headers.items()})
-        except asyncio.TimeoutError:  # first: aiohttp's timeout errors are connection errors too
+        except TimeoutError:  # first: aiohttp's timeout errors are connection errors too
             raise GuestTimeout(f"no answer in {timeout_s:.0f} s") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             raise GuestUnreachable(f"{type(e).__name__}: {e}") from None

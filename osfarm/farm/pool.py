@@ -26,8 +26,9 @@ import secrets
 import string
 import time
 from collections import OrderedDict, deque
+from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, Coroutine, Protocol
+from typing import Any, Protocol
 
 import httpx
 
@@ -637,7 +638,7 @@ class LeasePool:
             for desktop_id, task in checks.items():
                 if self._checks.get(desktop_id) is task:
                     del self._checks[desktop_id]
-        for d, (handle, reason, strike) in zip(targets, results):
+        for d, (handle, reason, strike) in zip(targets, results, strict=True):
             if d.handle is not handle or d.state not in (READY, LEASED):
                 continue  # changed hands during the check (released, reset): result is stale
             if reason is None:

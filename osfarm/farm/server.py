@@ -75,7 +75,7 @@ class FarmServer:
         except OSError:
             pass
 
-    def __enter__(self) -> "FarmServer":
+    def __enter__(self) -> FarmServer:
         self.start()
         return self
 

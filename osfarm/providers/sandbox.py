@@ -399,7 +399,7 @@ class SandboxProvider:
                     os.kill(child.pid, signal.SIGKILL)
         try:
             await asyncio.wait_for(proc.wait(), STOP_WAIT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(asyncio.TimeoutError):
