@@ -18,7 +18,10 @@ $(VENV)/.installed: pyproject.toml | system
 	test -x $(PY) || $(SYSTEM_PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q '$(TORCH)'
-	$(PY) -m pip install -q -e '.[dev,all]'
+	# torch stays pinned while the extras install: easyocr (ocr) needs torchvision, and an unpinned
+	# resolve picks the newest torchvision and, with it, a newer (CUDA) torch from PyPI.
+	echo '$(TORCH)' > $(VENV)/torch-pin.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,all]'
 	touch $@
 
 venv: system $(VENV)/.installed

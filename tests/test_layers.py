@@ -81,6 +81,8 @@ LAZY_THIRD_PARTY = {
     "libvirt_qemu": "system binding (python3-libvirt); only on libvirt hosts",
     "gi": "system binding (AT-SPI over GObject); only inside a desktop with an accessibility bus",
     "pandas": "~0.2 s to import; only the table getters need it",
+    "easyocr": "optional extra (ocr); seconds to import (torch); only compare_image_text",
+    "easyocr_en_models": "optional extra (ocr): EasyOCR's weights; only compare_image_text",
 }
 
 # osfarm modules a function may import lazily, each because importing it at module level would

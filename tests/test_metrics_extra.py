@@ -5,6 +5,7 @@ files built in the test: one input that passes and one that fails."""
 from __future__ import annotations
 
 import shutil
+import sys
 import zipfile
 from pathlib import Path
 
@@ -248,7 +249,10 @@ def test_is_added_to_steam_cart() -> None:
     assert chrome_m.is_added_to_steam_cart(None, {"items": ["Portal 2"]}) == 0.0
 
 
-def test_compare_image_text_is_unsupported_not_scored(tmp_path: Path) -> None:
+def test_compare_image_text_without_the_ocr_extra_is_unsupported_not_scored(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (with the extra, tests/test_ocr.py reads real images)
+    monkeypatch.setitem(sys.modules, "easyocr", None)  # as if osfarm[ocr] were not installed
     shot = text_box(tmp_path / "ls.png", 8)
     with pytest.raises(UnsupportedOption, match="EasyOCR"):
         docs_m.compare_image_text(shot, {"type": "text", "text": " Ls"})

