@@ -18,10 +18,10 @@ $(VENV)/.installed: pyproject.toml | system
 	test -x $(PY) || $(SYSTEM_PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q '$(TORCH)'
-	# torch stays pinned while the extras install: easyocr (ocr) needs torchvision, and an unpinned
-	# resolve picks the newest torchvision and, with it, a newer (CUDA) torch from PyPI.
-	echo '$(TORCH)' > $(VENV)/torch-pin.txt
-	$(PY) -m pip install -q -c $(VENV)/torch-pin.txt -e '.[dev,all]'
+	$(PY) -m pip install -q -e '.[dev,all]'
+	# compare_image_text (extra ocr): easyocr without its torchvision dependency (PyPI's build is
+	# for the CUDA torch; see osfarm/evaluators/metrics/torchvision_subset.py)
+	$(PY) -m pip install -q --no-deps 'easyocr==1.7.2'
 	touch $@
 
 venv: system $(VENV)/.installed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
@@ -53,9 +54,23 @@ def write_xwd(path: Path, img: Image.Image) -> Path:
     return path
 
 
-def test_the_extra_is_installed_here() -> None:
-    # `make venv` installs osfarm[all], which includes ocr: a test machine without it is broken.
+def test_the_extra_is_installed_here_without_torchvision() -> None:
+    # `make venv` installs osfarm[all] (ocr included) and easyocr --no-deps: a test machine
+    # without them is broken. PyPI's torchvision must stay out: on the CPU torch it does not
+    # load, and transformers' image processors fail to import while it is installed.
     assert ocr.ocr_available(), ocr.OCR_MISSING
+    assert importlib.util.find_spec("torchvision") is None
+
+
+def test_the_stand_in_is_gone_after_the_reader_is_built(tmp_path: Path) -> None:
+    ocr.image_texts(terminal_shot(tmp_path / "a.png", ["hello"]))
+    assert not [m for m in sys.modules if m.split(".")[0] == "torchvision"]
+    r = subprocess.run([sys.executable, "-c", "from osfarm.evaluators.metrics import ocr; import sys; "
+                        f"ocr.image_texts({str(tmp_path / 'a.png')!r}); "
+                        "from transformers import AutoImageProcessor; from transformers.utils import "
+                        "is_torchvision_available; print(is_torchvision_available())"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip().endswith("False"), r.stderr[-2000:]
 
 
 def test_reads_a_terminal_shot_as_osworld_scores_it(tmp_path: Path) -> None:
@@ -93,7 +108,7 @@ def test_without_the_extra_it_is_unsupported_not_scored(tmp_path: Path, monkeypa
     shot = str(terminal_shot(tmp_path / "ls.png", ["$ ls"]))
     monkeypatch.setitem(sys.modules, "easyocr", None)  # how Python marks a module as not importable
     assert not ocr.ocr_available()
-    with pytest.raises(UnsupportedOption, match=r"install the ocr extra \(pip install 'osfarm\[ocr\]'\)"):
+    with pytest.raises(UnsupportedOption, match=r"pip install 'osfarm\[ocr\]' && pip install --no-deps easyocr"):
         docs_m.compare_image_text(shot, {"type": "text", "text": "ls"})
     cov = coverage(OSWORLD / "test_all_index.tsv")
     need = cov.get("metric", "compare_image_text")

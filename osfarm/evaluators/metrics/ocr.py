@@ -8,21 +8,18 @@ downloads: same MD5s as its model table), so nothing is fetched at evaluation ti
 is built with downloads disabled. On a machine without a GPU, ``easyocr.Reader(["en"])`` (what
 OSWorld calls) runs on the CPU with dynamic quantization, as it does here.
 
-PyPI's ``torchvision`` (which easyocr imports for its VGG backbone and tensor transforms) is built
-against PyPI's CUDA torch: on the CPU torch its compiled ops do not load, and its ``__init__``
-then fails registering fake kernels for ``torchvision::nms``/``qnms``. When that happens, those two
-op schemas are declared (no kernels) and the import retried: easyocr's CRAFT + CRNN path calls no
-torchvision op. With a torchvision whose ops load, nothing is declared.
+easyocr needs two small pieces of torchvision, and PyPI's torchvision (built for the CUDA torch)
+neither loads on osfarm's CPU torch nor lets transformers import once installed: the ``ocr``
+extra leaves torchvision out (easyocr is installed with ``--no-deps``) and
+:mod:`osfarm.evaluators.metrics.torchvision_subset` stands in for it while easyocr is imported.
 
 The reader (about 100 MB, ~2 s to build) is made once per process and shared under a lock.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import os
-import sys
 import tempfile
 import threading
 from functools import lru_cache
@@ -32,45 +29,22 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-OCR_MISSING = ("compare_image_text needs EasyOCR and its English weights, which are not installed: "
-               "install the ocr extra (pip install 'osfarm[ocr]')")
+from osfarm.evaluators.metrics.torchvision_subset import standing_in
+
+OCR_MISSING = ("compare_image_text needs EasyOCR and its English weights, which are not installed: install the "
+               "ocr extra, then easyocr without its dependencies: pip install 'osfarm[ocr]' && pip install --no-deps "
+               "easyocr==1.7.2 (its torchvision dependency, PyPI's CUDA build, breaks the CPU torch)")
+# what easyocr imports when it is imported and its CRAFT + english_g2 reader is built
+_NEEDS = ("easyocr", "easyocr_en_models", "cv2", "scipy", "skimage", "bidi", "yaml")
 
 _lock = threading.Lock()
-_NMS_SCHEMA = "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
 
 
 def ocr_available() -> bool:
-    """Whether the ``ocr`` extra is installed (without importing it: that takes seconds)."""
+    """Whether EasyOCR and its weights are installed (without importing them: that takes seconds)."""
     try:
-        return all(importlib.util.find_spec(m) is not None for m in ("easyocr", "easyocr_en_models", "torchvision"))
+        return all(importlib.util.find_spec(m) is not None for m in _NEEDS)
     except (ImportError, ValueError):  # a module blocked with sys.modules[name] = None
-        return False
-
-
-def _import_torchvision() -> None:
-    import torch
-
-    try:
-        importlib.import_module("torchvision")
-        return
-    except RuntimeError as e:
-        if "torchvision::" not in str(e):
-            raise
-    for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
-        del sys.modules[name]  # the half-imported package, so that the retry starts clean
-    for op in ("nms", "qnms"):
-        if not _op_declared(op):
-            torch.library.define(f"torchvision::{op}", _NMS_SCHEMA)
-    importlib.import_module("torchvision")
-
-
-def _op_declared(op: str) -> bool:
-    import torch
-
-    try:
-        getattr(torch.ops.torchvision, op).default  # noqa: B018 - raises when the op has no schema
-        return True
-    except (AttributeError, RuntimeError):
         return False
 
 
@@ -78,12 +52,12 @@ def _op_declared(op: str) -> bool:
 def _reader() -> Any:
     if not ocr_available():
         raise ModuleNotFoundError(OCR_MISSING)
-    _import_torchvision()
-    import easyocr
-    import easyocr_en_models
+    with _lock, standing_in():  # easyocr's detector modules are imported while the reader is built
+        import easyocr
+        import easyocr_en_models
 
-    return easyocr.Reader(["en"], gpu=False, model_storage_directory=easyocr_en_models.model_dir(),
-                          download_enabled=False, verbose=False)
+        return easyocr.Reader(["en"], gpu=False, model_storage_directory=easyocr_en_models.model_dir(),
+                              download_enabled=False, verbose=False)
 
 
 def _xwd_to_png(path: str) -> str | None:
