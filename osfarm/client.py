@@ -25,7 +25,7 @@ import httpx
 from PIL import Image
 from pydantic import BaseModel
 
-from osfarm.desktop.models import Observation, ObserveOptions, StepResult
+from osfarm.desktop.models import ActionTiming, Observation, ObserveOptions, StepResult
 from osfarm.farm.schemas import LeaseInfo
 from osfarm.http.errors import error_detail
 
@@ -120,10 +120,12 @@ def _action_json(action: Any) -> Any:
     return action
 
 
-def _step_body(actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None, code_timeout: float) -> dict[str, Any]:
+def _step_body(actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None, code_timeout: float,
+               timing: ActionTiming = "osworld") -> dict[str, Any]:
     # One action (dict, model or code string) or a list of them.
     items = actions if isinstance(actions, (list, tuple)) else [actions]
-    body: dict[str, Any] = {"actions": [_action_json(a) for a in items], "code_timeout": code_timeout}
+    body: dict[str, Any] = {"actions": [_action_json(a) for a in items], "code_timeout": code_timeout,
+                            "timing": timing}
     if observe is True:
         observe = ObserveOptions()
     if isinstance(observe, ObserveOptions):
@@ -188,9 +190,10 @@ class AsyncRemoteDesktop:
         return f"/v1/desktops/{self.info.id}{suffix}"
 
     async def step(self, actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None = None,
-                   code_timeout: float = 30.0) -> StepResult:
-        """Run one action or a list of them (computer_13 dicts/models or pyautogui code)."""
-        body = _step_body(actions, observe, code_timeout)
+                   code_timeout: float = 30.0, timing: ActionTiming = "osworld") -> StepResult:
+        """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
+        OSWorld paces them (``timing="osworld"``) or as fast as the desktop takes them (``"fast"``)."""
+        body = _step_body(actions, observe, code_timeout, timing)
         r = await self.farm._request("POST", self._path("/step"), json=body, headers=self._headers, timeout=_step_timeout(body))
         return StepResult.model_validate_json(r.content)
 
@@ -343,9 +346,10 @@ class RemoteDesktop:
         return f"/v1/desktops/{self.info.id}{suffix}"
 
     def step(self, actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None = None,
-             code_timeout: float = 30.0) -> StepResult:
-        """Run one action or a list of them (computer_13 dicts/models or pyautogui code)."""
-        body = _step_body(actions, observe, code_timeout)
+             code_timeout: float = 30.0, timing: ActionTiming = "osworld") -> StepResult:
+        """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
+        OSWorld paces them (``timing="osworld"``) or as fast as the desktop takes them (``"fast"``)."""
+        body = _step_body(actions, observe, code_timeout, timing)
         r = self.farm._request("POST", self._path("/step"), json=body, headers=self._headers, timeout=_step_timeout(body))
         return StepResult.model_validate_json(r.content)
 

@@ -49,12 +49,12 @@ import threading
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
-from typing import Any, Literal, Self, TypeVar
+from typing import Any, Literal, Self, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from osfarm.client import AsyncFarm, AsyncRemoteDesktop, FarmAPIError
-from osfarm.desktop.models import ActionResult, ScreenSize
+from osfarm.desktop.models import ActionResult, ActionTiming, ScreenSize
 from osfarm.desktop.models import Observation as DesktopObservation
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import FileCache
@@ -184,6 +184,10 @@ class TaskEnv:
         lease_ttl_s, lease_wait_s: the lease's time-to-live (kept alive by heartbeats) and how
             long ``reset`` waits for a free desktop.
         code_timeout_s: the limit of each pyautogui code action.
+        action_timing: ``"osworld"`` (default): actions paced as OSWorld paces them (each code
+            action in a new interpreter, pyautogui's 0.1 s pause after every call), so an agent
+            scores what it would on OSWorld; ``"fast"``: one kept interpreter, no pause, the
+            observation waits for the screen to settle instead.
 
     After ``reset``: :attr:`task`, :attr:`desktop` (provider, image, desktop and lease ids),
     :attr:`observation`, :attr:`steps`, :attr:`last_action`, :attr:`timings` (seconds per
@@ -193,9 +197,13 @@ class TaskEnv:
     def __init__(self, farm: AsyncFarm | str, token: str | None = None, *, max_steps: int = 15,
                  time_limit_s: float | None = None, cache: FileCache | None = None, work_dir: Path | None = None,
                  offline: bool = True, a11y: bool = False, settle_s: float = SETTLE_S, record: bool = False,
-                 lease_ttl_s: float = 120.0, lease_wait_s: float = 120.0, code_timeout_s: float = 30.0):
+                 lease_ttl_s: float = 120.0, lease_wait_s: float = 120.0, code_timeout_s: float = 30.0,
+                 action_timing: ActionTiming = "osworld"):
         if max_steps < 1:
             raise ValueError(f"max_steps: expected >= 1, got {max_steps}")
+        if action_timing not in get_args(ActionTiming):
+            raise ValueError(f"action_timing: expected one of {get_args(ActionTiming)}, got {action_timing!r}")
+        self.action_timing: ActionTiming = action_timing
         if isinstance(farm, AsyncFarm):
             self.farm, self._own_farm = farm, False
         else:
@@ -257,7 +265,7 @@ class TaskEnv:
         except TimeoutError:
             raise EpisodeTimeout(f"episode exceeded its {self.time_limit_s:g} s limit") from None
         assert self.observation is not None
-        return self.observation, {"task_id": task.id, "desktop": dict(self.desktop),
+        return self.observation, {"task_id": task.id, "desktop": dict(self.desktop), "action_timing": self.action_timing,
                                   "setup": [dataclasses.asdict(r) for r in reports], "timings": dict(self.timings)}
 
     async def step(self, actions: Action | Sequence[Action]) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
@@ -279,7 +287,7 @@ class TaskEnv:
         t1 = time.perf_counter()
         try:
             async with asyncio.timeout_at(self._deadline):
-                sr = await desk.step(out.actions, code_timeout=self.code_timeout_s, observe={
+                sr = await desk.step(out.actions, code_timeout=self.code_timeout_s, timing=self.action_timing, observe={
                     "a11y": self.a11y, "windows": False, "settle_s": self.settle_s, "cursor": False})
         except TimeoutError:
             return self._out_of_time(out)

@@ -1,9 +1,14 @@
-"""A long-lived Python interpreter that runs pyautogui code strings (a REPL-like session).
+"""Python interpreters that run pyautogui code strings, with OSWorld's timing or the fast one.
 
-OSWorld runs every action as ``python -c "import pyautogui; ..."``: a new process per action
-(~0.3-1 s of imports) and pyautogui's default ``PAUSE`` of 0.1 s per call. Here one interpreter
-is started lazily and kept: ``pyautogui`` and ``time`` are pre-imported, ``PAUSE = 0``,
-``FAILSAFE = False``, and module-level state persists between runs, like a Jupyter kernel.
+OSWorld runs every action as ``python -c "import pyautogui; import time; pyautogui.FAILSAFE =
+False; <code>"``: a new process per action (its start-up, ~0.3-1 s of imports, comes before the
+first input event), pyautogui's default ``PAUSE`` of 0.1 s after every pyautogui call (what lets
+an app handle a click before the typing that follows it), and no state kept between actions.
+:func:`run_fresh` does exactly that (``timing="osworld"``, the default of the routes that run agent
+code). The fast path, :class:`CodeRunner` with ``timing="fast"``, starts one interpreter lazily and
+keeps it: ``pyautogui`` and ``time`` are pre-imported, ``PAUSE = 0``, ``FAILSAFE = False``, and
+module-level state persists between runs, like a Jupyter kernel; callers wait for the screen to
+settle instead of pausing after every call.
 
 Protocol: length-prefixed JSON frames (4-byte big-endian length) on two dedicated pipes passed
 to the child with ``pass_fds``; the child's fds 0/1/2 are not used for the protocol, so whatever
@@ -34,8 +39,9 @@ import tempfile
 import threading
 import time
 import weakref
+from typing import get_args
 
-from osfarm.desktop.models import CodeResult
+from osfarm.desktop.models import ActionTiming, CodeResult
 
 _STARTUP_TIMEOUT_S = 60.0
 _MAX_OUTPUT = 1 << 20  # keep the last 1 MiB of a run's output
@@ -50,6 +56,8 @@ sys.path[0] = ""  # like `python -c`: the working directory, not this file's tem
 
 _rfd, _wfd, _outdir = os.environ.pop("OSFARM_KERNEL_IO").split(",", 2)
 _rfd, _wfd = int(_rfd), int(_wfd)
+# "osworld": pyautogui's defaults (PAUSE = 0.1 s after each call); "fast": PAUSE = 0
+_timing = os.environ.pop("OSFARM_KERNEL_TIMING", "fast")
 
 
 def _read_exact(n):
@@ -163,7 +171,8 @@ def _patch_pyautogui_x11(pyautogui):
 _ns = {"__name__": "__main__", "__builtins__": __builtins__}
 _boot_error = None
 try:
-    exec("import time\nimport pyautogui\npyautogui.PAUSE = 0\npyautogui.FAILSAFE = False\n", _ns)
+    exec("import time\nimport pyautogui\n" + ("pyautogui.PAUSE = 0\n" if _timing == "fast" else "")
+         + "pyautogui.FAILSAFE = False\n", _ns)
     _patch_pyautogui_x11(_ns["pyautogui"])
 except BaseException:
     _boot_error = traceback.format_exc()
@@ -225,15 +234,23 @@ while True:
 '''
 
 
+TIMINGS: tuple[ActionTiming, ...] = get_args(ActionTiming)
+
+
 class CodeRunner:
     """Runs Python code strings in a persistent interpreter with pyautogui ready to use.
 
     ``env`` is merged over ``os.environ`` for the interpreter (typically ``{"DISPLAY": ":5"}``);
-    ``python`` defaults to ``sys.executable``.
+    ``python`` defaults to ``sys.executable``; ``timing`` sets pyautogui's pause (``"fast"``: 0;
+    ``"osworld"``: its default 0.1 s, as in :func:`run_fresh`).
     """
 
-    def __init__(self, env: dict[str, str] | None = None, python: str | None = None):
+    def __init__(self, env: dict[str, str] | None = None, python: str | None = None,
+                 timing: ActionTiming = "fast"):
+        if timing not in TIMINGS:
+            raise ValueError(f"timing must be one of {TIMINGS}, not {timing!r}")
         self._env = dict(env or {})
+        self._timing = timing
         self._python = python or sys.executable
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -250,7 +267,8 @@ class CodeRunner:
         self._outdir = tempfile.mkdtemp(prefix="osfarm-code-")
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
-        env = {**os.environ, **self._env, "OSFARM_KERNEL_IO": f"{req_r},{resp_w},{self._outdir}"}
+        env = {**os.environ, **self._env, "OSFARM_KERNEL_IO": f"{req_r},{resp_w},{self._outdir}",
+               "OSFARM_KERNEL_TIMING": self._timing}
         # The program goes in a file rather than `-c`, so `ps` shows a short command line.
         kernel_path = os.path.join(self._outdir, "osfarm_kernel.py")
         with open(kernel_path, "w", encoding="utf-8") as f:
@@ -392,6 +410,18 @@ class CodeRunner:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
+
+
+def run_fresh(code: str, timeout: float = 30.0, env: dict[str, str] | None = None,
+              python: str | None = None) -> CodeResult:
+    """OSWorld's path for one action: a new interpreter for this code alone (its start-up counts,
+    as OSWorld's ``python -c`` does), pyautogui's default ``PAUSE``, nothing kept afterwards;
+    processes the code launched live on. ``t_ms`` includes the start-up."""
+    runner = CodeRunner(env, python, timing="osworld")
+    try:
+        return runner.run(code, timeout)
+    finally:
+        runner.close()
 
 
 def _last_lines(text: str) -> str:

@@ -18,6 +18,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 ImageFormat = Literal["png", "jpeg", "webp"]
+# How agent actions are paced (osfarm.desktop.coderunner): "osworld" = each pyautogui code action
+# in a new interpreter with pyautogui's default 0.1 s pause after every call (OSWorld's
+# `python -c` path), computer_13 actions followed by that pause; "fast" = one kept interpreter,
+# no pause (callers wait for the screen to settle instead).
+ActionTiming = Literal["osworld", "fast"]
+TIMING_FIELD_DESCRIPTION = ("how actions are paced: 'osworld' (default: OSWorld's python -c per code action, "
+                            "pyautogui's 0.1 s pause after each call) or 'fast' (one kept interpreter, no pause)")
 
 
 class ScreenSize(BaseModel):
@@ -81,6 +88,7 @@ class StepRequest(BaseModel):
     )
     observe: ObserveOptions | None = Field(default=None, description="observation to return after the actions")
     code_timeout: float = Field(default=30.0, gt=0, le=600)
+    timing: ActionTiming = Field(default="osworld", description=TIMING_FIELD_DESCRIPTION)
 
 
 class ActionResult(BaseModel):
@@ -100,6 +108,7 @@ class StepResult(BaseModel):
 class CodeRequest(BaseModel):
     code: str = Field(min_length=1)
     timeout: float = Field(default=30.0, gt=0, le=600)
+    timing: ActionTiming = Field(default="osworld", description=TIMING_FIELD_DESCRIPTION)
 
 
 class CodeResult(BaseModel):

@@ -19,8 +19,10 @@ from osfarm.desktop.a11y import accessibility_tree
 from osfarm.desktop.actions import Action, ActionError, CodeAction, is_terminal, parse_actions
 from osfarm.desktop.capture import encode_frame
 from osfarm.desktop.guest_state import Desktop, DesktopDep
+from osfarm.desktop.coderunner import run_fresh
 from osfarm.desktop.models import (
     ActionResult,
+    ActionTiming,
     CodeRequest,
     CodeResult,
     Health,
@@ -37,6 +39,7 @@ from osfarm.desktop.models import (
 from osfarm.desktop.request_fields import expand
 from osfarm.desktop.windows import wait_for_window as find_window_within
 
+OSWORLD_PAUSE_S = 0.1  # pyautogui.PAUSE's default: OSWorld's pause after each pyautogui call
 MEDIA_TYPES: dict[ImageFormat, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 router = APIRouter()
@@ -79,8 +82,18 @@ def observe(desk: Desktop, opts: ObserveOptions) -> Observation:
     return obs
 
 
-def run_actions(desk: Desktop, actions: list[Action], code_timeout: float) -> tuple[list[ActionResult], str | None]:
-    """Run validated actions in order until the first failure or DONE/FAIL (blocking)."""
+def run_code(desk: Desktop, code: str, timeout: float, timing: ActionTiming) -> CodeResult:
+    """Agent code: OSWorld's fresh interpreter per action, or the kept one (``fast``)."""
+    if timing == "osworld":
+        return run_fresh(code, timeout, env=desk.env())
+    return desk.runner.run(code, timeout=timeout)
+
+
+def run_actions(desk: Desktop, actions: list[Action], code_timeout: float,
+                timing: ActionTiming = "osworld") -> tuple[list[ActionResult], str | None]:
+    """Run validated actions in order until the first failure or DONE/FAIL (blocking). With
+    ``osworld`` timing a computer_13 action is followed by pyautogui's pause, as OSWorld runs each
+    one as a pyautogui call."""
     results: list[ActionResult] = []
     done: str | None = None
     with desk.step_lock:
@@ -94,7 +107,7 @@ def run_actions(desk: Desktop, actions: list[Action], code_timeout: float) -> tu
                 if a.special == "WAIT":
                     results.append(ActionResult(index=i, ok=True, output="WAIT"))
                     continue
-                res = desk.runner.run(a.code, timeout=code_timeout)
+                res = run_code(desk, a.code, code_timeout, timing)
                 results.append(ActionResult(index=i, ok=res.ok, error=res.error, output=res.output or None))
             elif a.action_type == "WAIT":
                 results.append(ActionResult(index=i, ok=True, output="WAIT"))
@@ -103,6 +116,8 @@ def run_actions(desk: Desktop, actions: list[Action], code_timeout: float) -> tu
                 try:
                     desk.input.execute(a)
                     results.append(ActionResult(index=i, ok=True))
+                    if timing == "osworld":
+                        time.sleep(OSWORLD_PAUSE_S)
                 except ActionError as e:
                     results.append(ActionResult(index=i, ok=False, error=str(e)))
                 except Exception as e:  # an X error must not lose the step's results
@@ -144,7 +159,7 @@ async def step(req: StepRequest, desk: DesktopDep) -> StepResult:
         actions = parse_actions(req.actions, w, h)
     except ActionError as e:
         raise HTTPException(422, str(e)) from None
-    results, done = await run_in_threadpool(run_actions, desk, actions, req.code_timeout)
+    results, done = await run_in_threadpool(run_actions, desk, actions, req.code_timeout, req.timing)
     obs = await run_in_threadpool(observe, desk, req.observe) if req.observe is not None else None
     return StepResult(results=results, done=done, observation=obs,  # type: ignore[arg-type]
                       t_env_ms=round((time.perf_counter() - t0) * 1000, 2))
@@ -180,7 +195,7 @@ async def v1_screenshot(
 async def pyautogui_code(req: CodeRequest, desk: DesktopDep) -> CodeResult:
     def work() -> CodeResult:
         with desk.step_lock:
-            return desk.runner.run(req.code, timeout=req.timeout)
+            return run_code(desk, req.code, req.timeout, req.timing)
 
     return await run_in_threadpool(work)
 

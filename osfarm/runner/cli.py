@@ -25,6 +25,7 @@ def eval_command(
     time_limit: Annotated[float, typer.Option("--time-limit", help="wall-clock seconds per episode")] = 600.0,
     retries: Annotated[int, typer.Option("--retries", min=0, help="retries of an infra error per task")] = 2,
     action_space: Annotated[str, typer.Option("--action-space", help="pyautogui or computer_13")] = "pyautogui",
+    action_timing: Annotated[str, typer.Option("--action-timing", envvar="OSFARM_ACTION_TIMING", help="osworld: actions paced as OSWorld paces them (each code action a new python, pyautogui's 0.1 s pause after every call), so scores mean what they mean there; fast: one kept interpreter, no pause, observations wait for the screen to settle (recorded in results.json and every episode record)")] = "osworld",
     width: Annotated[int | None, typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
     height: Annotated[int | None, typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
     provider: Annotated[str | None, typer.Option("--provider", help="box of the in-process farm: sandbox, docker or libvirt (default: OSFARM_PROVIDER or sandbox)", show_default=False)] = None,
@@ -56,7 +57,10 @@ def eval_command(
                       infra_retries=retries, action_space=action_space, progress=progress, record=record,
                       solutions=solutions, farm_overrides=overrides, executor=executor, broker=broker,
                       max_concurrent=max_concurrent, sync_batches=sync_batches, stream_url=stream_url, stream=stream,
-                      allow_hosts=tuple(allow_host) if allow_host else None)
+                      allow_hosts=tuple(allow_host) if allow_host else None, action_timing=action_timing)  # type: ignore[arg-type]
+    if action_timing not in ("osworld", "fast"):
+        err.print(f"[bold red]error:[/] --action-timing must be osworld or fast, got {action_timing!r}", highlight=False)
+        raise typer.Exit(2)
     if executor not in ("inprocess", "celery"):
         err.print(f"[bold red]error:[/] --executor must be inprocess or celery, got {executor!r}", highlight=False)
         raise typer.Exit(2)

@@ -24,6 +24,7 @@ from typing import Any
 
 from osfarm.agents.base import Action, Agent
 from osfarm.client import AsyncFarm
+from osfarm.desktop.models import ActionTiming
 from osfarm.env import EpisodeTimeout, InfraError, TaskEnv
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.model import Task
@@ -43,6 +44,7 @@ class EpisodeConfig:
     code_timeout_s: float = 30.0
     work_dir: Path = field(default_factory=lambda: Path("cache"))  # per-episode getter caches go below
     record: bool = False  # an mp4 of the agent's part of the episode (OSWorld's recording.mp4)
+    action_timing: ActionTiming = "osworld"  # OSWorld's pacing of actions, or "fast" (osfarm.env.TaskEnv)
 
 
 @dataclass
@@ -82,6 +84,7 @@ class EpisodeResult:
     # seconds per phase of the final attempt: lease, setup, agent (model + actions), evaluate
     timings: dict[str, float] = field(default_factory=dict)
     recording_error: str | None = None  # a failed recording is noted, never the episode's failure
+    action_timing: ActionTiming = "osworld"  # how the actions were paced (EpisodeConfig.action_timing)
 
 
 def episode_id(run_id: str, task_id: str, attempt: int) -> str:
@@ -104,7 +107,7 @@ async def _attempt(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, 
     env = TaskEnv(farm, max_steps=cfg.max_steps, time_limit_s=cfg.time_limit_s, cache=cache,
                   work_dir=cfg.work_dir / res.episode_id, offline=cfg.offline, a11y=agent.wants_a11y,
                   settle_s=agent.settle_s, record=cfg.record, lease_ttl_s=cfg.lease_ttl_s,
-                  lease_wait_s=cfg.lease_wait_s, code_timeout_s=cfg.code_timeout_s)
+                  lease_wait_s=cfg.lease_wait_s, code_timeout_s=cfg.code_timeout_s, action_timing=cfg.action_timing)
     async with env:
         try:
             obs, _ = await env.reset(task)
@@ -176,7 +179,7 @@ async def _run_attempts(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCa
         res = EpisodeResult(task=task, status=FAILURE, score=0.0, error=None,
                             episode_id=episode_id(run_id, task.id, attempt), attempt=attempt,
                             infra_retries=len(errors), steps=[], started_at=time.time(), finished_at=0.0,
-                            agent=agent.name, errors=list(errors))
+                            agent=agent.name, errors=list(errors), action_timing=cfg.action_timing)
         try:
             # the env keeps the limit too; this one also cuts an agent that hangs in predict
             await asyncio.wait_for(_attempt(farm, task, agent, cache, cfg, res), cfg.time_limit_s)

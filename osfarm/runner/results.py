@@ -97,6 +97,7 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "score": res.score,
         "error": res.error,
         "infra_retries": res.infra_retries,
+        "action_timing": res.action_timing,
         "timings": res.timings,
         "started_at": _iso(res.started_at),
         "finished_at": _iso(res.finished_at),
@@ -143,7 +144,8 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
         (d / "error.txt").unlink(missing_ok=True)
     row = {"task_id": res.task.id, "domain": res.task.domain, "status": res.status, "score": res.score,
            "error": res.error, "steps": len(res.steps), "attempts": res.attempt,
-           "seconds": round(res.finished_at - res.started_at, 2), "episode_id": res.episode_id}
+           "seconds": round(res.finished_at - res.started_at, 2), "episode_id": res.episode_id,
+           "action_timing": res.action_timing}
     if res.timings:
         row["timings"] = res.timings
     if res.recording_error:
@@ -157,7 +159,7 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
     return row
 
 
-def write_refused(out: Path, refused: RefusedTask, run_id: str, agent: str,
+def write_refused(out: Path, refused: RefusedTask, run_id: str, agent: str, action_timing: str = "osworld",
                   emit: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
     """A task whose file did not load: an ``infra_error`` row and episode record (no steps) whose
     error names the file and the JSON path of every issue; it gets no result.txt, so ``--resume``
@@ -169,13 +171,14 @@ def write_refused(out: Path, refused: RefusedTask, run_id: str, agent: str,
     now = datetime.now(tz=UTC).timestamp()
     eid = episode_id(run_id, refused.task_id, 1)
     row = {"task_id": refused.task_id, "domain": refused.domain, "status": INFRA_ERROR, "score": 0.0,
-           "error": refused.error, "steps": 0, "attempts": 1, "seconds": 0.0, "episode_id": eid}
+           "error": refused.error, "steps": 0, "attempts": 1, "seconds": 0.0, "episode_id": eid,
+           "action_timing": action_timing}
     (d / "episode.json").write_text(json.dumps(row, indent=2))
     rec = {"schema": SCHEMA, "episode_id": eid, "run_id": run_id, "task_id": refused.task_id,
            "domain": refused.domain, "group_id": refused.task_id, "attempt": 1, "agent": agent,
            "policy": {"name": agent, "version_start": None, "version_end": None},
            "desktop": {"provider": None, "image": None}, "status": INFRA_ERROR, "score": 0.0,
-           "error": refused.error, "infra_retries": 0, "timings": {}, "started_at": _iso(now),
+           "error": refused.error, "infra_retries": 0, "action_timing": action_timing, "timings": {}, "started_at": _iso(now),
            "finished_at": _iso(now), "steps": []}
     if emit is not None:
         emit(rec)

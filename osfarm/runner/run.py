@@ -33,6 +33,7 @@ from rich.progress import (
 
 from osfarm.agents import make_agent
 from osfarm.client import AsyncFarm
+from osfarm.desktop.models import ActionTiming
 from osfarm.farm.local import local_farm, local_farm_settings
 from osfarm.http.download import DownloadPolicy
 from osfarm.runner.episode import (
@@ -88,6 +89,7 @@ class RunOptions:
     sync_batches: bool = False  # batches of max_concurrent with a barrier (the comparison baseline)
     stream_url: str | None = None  # also publish records to this Redis (in-process executor)
     stream: str = "osfarm:episodes"
+    action_timing: ActionTiming = "osworld"  # OSWorld's pacing of agent actions, or "fast"
     allow_hosts: tuple[str, ...] | None = None  # --online: the download allow-list (None: $OSFARM_DOWNLOAD_ALLOW_HOSTS)
 
     def concurrency(self, n_tasks: int = 1) -> int:
@@ -157,7 +159,8 @@ async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, su
             "agent": opts.agent, "agent_options": agent_options, "out": str(out.resolve()),
             "cache": str(Path(opts.cache).resolve()) if opts.cache else None, "offline": opts.offline,
             "episode": {"max_steps": opts.max_steps, "time_limit_s": opts.time_limit_s,
-                        "infra_retries": opts.infra_retries, "record": opts.record}}
+                        "infra_retries": opts.infra_retries, "record": opts.record,
+                        "action_timing": opts.action_timing}}
 
     async def on_celery(task: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
         got = await ex.run({**base, "task_id": task.id})
@@ -184,7 +187,8 @@ async def run_async(opts: RunOptions, url: str | None, token: str | None, consol
     cache = suite_cache(suite, Path(opts.suite), opts.cache, out, opts.offline, policy)
     run_id = datetime.now().strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     cfg = EpisodeConfig(max_steps=opts.max_steps, time_limit_s=opts.time_limit_s, infra_retries=opts.infra_retries,
-                        offline=opts.offline, work_dir=out / ".work", record=opts.record)
+                        offline=opts.offline, work_dir=out / ".work", record=opts.record,
+                        action_timing=opts.action_timing)
     blobs = BlobStore(out)
     rows: dict[str, dict[str, Any]] = {}
     todo = []
@@ -199,7 +203,7 @@ async def run_async(opts: RunOptions, url: str | None, token: str | None, consol
     jsonl = JsonlSink(out / "episodes.jsonl")
     refused_rows = []
     for r in suite.refused:
-        row = write_refused(out, r, run_id, opts.agent)
+        row = write_refused(out, r, run_id, opts.agent, opts.action_timing)
         refused_rows.append(row)
         counts[INFRA_ERROR] += 1
     stream_sink = None
@@ -239,6 +243,7 @@ async def run_async(opts: RunOptions, url: str | None, token: str | None, consol
     summary = summarize(ordered, run_id, opts.agent, {
         "suite": str(opts.suite), "index": str(index) if index else None, "envs": opts.envs,
         "executor": opts.executor, "max_concurrent": opts.concurrency(len(todo)), "sync_batches": opts.sync_batches,
+        "action_timing": opts.action_timing,
         "max_steps": opts.max_steps, "resumed": len(suite) - len(todo), "ran": len(todo),
         "refused": len(refused_rows),
         "started_at": started, "finished_at": time.time(), "seconds": round(time.time() - started, 2)})

@@ -85,6 +85,9 @@ class EpisodeRecord(_Open):
     started_at: str
     finished_at: str
     steps: list[Step]
+    # how the agent's actions were paced: "osworld" (OSWorld's python -c per action, pyautogui's
+    # 0.1 s pause) or "fast"; absent in records written before it existed
+    action_timing: Literal["osworld", "fast"] | None = None
 
 
 def schema_major(schema: Any) -> int:

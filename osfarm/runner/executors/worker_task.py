@@ -139,7 +139,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     e = job["episode"]
     cfg = EpisodeConfig(max_steps=int(e["max_steps"]), time_limit_s=float(e["time_limit_s"]),
                         infra_retries=int(e["infra_retries"]), offline=bool(job.get("offline", True)),
-                        work_dir=out / ".work", record=bool(e.get("record", False)))
+                        work_dir=out / ".work", record=bool(e.get("record", False)),
+                        action_timing=e.get("action_timing", "osworld"))
     agent = make_agent(job["agent"], **job.get("agent_options", {}))
 
     async def go() -> EpisodeResult:
