@@ -1,0 +1,95 @@
+"""`osfarm tasks audit`: every category on a small suite, real desktops of the shared farm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from osfarm.farm.server import FarmServer
+from osfarm.tasks.cli import tasks_app
+
+
+def _task(tid: str, evaluator: dict, config: list | None = None) -> dict:
+    return {"id": tid, "snapshot": "os", "instruction": f"task {tid}", "source": "", "config": config or [],
+            "evaluator": evaluator}
+
+
+ECHO = {"type": "vm_command_line", "command": "echo yes", "shell": True}
+RULE = {"type": "rule", "rules": {"expected": "yes\n"}}
+TASKS = {
+    # the desktop already is as the task wants: noop scores 1
+    "free": _task("free", {"func": "exact_match", "result": ECHO, "expected": RULE}),
+    # noop 0, fail 0
+    "fine": _task("fine", {"func": "exact_match", "result": ECHO, "expected": {"type": "rule", "rules": {"expected": "no"}}}),
+    "infeasible": _task("infeasible", {"func": "infeasible"}),
+    # a setup step that fails on a fresh desktop
+    "badsetup": _task("badsetup", {"func": "exact_match", "result": ECHO, "expected": RULE},
+                      [{"type": "open", "parameters": {"path": "/home/user/missing.docx"}}]),
+    # an evaluator that crashes: its rule lacks the key the metric reads
+    "badeval": _task("badeval", {"func": "exact_match", "result": ECHO, "expected": {"type": "rule", "rules": {}}}),
+    "app": _task("app", {"func": "exact_match", "result": ECHO, "expected": RULE},
+                 [{"type": "launch", "parameters": {"command": ["no-such-editor-xyz", "--new-window"]}}]),
+    "drive": _task("drive", {"func": "exact_match", "result": ECHO, "expected": RULE},
+                   [{"type": "googledrive", "parameters": {"settings_file": "x", "operation": ["delete"], "args": [{}]}}]),
+    "nometric": _task("nometric", {"func": "no_such_metric", "result": ECHO}),
+    "download": _task("download", {"func": "exact_match", "result": ECHO, "expected": RULE},
+                      [{"type": "download", "parameters": {"files": [
+                          {"url": "https://hf-mirror.com/datasets/x/resolve/main/a.xlsx", "path": "/home/user/a.xlsx"}]}}]),
+    "web": _task("web", {"func": "exact_match", "result": ECHO, "expected": RULE},
+                 [{"type": "chrome_open_tabs", "parameters": {"urls_to_open": ["https://www.example.org/x"]}}]),
+    "apt": _task("apt", {"func": "exact_match", "result": ECHO, "expected": RULE},
+                 [{"type": "execute", "parameters": {"command": "echo {CLIENT_PASSWORD} | sudo -S apt-get install -y jq",
+                                                     "shell": True}}]),
+}
+
+
+def test_audit_classifies_every_task_and_writes_reports(farm: FarmServer, tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    (suite / "os").mkdir(parents=True)
+    for tid, data in TASKS.items():
+        (suite / "os" / f"{tid}.json").write_text(json.dumps(data))
+    (suite / "os" / "garbled.json").write_text('{"id": "garbled", "instruction": 3}')
+    out = tmp_path / "audit"
+    r = CliRunner().invoke(tasks_app, ["audit", str(suite), "--out", str(out), "--envs", "2", "--no-progress",
+                                       "--url", farm.url, "--token", farm.token, "--time-limit", "120"])
+    assert r.exit_code == 1, r.output  # free points and broken tasks were found
+    assert "12 tasks; 6 can run on a desktop here" in r.output
+    data = json.loads((out / "audit.json").read_text())
+    got = {t["task_id"]: (t["category"], t["reason"]) for t in data["tasks"]}
+    assert {k: v[0] for k, v in got.items()} == {
+        "free": "free-points", "fine": "ok", "infeasible": "ok", "badsetup": "broken", "badeval": "broken",
+        "app": "unsupported", "drive": "unsupported", "nometric": "unsupported", "download": "needs-network",
+        "web": "needs-network", "apt": "needs-network", "garbled": "broken"}
+    assert got["free"][1] == "noop (DONE at once) scores 1 on a feasible task"
+    assert "noop: setup:" in got["badsetup"][1] and "missing.docx" in got["badsetup"][1]
+    assert "noop: evaluate:" in got["badeval"][1] and "exact_match" in got["badeval"][1]
+    assert got["app"][1].startswith("the desktop has no 'no-such-editor-xyz'")
+    assert got["drive"][1].startswith("setup googledrive: unsupported, because it needs a Google account")
+    assert got["nometric"][1] == "metric no_such_metric: not implemented in osfarm"
+    assert "1 file(s) not in the cache: https://hf-mirror.com/datasets/x/resolve/main/a.xlsx at " \
+           "$.config[0].parameters.files[0].url" in got["download"][1]
+    assert got["web"][1] == "opens the live web page https://www.example.org/x"
+    assert got["apt"][1] == "its setup runs 'apt-get install', which needs the internet"
+    assert "$.instruction" in got["garbled"][1]
+    infeasible = next(t for t in data["tasks"] if t["task_id"] == "infeasible")
+    assert infeasible["runs"]["fail"]["score"] == 1.0 and infeasible["runs"]["noop"]["score"] == 0.0
+    assert data["counts"] == {"free-points": 1, "broken": 3, "unsupported": 3, "needs-network": 3, "ok": 2}
+    html = (out / "audit.html").read_text()
+    assert "free-points" in html and "badsetup" in html and "<script" not in html
+    assert "free-points: os/free: noop" in r.output  # the console lists what needs a look
+
+
+def test_audit_without_runnable_tasks_needs_no_desktop(tmp_path: Path) -> None:
+    suite = tmp_path / "suite"
+    (suite / "os").mkdir(parents=True)
+    for tid in ("download", "web", "drive"):
+        (suite / "os" / f"{tid}.json").write_text(json.dumps(TASKS[tid]))
+    out = tmp_path / "audit"
+    # a farm URL that nothing listens on: it must not be needed
+    r = CliRunner().invoke(tasks_app, ["audit", str(suite), "--out", str(out), "--no-progress",
+                                       "--url", "http://127.0.0.1:9", "--token", "x"])
+    assert r.exit_code == 0, r.output
+    data = json.loads((out / "audit.json").read_text())
+    assert data["counts"]["needs-network"] == 2 and data["counts"]["unsupported"] == 1
