@@ -31,6 +31,7 @@ from rich.table import Table
 from osfarm.config import ConfigError, FarmSettings, load_settings
 from osfarm.http.errors import error_detail
 from osfarm.http.hosts import is_loopback_host
+from osfarm.runner.audit_cli import audit_command
 from osfarm.runner.cli import eval_command
 from osfarm.tasks.cli import tasks_app
 
@@ -47,6 +48,7 @@ desktop_app = typer.Typer(
     no_args_is_help=True,
 )
 app.add_typer(desktop_app, name="desktop")
+tasks_app.command("audit")(audit_command)  # runs episodes: the runner's layer, above tasks/
 app.add_typer(tasks_app, name="tasks")
 app.command("eval")(eval_command)
 from osfarm.runner.executors.worker import worker_command  # noqa: E402

@@ -47,12 +47,12 @@ IndexOpt = Annotated[
 _STATUS_STYLE = {"implemented": "green", "unsupported": "yellow", "missing": "red"}
 
 
-def _console() -> Console:
+def console() -> Console:
     # Wide and markup-free output: ids and reasons must not be folded into unreadable cells.
     return Console(width=200, highlight=False)
 
 
-def _fail(e: TaskError) -> None:
+def fail_with(e: TaskError) -> None:
     for issue in e.issues:
         typer.echo(str(issue))
     typer.echo(f"{len(e.issues)} error(s)", err=True)
@@ -63,24 +63,24 @@ def _load(directory: Path, index: Path | None) -> Suite:
     try:
         return load_suite(directory, index)
     except TaskError as e:
-        _fail(e)
-        raise  # unreachable: _fail always exits
+        fail_with(e)
+        raise  # unreachable: fail_with always exits
 
 
 @tasks_app.command("validate")
 def validate(directory: DirArg, index: IndexOpt = None) -> None:
     """Check every task (and the index); print each problem as FILE: PATH: message, exit 1 if any.
 
-Warnings (tasks that load as OSWorld's runner would run them, e.g. a func list shorter than its result list) print as 'warning: FILE: PATH: message' and do not fail."""
+    Warnings (tasks that load as OSWorld's runner would run them, e.g. a func list shorter than its result list) print as 'warning: FILE: PATH: message' and do not fail."""
     try:
         suite = load_suite(directory, index, strict=False)
     except TaskError as e:
-        _fail(e)
+        fail_with(e)
         return
     for w in suite.warnings:
         typer.echo(f"warning: {w}")
     if suite.refused:
-        _fail(TaskError([i for r in suite.refused for i in r.issues]))
+        fail_with(TaskError([i for r in suite.refused for i in r.issues]))
     warned = f", {len(suite.warnings)} warning(s)" if suite.warnings else ""
     typer.echo(f"ok: {len(suite)} tasks in {len(suite.domains())} domains{warned}")
 
@@ -106,7 +106,7 @@ def ls(
             "+".join(t.evaluator.funcs),
             _prefix(t.instruction, 60),
         )
-    _console().print(table)
+    console().print(table)
 
 
 def _prefix(text: str, n: int) -> str:
@@ -124,7 +124,7 @@ def coverage_cmd(
     try:
         cov = coverage(target, index)
     except TaskError as e:
-        _fail(e)
+        fail_with(e)
         return
     if as_json:
         typer.echo(json.dumps(cov.to_json(), indent=2))
@@ -137,7 +137,7 @@ def coverage_cmd(
 
 
 def _print_tables(cov: Coverage) -> None:
-    con = _console()
+    con = console()
     con.print(f"{cov.n_tasks} tasks from {cov.source}; {cov.live_web_tasks} open live (non-HuggingFace) URLs")
     for note in cov.notes:
         con.print(f"note: {note}")
@@ -187,16 +187,16 @@ def fetch_cmd(
 ) -> None:
     """Download every file SUITE's tasks need into --cache, so offline machines can run it.
 
-Resumable (partial files are continued, cached files skipped), checksummed (SHA-256 in <cache>/fetch-manifest.json), bounded (--concurrency, --max-mb, --timeout). Task files are hostile: only http(s), no redirect to another scheme, no private addresses unless named with --allow-host. Exits 1 when any file could not be fetched (each one listed with its task and JSON path)."""
+    Resumable (partial files are continued, cached files skipped), checksummed (SHA-256 in <cache>/fetch-manifest.json), bounded (--concurrency, --max-mb, --timeout). Task files are hostile: only http(s), no redirect to another scheme, no private addresses unless named with --allow-host. Exits 1 when any file could not be fetched (each one listed with its task and JSON path)."""
     try:
         suite = load_suite(directory, index, strict=False)
     except TaskError as e:
-        _fail(e)
+        fail_with(e)
         return
     tasks = suite.in_domain(domain) if domain else list(suite)
     assets = suite_assets(tasks)
     policy = download_policy(allow_host, max_mb, timeout, attempts)
-    con = _console()
+    con = console()
     report = _run_fetch(assets, cache, policy, concurrency, verify, progress, con)
     for r in report.failed:
         typer.echo(f"{r.status}: {r.asset.task_id}: {r.asset.where}: {r.asset.url}: {r.error}")
@@ -232,89 +232,3 @@ def _run_fetch(assets: list[Asset], cache: Path, policy: DownloadPolicy, concurr
         return asyncio.run(fetch_assets(assets, cache, policy, concurrency=concurrency, verify=verify,
                                         progress=on_progress))
 
-
-@tasks_app.command("audit")
-def audit_cmd(
-    directory: DirArg,
-    index: IndexOpt = None,
-    domain: Annotated[str | None, typer.Option("--domain", "-d", help="only this domain")] = None,
-    out: Annotated[Path, typer.Option("--out", help="folder for audit.json and audit.html")] = Path("audit"),
-    cache: Annotated[Path | None, typer.Option("--cache", help="the suite's file cache (default <suite>/cache, as eval)", show_default=False)] = None,
-    envs: Annotated[int, typer.Option("--envs", min=1, help="tasks audited at once (desktops)")] = 1,
-    time_limit: Annotated[float, typer.Option("--time-limit", min=10.0, help="seconds per episode (setup + evaluation)")] = 300.0,
-    url: Annotated[str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)] = None,
-    token: Annotated[str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)] = None,
-    provider: Annotated[str | None, typer.Option("--provider", help="box of the in-process farm: sandbox, docker or libvirt", show_default=False)] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
-) -> None:
-    """Run the noop and fail agents on every task a desktop here can host; classify each task.
-
-Categories: free-points (noop scores > 0 on a feasible task: the desktop starts in the state the task asks for), broken (setup or evaluation fails on a fresh desktop, or FAIL does not score 1 on an infeasible task), needs-network (files not in the cache, live web pages, package installs: classified without a desktop), unsupported (with the reason), ok. Writes OUT/audit.json and OUT/audit.html; exits 1 when any task is free-points or broken."""
-    from osfarm.client import AsyncFarm
-    from osfarm.farm.local import local_farm, local_farm_settings
-    from osfarm.runner.audit import CATEGORIES, TaskAudit, audit_suite, needs_desktop, write_reports
-    from osfarm.tasks.filecache import suite_cache
-
-    try:
-        suite = load_suite(directory, index, strict=False)
-    except TaskError as e:
-        _fail(e)
-        return
-    if domain:
-        suite = Suite(root=suite.root, tasks=suite.in_domain(domain), index_file=suite.index_file,
-                      refused=[r for r in suite.refused if r.domain == domain])
-    out.mkdir(parents=True, exist_ok=True)
-    fcache = suite_cache(suite, Path(directory), cache, out, offline=True)
-    con = _console()
-    n_run = needs_desktop(suite, fcache)
-    con.print(f"{len(suite) + len(suite.refused)} tasks; {n_run} can run on a desktop here (noop, then fail)")
-    counts = {c: 0 for c in CATEGORIES}
-
-    async def go(farm_url: str | None, farm_token: str | None) -> object:
-        with Progress(TextColumn("[bold]audit[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-                      TimeElapsedColumn(), console=con, disable=not progress) as bars:
-            bar = bars.add_task("", total=len(suite) + len(suite.refused))
-
-            def tick(t: TaskAudit) -> None:
-                counts[t.category] += 1
-                bars.update(bar, advance=1, description=" ".join(f"{k}={v}" for k, v in counts.items() if v))
-
-            if farm_url is None:
-                return await audit_suite(suite, None, fcache, out / ".work", envs=envs, time_limit_s=time_limit,
-                                         progress=tick, source=str(directory))
-            async with AsyncFarm(farm_url, farm_token) as farm:
-                return await audit_suite(suite, farm, fcache, out / ".work", envs=envs, time_limit_s=time_limit,
-                                         progress=tick, source=str(directory))
-
-    if n_run == 0:
-        report = asyncio.run(go(None, None))
-    elif url is not None:
-        report = asyncio.run(go(url, token))
-    else:
-        overrides = {"provider": provider} if provider else {}
-        with local_farm(local_farm_settings(envs, **overrides)) as server:
-            report = asyncio.run(go(server.url, server.token))
-    _print_audit(report, con)  # type: ignore[arg-type]
-    j, h = write_reports(report, out)  # type: ignore[arg-type]
-    con.print(f"report: {j}  {h}")
-    if counts["free-points"] or counts["broken"]:
-        raise typer.Exit(1)
-
-
-def _print_audit(report: object, con: Console) -> None:
-    from osfarm.runner.audit import CATEGORIES, AuditReport
-
-    assert isinstance(report, AuditReport)
-    table = Table(title=f"tasks audit: {report.suite}")
-    table.add_column("domain")
-    for c in CATEGORIES:
-        table.add_column(c, justify="right")
-    for dom, counts in report.by_domain().items():
-        table.add_row(dom, *(str(counts[c]) for c in CATEGORIES))
-    total = report.counts()
-    table.add_section()
-    table.add_row("total", *(str(total[c]) for c in CATEGORIES))
-    con.print(table)
-    for t in report.tasks:
-        if t.category in ("free-points", "broken", "unsupported"):
-            con.print(f"{t.category}: {t.domain}/{t.task_id}: {t.reason}")
