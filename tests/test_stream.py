@@ -239,3 +239,140 @@ def test_stream_cli_stats_tail_and_errors(redis_session: RedisServer, stream: st
     assert r.exit_code == 1 and "cannot reach Redis" in r.output and "Traceback" not in r.output
     r = runner.invoke(app, ["stream", "republish", str(tmp_path / "none.jsonl"), "--redis", redis_session.url])
     assert r.exit_code == 1 and "no such file" in " ".join(r.output.split())
+
+
+# ---- whatever dies: dead letters, poison entries, trimming, atomic store, a consumer killed -------
+
+
+def test_invalid_entries_are_dead_lettered_with_the_reason_and_the_consumer_moves_on(
+        redis_session: RedisServer, stream: str) -> None:
+    from osfarm.stream.redis_stream import dead_letters
+
+    sink = RedisStreamSink(redis_session.url, stream)
+    src = RedisStreamSource(redis_session.url, stream, group="g", consumer="c")
+    sink.publish(record(1))
+    src.r.xadd(stream, {"episode_id": "bad-json", "record": "{not json"})
+    src.r.xadd(stream, {"episode_id": "no-record"})
+    src.r.xadd(stream, {"episode_id": "bad-schema", "record": json.dumps({**record(5), "score": "high"})})
+    sink.publish(record(2))
+    got = src.read(count=10, block_ms=100)
+    assert [e.record["episode_id"] for e in got] == ["ep-1", "ep-2"]  # no raise: the good ones come through
+    dead = dead_letters(src.r, stream)
+    assert [json.loads(d["fields"]).get("episode_id") for d in dead] == ["bad-json", "no-record", "bad-schema"]
+    assert "invalid record: not JSON" in dead[0]["reason"] or "invalid record" in dead[0]["reason"]
+    assert dead[1]["reason"] == "no 'record' field in the entry"
+    assert "field score" in dead[2]["reason"] and dead[2]["group"] == "g" and dead[2]["consumer"] == "c"
+    assert src.dead_lettered == 3
+    # dead-lettered entries are acknowledged: only the two good ones are pending
+    assert src.r.xpending(stream, "g")["pending"] == 2
+
+
+def test_an_entry_every_consumer_dies_on_is_dead_lettered_after_max_deliveries(
+        redis_session: RedisServer, stream: str) -> None:
+    from osfarm.stream.redis_stream import dead_letters
+
+    RedisStreamSink(redis_session.url, stream).publish(record(1))
+    first = RedisStreamSource(redis_session.url, stream, group="g", consumer="c0", max_deliveries=3)
+    assert len(first.read(count=1, block_ms=100)) == 1  # delivery 1, then it "dies"
+    for i in range(1, 3):  # deliveries 2 and 3: each claimer dies too
+        time.sleep(0.05)
+        c = RedisStreamSource(redis_session.url, stream, group="g", consumer=f"c{i}", max_deliveries=3)
+        assert [e.record["episode_id"] for e in c.claim_stale(min_idle_ms=20)] == ["ep-1"]
+    time.sleep(0.05)
+    last = RedisStreamSource(redis_session.url, stream, group="g", consumer="c9", max_deliveries=3)
+    assert last.claim_stale(min_idle_ms=20) == []  # the 4th delivery is refused: dead-lettered
+    dead = dead_letters(last.r, stream)
+    assert len(dead) == 1 and "delivered 4 times without an acknowledgement" in dead[0]["reason"]
+    assert last.r.xpending(stream, "g")["pending"] == 0
+
+
+def test_trimming_keeps_every_entry_some_group_has_not_acknowledged(redis_session: RedisServer, stream: str) -> None:
+    sink = RedisStreamSink(redis_session.url, stream)
+    for i in range(6):
+        sink.publish(record(i))
+    fast = RedisStreamSource(redis_session.url, stream, group="fast", consumer="f")
+    slow = RedisStreamSource(redis_session.url, stream, group="slow", consumer="s")
+    fast.ack(*(e.id for e in fast.read(count=10, block_ms=100)))
+    assert fast.trim() == 0  # "slow" has read nothing yet
+    got = slow.read(count=3, block_ms=100)
+    slow.ack(got[0].id, got[2].id)  # entry 1 stays pending
+    assert slow.trim() == 1 and slow.r.xlen(stream) == 5
+    slow.ack(got[1].id)
+    assert slow.trim() == 2 and slow.r.xlen(stream) == 3  # the 3 "slow" has not read yet stay
+
+
+def test_a_result_and_its_record_are_stored_together_and_once(redis_session: RedisServer, stream: str) -> None:
+    from osfarm.stream.redis_stream import store_result
+
+    r = connect(redis_session.url)
+    key = f"{stream}:job:result"
+    r.delete(key)
+    first = store_result(r, key, '{"row": 1}', 60, stream=stream, record=record(1))
+    assert first.status == "stored" and first.entry_id and r.get(key) == '{"row": 1}'
+    again = store_result(r, key, '{"row": 2}', 60, stream=stream, record=record(1))  # a rerun after a crash
+    assert again.status == "existing" and again.result == '{"row": 1}'
+    assert r.xlen(stream) == 1
+    # the record was published before (by a run whose result store was lost): no second entry
+    r.delete(key)
+    third = store_result(r, key, '{"row": 3}', 60, stream=stream, record=record(1))
+    assert third.status == "stored" and third.entry_id == first.entry_id and r.xlen(stream) == 1
+    assert RedisStreamSink(redis_session.url, stream).publish(record(1)).status == "duplicate"
+
+
+_KILLED_CONSUMER = """
+import sys, time
+from pathlib import Path
+from osfarm.stream.consumer import StreamConsumer
+from osfarm.stream.redis_stream import RedisStreamSource
+url, stream, journal = sys.argv[1:4]
+src = RedisStreamSource(url, stream, group="trainer")  # a new name per process, as after a restart
+c = StreamConsumer(src, Path(journal), claim_idle_ms=150, claim_every_s=0.05, trim_every=7)
+print("up", flush=True)
+while True:
+    c.poll(count=3, block_ms=50)
+"""
+
+
+def test_a_consumer_killed_at_random_moments_loses_no_record_and_journals_none_twice(
+        redis_session: RedisServer, stream: str, tmp_path: Path) -> None:
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    from osfarm.stream.consumer import StreamConsumer
+
+    n = 1500
+    sink = RedisStreamSink(redis_session.url, stream, trim_every=0)
+    for i in range(n):
+        sink.publish(record(i))
+    journal = tmp_path / "journal.jsonl"
+    rng = random.Random(17)
+    kills = 0
+    r = connect(redis_session.url)
+    for _ in range(40):
+        proc = subprocess.Popen([sys.executable, "-c", _KILLED_CONSUMER, redis_session.url, stream, str(journal)],
+                                stdout=subprocess.PIPE)
+        assert proc.stdout is not None and proc.stdout.readline() == b"up\n"
+        time.sleep(rng.uniform(0.0, 0.08))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        kills += 1
+        g = [x for x in r.xinfo_groups(stream) if x["name"] == "trainer"][0]
+        if int(g["pending"]) == 0 and int(g.get("lag") or 0) == 0:
+            break
+    # one last consumer that lives: it reclaims what the dead ones left and finishes
+    last = StreamConsumer(RedisStreamSource(redis_session.url, stream, group="trainer", consumer="last"), journal,
+                          claim_idle_ms=150, claim_every_s=0.05)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        last.poll(count=10, block_ms=50)
+        g = [x for x in r.xinfo_groups(stream) if x["name"] == "trainer"][0]
+        if int(g["pending"]) == 0 and int(g.get("lag") or 0) == 0:
+            break
+    ids = [rec["episode_id"] for rec in last.replay()]
+    assert kills >= 3
+    assert sorted(ids) == sorted(f"ep-{i}" for i in range(n))  # every record, each exactly once
+    assert r.xpending(stream, "trainer")["pending"] == 0
+    last.source.trim()
+    assert r.xlen(stream) == 0  # all acknowledged by the only group: trimmed away

@@ -12,6 +12,15 @@ Producer (``RedisStreamSink.publish``):
 
 Consumer (``RedisStreamSource``): ``XREADGROUP`` new entries, ``XACK`` them once stored, and
 ``claim_stale`` (``XAUTOCLAIM``) takes over entries a dead consumer read but never acknowledged.
+An entry that is not a valid record, or that was delivered ``max_deliveries`` times without an
+ack (it kills whoever reads it), goes to the dead-letter stream ``<stream>:dead`` with the reason
+and is acknowledged in the same transaction: the consumer moves on and nothing is lost silently.
+:class:`osfarm.stream.consumer.StreamConsumer` adds the durable write before the ack and the
+timer that reclaims entries of dead consumers.
+
+Stores (``store_result``): a producer that also keeps a result per job (the Celery worker) writes
+the result, the record's stream entry and its dedupe key in one Lua script, so a crash leaves
+either all of them or none, and a rerun finds the result instead of publishing a second record.
 """
 
 from __future__ import annotations
@@ -35,6 +44,9 @@ log = logging.getLogger("osfarm.stream")
 DEFAULT_STREAM = "osfarm:episodes"
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEDUPE_TTL_S = 30 * 24 * 3600
+# An entry read this many times without an ack is poison (its consumer dies on it): dead-lettered.
+MAX_DELIVERIES = 5
+DEAD_SUFFIX = ":dead"
 
 # KEYS[1] stream, KEYS[2] dedupe key; ARGV: episode id, record JSON, dedupe ttl.
 # Returns the new entry id, or {"dup", existing id} when the episode was published before.
@@ -44,6 +56,25 @@ if prev then return {'dup', prev} end
 local id = redis.call('XADD', KEYS[1], '*', 'episode_id', ARGV[1], 'record', ARGV[2])
 redis.call('SET', KEYS[2], id, 'EX', tonumber(ARGV[3]))
 return {'new', id}
+"""
+
+
+# KEYS[1] result key, KEYS[2] stream, KEYS[3] dedupe key; ARGV: result JSON, result ttl, episode
+# id, record JSON ('' = no stream entry), dedupe ttl. Returns {'stored'|'existing', result JSON,
+# entry id or ''}: an existing result wins (the job finished before: nothing is written).
+_STORE_LUA = """
+local prev = redis.call('GET', KEYS[1])
+if prev then return {'existing', prev, ''} end
+local entry = ''
+if ARGV[4] ~= '' then
+  entry = redis.call('GET', KEYS[3])
+  if not entry then
+    entry = redis.call('XADD', KEYS[2], '*', 'episode_id', ARGV[3], 'record', ARGV[4])
+    redis.call('SET', KEYS[3], entry, 'EX', tonumber(ARGV[5]))
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', tonumber(ARGV[2]))
+return {'stored', ARGV[1], entry}
 """
 
 
@@ -59,6 +90,48 @@ def connect(url: str) -> redis.Redis:
 
 def dedupe_key(stream: str, episode_id: str) -> str:
     return f"{stream}:published:{episode_id}"
+
+
+def dead_letter_stream(stream: str) -> str:
+    return stream + DEAD_SUFFIX
+
+
+def dead_letter(r: redis.Redis, stream: str, group: str, consumer: str, entry_id: str,
+                fields: dict[str, str] | None, reason: str) -> str:
+    """Move one entry to ``<stream>:dead`` (with the reason and who gave up on it) and acknowledge
+    it, in one transaction: the entry is never both lost and acknowledged."""
+    dead = {"stream": stream, "entry_id": entry_id, "group": group, "consumer": consumer, "reason": reason[:4000],
+            "fields": json.dumps(fields or {}, ensure_ascii=False), "at": f"{time.time():.3f}"}
+    pipe = r.pipeline(transaction=True)
+    pipe.xadd(dead_letter_stream(stream), dead)  # type: ignore[arg-type]
+    pipe.xack(stream, group, entry_id)
+    dead_id = str(pipe.execute()[0])
+    log.warning("stream %s entry %s dead-lettered to %s: %s", stream, entry_id, dead_letter_stream(stream), reason)
+    return dead_id
+
+
+def dead_letters(r: redis.Redis, stream: str, count: int = 1000) -> list[dict[str, Any]]:
+    """The dead-lettered entries of ``stream`` (oldest first), each with its reason."""
+    return [{"id": i, **f} for i, f in r.xrange(dead_letter_stream(stream), count=count)]
+
+
+@dataclass
+class Stored:
+    status: str  # "stored" | "existing"
+    result: str  # the result JSON now in Redis (ours, or the earlier one)
+    entry_id: str | None  # the record's stream entry (None: no stream, or not ours to tell)
+
+
+def store_result(r: redis.Redis, result_key: str, result_json: str, result_ttl_s: int, *, stream: str | None = None,
+                 record: dict[str, Any] | None = None) -> Stored:
+    """Store a job's result and publish its record, atomically and once (see the module doc).
+
+    With ``stream``/``record`` unset only the result is stored (a spilled record, no stream)."""
+    rec_json = json.dumps(record, ensure_ascii=False) if (stream and record is not None) else ""
+    eid = record["episode_id"] if record is not None else ""
+    keys = [result_key, stream or "-", dedupe_key(stream, eid) if stream and eid else "-"]
+    kind, value, entry = r.eval(_STORE_LUA, 3, *keys, result_json, int(result_ttl_s), eid, rec_json, DEDUPE_TTL_S)
+    return Stored(str(kind), str(value), str(entry) or None)
 
 
 @dataclass
@@ -143,7 +216,9 @@ class RedisStreamSink:
         self._n = 0
         self._script = self.r.register_script(_PUBLISH_LUA)
 
-    def _wait_for_room(self) -> bool:
+    def wait_for_room(self) -> bool:
+        """Wait up to ``wait_s`` while the stream holds ``max_backlog`` unacknowledged entries;
+        False when it is still full."""
         deadline = time.monotonic() + self.wait_s
         while True:
             if backlog(self.r, self.stream, self.max_backlog) < self.max_backlog:
@@ -162,7 +237,7 @@ class RedisStreamSink:
         prev = self.r.get(dedupe_key(self.stream, eid))
         if prev:
             return Published("duplicate", prev)
-        if not self._wait_for_room():
+        if not self.wait_for_room():
             JsonlSink(self.spill, fsync=True).publish(rec)
             log.warning("stream %s holds >= %d unconsumed episodes after %.0f s: episode %s spilled to %s "
                         "(re-publish with `osfarm stream republish %s`)", self.stream, self.max_backlog,
@@ -212,28 +287,47 @@ def _consumer_name() -> str:
 
 
 class RedisStreamSource:
-    """One consumer of a consumer group on ``stream`` (created at the stream's start if missing)."""
+    """One consumer of a consumer group on ``stream`` (created at the stream's start if missing).
+
+    Reads never raise on a bad entry: it is dead-lettered with the reason (``dead_lettered``
+    counts them) and the read returns the good ones."""
 
     def __init__(self, url: str = DEFAULT_REDIS, stream: str = DEFAULT_STREAM, group: str = "trainer",
-                 consumer: str | None = None, *, client: redis.Redis | None = None, start_id: str = "0"):
+                 consumer: str | None = None, *, client: redis.Redis | None = None, start_id: str = "0",
+                 max_deliveries: int = MAX_DELIVERIES):
         self.r = client or connect(url)
         self.stream, self.group = stream, group
         self.consumer = consumer or _consumer_name()
+        self.max_deliveries = max_deliveries
+        self.dead_lettered = 0
+        self._ensure_group(start_id)
+
+    def _ensure_group(self, start_id: str = "0") -> None:
         try:
-            self.r.xgroup_create(stream, group, id=start_id, mkstream=True)
+            self.r.xgroup_create(self.stream, self.group, id=start_id, mkstream=True)
         except redis.ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
 
+    def _dead(self, entry_id: str, fields: dict[str, str] | None, reason: str) -> None:
+        dead_letter(self.r, self.stream, self.group, self.consumer, entry_id, fields, reason)
+        self.dead_lettered += 1
+
     def _entries(self, raw: list[tuple[str, dict[str, str]]]) -> list[Entry]:
         out = []
         for eid, fields in raw:
-            if fields is None:  # deleted while pending
+            if fields is None:  # deleted while pending (trimmed): nothing to read, nothing to keep
+                self.ack(eid)
                 continue
             try:
-                out.append(Entry(eid, check_record(json.loads(fields["record"]))))
-            except (KeyError, ValueError, SchemaError) as e:
-                raise SchemaError(f"stream {self.stream} entry {eid}: {e}") from None
+                text = fields["record"]
+            except KeyError:
+                self._dead(eid, fields, "no 'record' field in the entry")
+                continue
+            try:
+                out.append(Entry(eid, check_record(json.loads(text))))
+            except (ValueError, SchemaError) as e:  # JSONDecodeError is a ValueError
+                self._dead(eid, fields, f"invalid record: {e}")
         return out
 
     def read(self, count: int = 10, block_ms: int | None = 1000) -> list[Entry]:
@@ -249,17 +343,42 @@ class RedisStreamSource:
     def ack(self, *ids: str) -> int:
         return int(self.r.xack(self.stream, self.group, *ids)) if ids else 0
 
+    def trim(self) -> int:
+        """Delete the entries every group of the stream has acknowledged."""
+        return trim_consumed(self.r, self.stream)
+
     def claim_stale(self, min_idle_ms: int, count: int = 100) -> list[Entry]:
-        """Take over entries other consumers read and left unacknowledged for ``min_idle_ms``."""
+        """Take over entries other consumers read and left unacknowledged for ``min_idle_ms``.
+
+        An entry already delivered ``max_deliveries`` times is dead-lettered instead: each of its
+        consumers died on it, and one more would too."""
         out: list[Entry] = []
         cursor = "0-0"
         while True:
             resp = self.r.xautoclaim(self.stream, self.group, self.consumer, min_idle_time=min_idle_ms,
                                      start_id=cursor, count=count)
             cursor, claimed = resp[0], resp[1]
-            out += self._entries(claimed)
+            for deleted in (resp[2] if len(resp) > 2 else []):  # trimmed while pending: XAUTOCLAIM dropped them
+                log.info("stream %s: pending entry %s was deleted before it was acknowledged", self.stream, deleted)
+            out += self._entries(self._without_poison(claimed))
             if cursor == "0-0" or not claimed:
                 return out
+
+    def _without_poison(self, claimed: list[tuple[str, dict[str, str]]]) -> list[tuple[str, dict[str, str]]]:
+        if not claimed:
+            return claimed
+        ids = [eid for eid, _ in claimed]
+        info = self.r.xpending_range(self.stream, self.group, min=ids[0], max=ids[-1], count=len(ids) + 1000)
+        times = {p["message_id"]: int(p["times_delivered"]) for p in info}
+        keep = []
+        for eid, fields in claimed:
+            n = times.get(eid, 1)
+            if n > self.max_deliveries and fields is not None:
+                self._dead(eid, fields, f"delivered {n} times without an acknowledgement "
+                                        f"(every consumer that read it died or failed on it)")
+            else:
+                keep.append((eid, fields))
+        return keep
 
     def forget_idle_consumers(self, min_idle_ms: int) -> list[str]:
         """Remove consumers idle that long with nothing pending (their entries were claimed)."""
