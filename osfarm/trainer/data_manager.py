@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
 from osfarm.stream.blobs import BlobMissing, LocalBlobStore
+from osfarm.stream.consumer import CLAIM_IDLE_MS, GroupSource, StreamConsumer
 from osfarm.stream.jsonl import read_jsonl
 from osfarm.stream.record import SchemaError, check_record
 from osfarm.trainer.advantages import grpo_advantages
@@ -55,6 +56,8 @@ log = logging.getLogger("osfarm.trainer.data")
 
 STATE_SCHEMA = "osfarm.data_manager/1"
 OMITTED = "(screenshot omitted: an earlier step)"
+# where consume_redis journals records before acknowledging them (in the blob root by default)
+STREAM_JOURNAL = "stream-journal.jsonl"
 
 # add() outcomes
 ACCEPTED = "accepted"
@@ -432,24 +435,36 @@ class DataManager:
                 on_added(rec, out)
         return n
 
-    async def consume_redis(self, source: RecordStream, blob_root: Path | None = None, *,
-                            stop: Callable[[], bool] | None = None, on_added: AddedFn | None = None,
-                            block_ms: int = 1000) -> int:
-        """Read a :class:`osfarm.stream.redis_stream.RedisStreamSource` until ``stop()``: each entry
-        is added, then acknowledged (entries this consumer read before a restart come first)."""
+    async def consume_redis(self, source: GroupSource, blob_root: Path | None = None, *,
+                            journal: Path | None = None, stop: Callable[[], bool] | None = None,
+                            on_added: AddedFn | None = None, block_ms: int = 1000,
+                            claim_idle_ms: int = CLAIM_IDLE_MS) -> int:
+        """Read a :class:`osfarm.stream.redis_stream.RedisStreamSource` until ``stop()``.
+
+        Each entry is written to ``journal`` (fsynced; default ``<blob root>/stream-journal.jsonl``)
+        and acknowledged before it is added (:class:`osfarm.stream.consumer.StreamConsumer`): a
+        trainer killed at any moment loses nothing and takes nothing twice. At the start, journaled
+        records this state has not seen (added after the last checkpoint) are added again; entries
+        of dead consumers are reclaimed on a timer; invalid entries go to the dead-letter stream."""
+        root = Path(blob_root) if blob_root else (Path(self.blob_root) if self.blob_root else None)
+        if journal is None and root is None:
+            raise ValueError("consume_redis needs a journal path (or a blob_root to keep it in)")
+        consumer = StreamConsumer(source, journal or Path(root or ".") / STREAM_JOURNAL, claim_idle_ms=claim_idle_ms)
         n = 0
-        first = True
+
+        def take(record: dict[str, Any]) -> None:
+            nonlocal n
+            out = self.add(record, blob_root)
+            n += 1
+            if on_added:
+                on_added(record, out)
+
+        for rec in await asyncio.to_thread(lambda: list(consumer.replay())):
+            if rec["episode_id"] not in self.seen:
+                take(rec)
         while stop is None or not stop():
-            entries = await asyncio.to_thread(source.pending_mine) if first else \
-                await asyncio.to_thread(source.read, 16, block_ms)
-            first = False
-            for e in entries:
-                out = self.add(e.record, blob_root)
-                n += 1
-                if on_added:
-                    on_added(e.record, out)
-            if entries:
-                await asyncio.to_thread(source.ack, *[e.id for e in entries])
+            for e in await asyncio.to_thread(consumer.poll, 16, block_ms):
+                take(e.record)
         return n
 
     def set_version(self, version: int) -> int:
