@@ -192,6 +192,45 @@ def test_redis_restarted_mid_run_workers_reconnect_and_no_episode_is_lost(
     assert all(p.poll() is None for p in workers.procs.values())
 
 
+@pytest.mark.timeout(900)
+def test_a_job_that_kills_its_worker_every_time_is_dead_lettered_after_the_cap(
+        farm: FarmServer, broker: RedisServer, workers: Workers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The out-of-memory case: the kernel kills the pool process running the episode, Celery hands
+    the job out again (reject_on_worker_lost), the next run dies the same way. After
+    OSFARM_MAX_DELIVERIES starts the job ends as an infra_error saying why, with one record."""
+    import psutil
+
+    monkeypatch.setenv("OSFARM_CLAIM_TTL_S", "3")  # a dead run's claim lapses quickly
+    monkeypatch.setenv("OSFARM_MAX_DELIVERIES", "2")
+    index = tmp_path / "one.json"
+    first = json.loads((SUITE / "test_all.json").read_text())["os"][0]
+    index.write_text(json.dumps({"os": [first]}))
+    workers.start("oom", concurrency=1)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(eval_args(out, "--executor", "celery", "--broker", broker.url, "--index", str(index)),
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for start in (1, 2):
+            wait_until(lambda n=start: f"running the episode (start {n})" in workers.log("oom"), 180,
+                       f"start {start} of the episode")
+            for child in psutil.Process(workers.procs["oom"].pid).children():
+                child.kill()  # the pool process running the episode: what the OOM killer does
+        stdout, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stdout.decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    results = json.loads((out / "results.json").read_text())
+    [row] = results["tasks"]
+    assert row["status"] == "infra_error" and "started 2 times and never finished" in row["error"], row
+    assert "running the episode (start 3)" not in workers.log("oom")
+    check_one_record_per_task(out, results, broker, workers.stream)
+    dead = redis.Redis.from_url(broker.url, decode_responses=True).xrange("osfarm:jobs:dead")
+    assert [f["task_id"] for _, f in dead if f["run_id"] == results["run_id"]] == [first]
+    assert workers.procs["oom"].poll() is None  # the worker itself lives on
+
+
 def test_worker_and_executor_refuse_bad_settings(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "osfarm.cli", "worker", "--farm", "http://127.0.0.1:1", "--token", "t",
                         "--broker", "amqp://x"], cwd=ROOT, check=False, capture_output=True, text=True, timeout=60)
@@ -206,9 +245,10 @@ def test_time_limits_and_the_visibility_timeout_check(monkeypatch: pytest.Monkey
     from osfarm.runner.executors.celery_exec import CeleryExecutor
 
     assert hard_limit_s(40, 0) == 70 and soft_limit_s(40, 0) == 55  # 40 x 1 attempt + 30 s; 15 s earlier
-    assert hard_limit_s(600, 2) == 1830  # every attempt may use its whole limit
-    monkeypatch.setenv("OSFARM_CELERY_VISIBILITY_S", "1830")
-    with pytest.raises(ValueError, match="visibility timeout is 1830 s"):
+    # every attempt may use its whole limit, plus the longest backoff before each retry (2 s, 4 s)
+    assert hard_limit_s(600, 2) == 1836
+    monkeypatch.setenv("OSFARM_CELERY_VISIBILITY_S", "1836")
+    with pytest.raises(ValueError, match="visibility timeout is 1836 s"):
         CeleryExecutor.check_limits(600, 2)
-    monkeypatch.setenv("OSFARM_CELERY_VISIBILITY_S", "1831")
+    monkeypatch.setenv("OSFARM_CELERY_VISIBILITY_S", "1837")
     CeleryExecutor.check_limits(600, 2)

@@ -26,6 +26,7 @@ from osfarm.agents.base import Action, Agent
 from osfarm.client import AsyncFarm
 from osfarm.desktop.models import ActionTiming
 from osfarm.env import EpisodeTimeout, InfraError, TaskEnv
+from osfarm.http.retry import backoff_s
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.model import Task
 
@@ -38,6 +39,9 @@ class EpisodeConfig:
     max_steps: int = 15
     time_limit_s: float = 600.0  # wall clock for one attempt (setup + agent + evaluation)
     infra_retries: int = 2  # extra attempts after an infra error
+    # wait before retry n: backoff_s(n, retry_backoff_s) (exponential, jittered; 0 = at once), so a
+    # farm or policy server that is restarting is not hit by every episode at the same instant
+    retry_backoff_s: float = 2.0
     lease_wait_s: float = 120.0
     lease_ttl_s: float = 120.0
     offline: bool = True
@@ -87,9 +91,10 @@ class EpisodeResult:
     action_timing: ActionTiming = "osworld"  # how the actions were paced (EpisodeConfig.action_timing)
 
 
-def episode_id(run_id: str, task_id: str, attempt: int) -> str:
-    """Idempotent: the same (run, task, attempt) always names the same episode."""
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{run_id}:{task_id}:{attempt}"))
+def episode_id(run_id: str, task_id: str) -> str:
+    """Idempotent: a task of a run always names the same episode, whichever attempt, retry or
+    redelivery (another worker running it again) produced its one record."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{run_id}:{task_id}"))
 
 
 def _ts() -> str:
@@ -177,7 +182,7 @@ async def _run_attempts(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCa
     while True:
         attempt += 1
         res = EpisodeResult(task=task, status=FAILURE, score=0.0, error=None,
-                            episode_id=episode_id(run_id, task.id, attempt), attempt=attempt,
+                            episode_id=episode_id(run_id, task.id), attempt=attempt,
                             infra_retries=len(errors), steps=[], started_at=time.time(), finished_at=0.0,
                             agent=agent.name, errors=list(errors), action_timing=cfg.action_timing)
         try:
@@ -194,3 +199,5 @@ async def _run_attempts(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCa
         if res.status != INFRA_ERROR or attempt > cfg.infra_retries:
             return res
         errors.append(f"attempt {attempt}: {res.error}")
+        if cfg.retry_backoff_s > 0:
+            await asyncio.sleep(backoff_s(attempt, cfg.retry_backoff_s, cap_s=60.0))

@@ -29,11 +29,14 @@ from osfarm.stream.record import SCHEMA, SchemaError, check_record
 from osfarm.tasks.suite import RefusedTask
 
 RESULTS_SCHEMA = "osfarm.results/1"
-# OSWorld's folders are named libreoffice_calc etc.; its paper calls them calc etc.: both count.
+# OSWorld's groups of domains (its paper's OS / Office / Daily / Professional / Workflow). Its
+# folders are named libreoffice_calc etc.; its paper calls them calc etc.: both count.
 GROUPS: dict[str, tuple[str, ...]] = {
+    "OS": ("os",),
     "Office": ("calc", "impress", "writer", "libreoffice_calc", "libreoffice_impress", "libreoffice_writer"),
     "Daily": ("vlc", "thunderbird", "chrome"),
     "Professional": ("gimp", "vs_code"),
+    "Workflow": ("multi_apps",),
 }
 
 
@@ -169,7 +172,7 @@ def write_refused(out: Path, refused: RefusedTask, run_id: str, agent: str, acti
     (d / "result.txt").unlink(missing_ok=True)
     (d / "error.txt").write_text(refused.error + "\n")
     now = datetime.now(tz=UTC).timestamp()
-    eid = episode_id(run_id, refused.task_id, 1)
+    eid = episode_id(run_id, refused.task_id)
     row = {"task_id": refused.task_id, "domain": refused.domain, "status": INFRA_ERROR, "score": 0.0,
            "error": refused.error, "steps": 0, "attempts": 1, "seconds": 0.0, "episode_id": eid,
            "action_timing": action_timing}

@@ -127,7 +127,7 @@ def _failed_row(task: Any, done: Done[Any, Any], run_id: str) -> dict[str, Any]:
     status = TIMEOUT if getattr(err, "timed_out", False) else INFRA_ERROR
     return {"task_id": task.id, "domain": task.domain, "status": status, "score": 0.0,
             "error": f"{type(err).__name__}: {err}", "steps": 0, "attempts": 1,
-            "seconds": round(done.finished - done.started, 2), "episode_id": episode_id(run_id, task.id, 1)}
+            "seconds": round(done.finished - done.started, 2), "episode_id": episode_id(run_id, task.id)}
 
 
 async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, suite: Suite, index: Path | None,

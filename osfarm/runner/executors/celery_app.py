@@ -9,11 +9,13 @@ Delivery guarantees (Redis broker and result backend):
 * per-task soft/hard time limits from the episode's own limit; the visibility timeout must be
   longer than the hard limit, or Redis would hand a still-running episode to a second worker
   (the runner refuses such a configuration).
-* idempotent episodes: the episode id is uuid5(run, task, attempt). A worker takes a claim key
-  (SET NX, renewed while it runs, gone soon after a crash) before running, stores the finished
-  result under a result key, and publishes the record to the stream once per episode id. A
-  redelivered message whose result exists returns it without running again; one whose claim is
-  held waits for that run. So a redelivered episode never yields two records.
+* idempotent episodes: the episode id is uuid5(run, task), the same on every delivery. A worker
+  takes a claim key (SET NX, renewed while it runs, gone soon after a crash) before running, and
+  stores the finished result and publishes the record in one atomic step. A redelivered message
+  whose result exists returns it without running again; one whose claim is held waits for that
+  run. So a redelivered episode never yields two records (worker_task.py).
+* a redelivery cap: a job that keeps killing its worker (out of memory) is not run forever; after
+  OSFARM_MAX_DELIVERIES starts it ends as an infra_error with the reason, dead-lettered.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 from celery import Celery
 
+from osfarm.runner.episode import EpisodeConfig
 from osfarm.runner.executors.worker_task import run_job
 
 TASK_NAME = "osfarm.run_episode"
@@ -42,8 +45,10 @@ def restore_interval_s() -> float:
 
 def hard_limit_s(time_limit_s: float, infra_retries: int) -> float:
     """The task's hard limit: every attempt may use its whole limit (lease and setup included),
-    plus 30 s to write the task's files and publish its record."""
-    return time_limit_s * (infra_retries + 1) + 30.0
+    the longest backoff before each retry, plus 30 s to write the task's files and publish its record."""
+    base = EpisodeConfig().retry_backoff_s
+    waits = sum(min(60.0, base * 2 ** i) for i in range(infra_retries))
+    return time_limit_s * (infra_retries + 1) + waits + 30.0
 
 
 def soft_limit_s(time_limit_s: float, infra_retries: int) -> float:

@@ -14,6 +14,7 @@ from typing import Any
 import redis
 from kombu.exceptions import OperationalError
 
+from osfarm.http.retry import backoff_s
 from osfarm.runner.executors.celery_app import (
     TASK_NAME,
     hard_limit_s,
@@ -35,7 +36,7 @@ class CeleryExecutor:
     def check_limits(time_limit_s: float, infra_retries: int) -> None:
         hard, vis = hard_limit_s(time_limit_s, infra_retries), visibility_timeout_s()
         if hard >= vis:
-            raise ValueError(f"an episode may run {hard:.0f} s (time limit x attempts + 30 s) but the broker's "
+            raise ValueError(f"an episode may run {hard:.0f} s (time limit x attempts + retry backoff + 30 s) but the broker's "
                              f"visibility timeout is {vis:.0f} s: Redis would give it to a second worker while it "
                              f"runs. Set OSFARM_CELERY_VISIBILITY_S above {hard:.0f} (on workers too) or lower "
                              f"--time-limit/--retries")
@@ -70,6 +71,7 @@ class CeleryExecutor:
 
     async def _retry(self, fn: Any) -> Any:
         down_since: float | None = None
+        attempt = 0
         while True:
             try:
                 return await asyncio.to_thread(fn)
@@ -77,7 +79,8 @@ class CeleryExecutor:
                 down_since = down_since or time.monotonic()
                 if time.monotonic() - down_since > self.outage_s:
                     raise
-                await asyncio.sleep(1.0)
+                attempt += 1
+                await asyncio.sleep(backoff_s(attempt, base_s=0.25, cap_s=5.0))
 
     def close(self) -> None:
         self.app.close()

@@ -4,7 +4,20 @@ The job (JSON, from the runner): run_id, suite, index, task_id, agent, agent_opt
 settings, out (the run dir), cache, offline. The worker's own settings come from the
 environment ``osfarm worker`` sets: OSFARM_FARM_URL, OSFARM_TOKEN, OSFARM_BROKER, OSFARM_STREAM
 (the stream key; empty = no stream), OSFARM_WORKER_OUT (write task files there instead of the
-job's run dir, for workers that do not share the runner's filesystem).
+job's run dir, for workers that do not share the runner's filesystem), OSFARM_MAX_DELIVERIES
+(how many times a job may start running before it is dead-lettered, default 3).
+
+Exactly one result and one record per job, whatever dies:
+
+* the episode id is the job's (``episode_id(run, task)``): the same on every redelivery;
+* the result and the record's stream entry are written by one Lua script
+  (:func:`osfarm.stream.redis_stream.store_result`): a worker killed before it has both, has
+  neither, and the job's next delivery runs it again; one killed after, leaves a result that the
+  next delivery returns without running;
+* every start of a run is counted; a job that started ``OSFARM_MAX_DELIVERIES`` times without
+  finishing (it kills its worker: out of memory, a crash in native code) is not run again: it ends
+  as an ``infra_error`` episode whose error says so, and its job goes to the dead-letter stream
+  ``osfarm:jobs:dead`` with the reason.
 """
 
 from __future__ import annotations
@@ -23,14 +36,18 @@ from celery.utils.log import get_task_logger
 
 from osfarm.agents import make_agent
 from osfarm.client import AsyncFarm
-from osfarm.runner.episode import EpisodeConfig, EpisodeResult, run_episode
+from osfarm.http.retry import backoff_s
+from osfarm.runner.episode import INFRA_ERROR, EpisodeConfig, EpisodeResult, episode_id, run_episode
 from osfarm.runner.results import BlobStore, write_task
-from osfarm.stream.redis_stream import DEFAULT_STREAM, RedisStreamSink, connect
+from osfarm.stream.jsonl import JsonlSink
+from osfarm.stream.redis_stream import DEFAULT_STREAM, RedisStreamSink, connect, store_result
 from osfarm.tasks.filecache import suite_cache
+from osfarm.tasks.model import Task
 from osfarm.tasks.suite import Suite, load_suite
 
 CLAIM_TTL_S = 20.0  # a crashed worker's claim is gone this long after its last renewal
 RESULT_TTL_S = 7 * 24 * 3600
+DEAD_JOBS = "osfarm:jobs:dead"
 log = get_task_logger("osfarm.worker")
 _DEL_IF_MINE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
 
@@ -49,18 +66,29 @@ def _suite(suite: str, index: str | None) -> Suite:
     return load_suite(suite, index, strict=False)  # the runner records refused tasks; they are never queued
 
 
+def claim_ttl_s() -> int:
+    """Seconds a dead worker's claim outlives it (OSFARM_CLAIM_TTL_S, default 20): a redelivery
+    waits this long at most before it runs the job again."""
+    return max(2, int(float(os.environ.get("OSFARM_CLAIM_TTL_S", CLAIM_TTL_S))))
+
+
+def max_deliveries() -> int:
+    """Starts of a job before it is dead-lettered (OSFARM_MAX_DELIVERIES, default 3)."""
+    return max(1, int(os.environ.get("OSFARM_MAX_DELIVERIES", "3")))
+
+
 def _retrying(fn: Any, what: str, deadline_s: float = 300.0) -> Any:
     """Run a Redis call, waiting out an outage (a restart) for up to ``deadline_s``."""
     deadline = time.monotonic() + deadline_s
-    delay = 0.2
+    attempt = 0
     while True:
         try:
             return fn()
         except (redis.ConnectionError, redis.TimeoutError):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what}: Redis unreachable for {deadline_s:.0f} s") from None
-            time.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            attempt += 1
+            time.sleep(backoff_s(attempt, base_s=0.2, cap_s=3.0))
 
 
 class Claim:
@@ -72,12 +100,12 @@ class Claim:
         self._thread: threading.Thread | None = None
 
     def take(self) -> bool:
-        return bool(_retrying(lambda: self.r.set(self.key, self.me, nx=True, ex=int(CLAIM_TTL_S)), "claim"))
+        return bool(_retrying(lambda: self.r.set(self.key, self.me, nx=True, ex=claim_ttl_s()), "claim"))
 
     def _renew(self) -> None:
-        while not self._stop.wait(CLAIM_TTL_S / 4):
+        while not self._stop.wait(claim_ttl_s() / 4):
             try:
-                self.r.set(self.key, self.me, xx=True, ex=int(CLAIM_TTL_S))
+                self.r.set(self.key, self.me, xx=True, ex=claim_ttl_s())
             except (redis.ConnectionError, redis.TimeoutError):
                 pass  # Redis down: the renewal after it is back keeps the claim
 
@@ -114,12 +142,80 @@ def run_job(job: dict[str, Any], worker_name: str) -> dict[str, Any]:
         stored = _retrying(lambda: r.get(key + ":result"), "result lookup")
         if stored:
             return json.loads(stored)
-        log.info("task %s (run %s): running the episode", job["task_id"], job["run_id"])
+        starts = int(_retrying(lambda: _count_start(r, key), "count the job's starts"))
+        if starts > max_deliveries():
+            reason = (f"the job started {starts - 1} times and never finished: each time its worker died "
+                      f"(killed, out of memory, or crashed); not run again (OSFARM_MAX_DELIVERIES="
+                      f"{max_deliveries()})")
+            log.error("task %s (run %s): dead-lettered: %s", job["task_id"], job["run_id"], reason)
+            _retrying(lambda: r.xadd(DEAD_JOBS, {"run_id": job["run_id"], "task_id": job["task_id"],
+                                                 "reason": reason, "job": json.dumps(job)}), "dead-letter the job")
+            return _store(r, key, _dead_result(job, reason), _out_dir(job))
+        log.info("task %s (run %s): running the episode (start %d)", job["task_id"], job["run_id"], starts)
         out = _run(job)
         log.info("task %s (run %s): %s, score %s", job["task_id"], job["run_id"], out["row"]["status"],
                  out["row"]["score"])
-        _retrying(lambda: r.set(key + ":result", json.dumps(out, ensure_ascii=False), ex=RESULT_TTL_S), "store result")
-        return out
+        return _store(r, key, out, _out_dir(job))
+
+
+def _count_start(r: redis.Redis, key: str) -> int:
+    pipe = r.pipeline(transaction=True)
+    pipe.incr(key + ":starts")
+    pipe.expire(key + ":starts", RESULT_TTL_S)
+    return int(pipe.execute()[0])
+
+
+def _store(r: redis.Redis, key: str, out: dict[str, Any], spill_dir: Path) -> dict[str, Any]:
+    """Store the result and publish the record in one step (see the module doc); returns the result
+    Redis holds, which is an earlier run's when one got there first."""
+    rec = out["record"]
+    stream = os.environ.get("OSFARM_STREAM", DEFAULT_STREAM)
+    result = json.dumps(out, ensure_ascii=False)
+    if stream:
+        sink = RedisStreamSink(stream=stream, client=r)
+        if not _retrying(sink.wait_for_room, "wait for room on the stream", deadline_s=sink.wait_s + 300):
+            # the stream stays full: the record goes to the spill file (republished later, once per
+            # episode id), the result alone to Redis; a crash between the two spills it twice, which
+            # the republish's dedupe absorbs
+            spill = Path(os.environ.get("OSFARM_STATE_DIR") or spill_dir) / "stream-spill.jsonl"
+            JsonlSink(spill, fsync=True).publish(rec)
+            log.warning("stream %s is full: episode %s spilled to %s (osfarm stream republish %s)", stream,
+                        rec["episode_id"], spill, spill)
+            stream = ""
+    stored = _retrying(lambda: store_result(r, key + ":result", result, RESULT_TTL_S, stream=stream or None,
+                                            record=rec if stream else None), "store the result")
+    if stored.status == "existing":
+        log.info("episode %s: an earlier run stored the result first; returning that one", rec["episode_id"])
+    return json.loads(stored.result)
+
+
+def _dead_result(job: dict[str, Any], reason: str) -> dict[str, Any]:
+    """The infra_error row and record of a dead-lettered job (no steps; the error is the reason)."""
+    out = _out_dir(job)
+    task = _task(job)
+    now = time.time()
+    res = EpisodeResult(task=task, status=INFRA_ERROR, score=0.0, error=reason,
+                        episode_id=episode_id(job["run_id"], task.id), attempt=1, infra_retries=0, steps=[],
+                        started_at=now, finished_at=now, agent=job["agent"],
+                        action_timing=job.get("episode", {}).get("action_timing", "osworld"))
+    records: list[dict[str, Any]] = []
+    row = write_task(out, res, job["run_id"], BlobStore(out), emit=records.append)
+    return {"row": row, "record": records[0]}
+
+
+def _out_dir(job: dict[str, Any]) -> Path:
+    override = os.environ.get("OSFARM_WORKER_OUT")
+    out = Path(override) / job["run_id"] if override else Path(job["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def _task(job: dict[str, Any]) -> Task:
+    suite = _suite(job["suite"], job.get("index"))
+    task = next((t for t in suite if t.id == job["task_id"]), None)
+    if task is None:
+        raise RuntimeError(f"task {job['task_id']} is not in the suite {job['suite']} as this worker sees it")
+    return task
 
 
 def _run(job: dict[str, Any]) -> dict[str, Any]:
@@ -127,13 +223,9 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     token = os.environ.get("OSFARM_TOKEN", "")
     if not farm_url or not token:
         raise RuntimeError("this worker has no farm: start it with --farm URL --token T (or OSFARM_FARM_URL/OSFARM_TOKEN)")
-    override = os.environ.get("OSFARM_WORKER_OUT")
-    out = Path(override) / job["run_id"] if override else Path(job["out"])
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir(job)
     suite = _suite(job["suite"], job.get("index"))
-    task = next((t for t in suite if t.id == job["task_id"]), None)
-    if task is None:
-        raise RuntimeError(f"task {job['task_id']} is not in the suite {job['suite']} as this worker sees it")
+    task = _task(job)
     cache = suite_cache(suite, Path(job["suite"]), Path(job["cache"]) if job.get("cache") else None, out,
                        bool(job.get("offline", True)))
     e = job["episode"]
@@ -150,10 +242,4 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     res = asyncio.run(go())
     records: list[dict[str, Any]] = []
     row = write_task(out, res, job["run_id"], BlobStore(out), emit=records.append)
-    rec = records[0]
-    stream = os.environ.get("OSFARM_STREAM", DEFAULT_STREAM)
-    if stream:
-        sink = RedisStreamSink(stream=stream, client=_redis(),
-                               spill=Path(os.environ.get("OSFARM_STATE_DIR", str(out))) / "stream-spill.jsonl")
-        _retrying(lambda: sink.publish(rec), "publish record")
-    return {"row": row, "record": rec}
+    return {"row": row, "record": records[0]}
