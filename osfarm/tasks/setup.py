@@ -125,10 +125,33 @@ for url in ARGS["urls"]:
 """
 
 HISTORY = r"""
-import json, os, sqlite3, sys, time
+import json, os, shutil, sqlite3, subprocess, sys, time
 ARGS = json.loads(sys.argv[1])
 path = os.path.expanduser(ARGS["path"])
+profile = os.path.dirname(os.path.dirname(path))
 os.makedirs(os.path.dirname(path), exist_ok=True)
+def made_by_chromium(p):
+    try:
+        db = sqlite3.connect("file:%s?mode=ro" % p, uri=True, timeout=2)
+        try:
+            return db.execute("SELECT count(*) FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()[0] == 1
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return False
+# Chromium razes a History database it did not make (no 'meta' table with its schema version) and
+# starts an empty one, so entries written into a file of our own vanish when it starts. Let this
+# desktop's Chromium make the file first (headless, about:blank, ~2 s), unless it is running.
+if not made_by_chromium(path) and not os.path.lexists(os.path.join(profile, "SingletonLock")):
+    exe = next((e for e in ("chromium", "chromium-browser", "google-chrome") if shutil.which(e)), None)
+    if exe is not None:
+        for stale in (path, path + "-journal"):
+            if os.path.exists(stale):
+                os.unlink(stale)
+        subprocess.run([exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                        "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                        "--user-data-dir=" + profile, "--dump-dom", "about:blank"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=90)
 EPOCH_DELTA_US = 11644473600 * 1000000  # 1601-01-01 -> 1970-01-01, Chrome's time base
 now_us = int(time.time() * 1000000) + EPOCH_DELTA_US
 try:
