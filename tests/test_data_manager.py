@@ -24,6 +24,12 @@ from osfarm.trainer.data_manager import (
 )
 
 
+def Cfg(**kw) -> DataConfig:  # noqa: N802 - reads like the class it builds
+    """DataConfig for these tests: every step kept (DART's entropy selection, on by default, is
+    tested on its own)."""
+    return DataConfig(**{"entropy_fraction": 1.0, **kw})
+
+
 def png(color: tuple[int, int, int]) -> bytes:
     buf = io.BytesIO()
     Image.new("RGB", (8, 6), color).save(buf, "PNG")
@@ -36,7 +42,7 @@ TASK = {"role": "user", "content": [{"type": "text", "text": "Instruction: open 
 
 def make_record(run: Path, task_id: str = "t1", *, status: str = "failure", score: float | None = None,
                 steps: int = 2, version: int | None = 0, tokens: bool = True, model_error: str | None = None,
-                logprob: float = -0.5, episode_id: str | None = None) -> dict:
+                logprob: float = -0.5, episode_id: str | None = None, group_id: str | None = None) -> dict:
     """A valid record whose steps carry the request the agent sent (images as blob refs, as
     osfarm/agents/prompts/messages.strip_images stores them) and the model's tokens."""
     blobs = LocalBlobStore(run)
@@ -59,7 +65,7 @@ def make_record(run: Path, task_id: str = "t1", *, status: str = "failure", scor
             "actions": ["pyautogui.click(1, 1)"], "action_error": None, "t_model_ms": 5.0, "t_env_ms": 7.0})
         history += [current, {"role": "assistant", "content": text}]
     return {"schema": "osfarm.episode/1", "episode_id": episode_id or uuid.uuid4().hex, "run_id": "r1",
-            "task_id": task_id, "domain": "os", "group_id": task_id, "attempt": 1, "agent": "vlm",
+            "task_id": task_id, "domain": "os", "group_id": group_id or task_id, "attempt": 1, "agent": "vlm",
             "policy": {"name": "tiny", "version_start": version, "version_end": version},
             "desktop": {"provider": "sandbox", "image": None}, "status": status, "score": score,
             "error": "lease failed" if status == "infra_error" else None,
@@ -79,7 +85,7 @@ def run(tmp_path: Path) -> Path:
 
 
 def test_storage_rules_and_counters(run):
-    dm = DataManager(DataConfig(group_size=2), blob_root=run)
+    dm = DataManager(Cfg(group_size=2), blob_root=run)
     good = make_record(run, status="failure", steps=2)
     assert dm.add(good) == ACCEPTED
     assert dm.add(good) == "duplicate"  # a redelivered stream entry counts once
@@ -106,7 +112,7 @@ def test_storage_rules_and_counters(run):
 
 
 def test_group_advantages_and_step_samples(run):
-    dm = DataManager(DataConfig(group_size=4), blob_root=run)
+    dm = DataManager(Cfg(group_size=4), blob_root=run)
     for st in ("success", "failure", "failure", "success"):
         dm.add(make_record(run, status=st, steps=2, version=3))
     assert dm.ready_tasks() == ["t1"]
@@ -133,7 +139,7 @@ def test_group_advantages_and_step_samples(run):
 
 
 def test_data_urls_and_dr_grpo(run):
-    dm = DataManager(DataConfig(group_size=2, image_mode="data_url", std_normalize=False), blob_root=run)
+    dm = DataManager(Cfg(group_size=2, image_mode="data_url", std_normalize=False), blob_root=run)
     dm.add(make_record(run, status="success", score=1.0))
     dm.add(make_record(run, status="failure", score=0.25))
     batch = dm.take_batch()
@@ -145,7 +151,7 @@ def test_data_urls_and_dr_grpo(run):
 
 
 def test_trim_keeps_a_success_and_a_failure(run):
-    dm = DataManager(DataConfig(group_size=3), blob_root=run)
+    dm = DataManager(Cfg(group_size=3), blob_root=run)
     ids = [make_record(run, status=s) for s in ("success", "failure", "failure", "failure", "failure")]
     for r in ids:
         dm.add(r)
@@ -168,7 +174,7 @@ def test_all_failure_group_takes_a_pool_success(run, tmp_path):
                                                                version=None, episode_id="pooled"))
     JsonlSink(eval_dir / "episodes.jsonl").publish(make_record(eval_dir, status="failure"))
     pool_dir = tmp_path / "pool"
-    dm = DataManager(DataConfig(group_size=3), blob_root=run, pool_dir=pool_dir)
+    dm = DataManager(Cfg(group_size=3), blob_root=run, pool_dir=pool_dir)
     assert dm.preload_pool(eval_dir) == 1
     fails = [make_record(run, status="failure", version=0) for _ in range(3)]
     for r in fails:
@@ -195,7 +201,7 @@ def test_all_failure_group_takes_a_pool_success(run, tmp_path):
 
 
 def test_too_easy_and_zero_variance_groups(run):
-    dm = DataManager(DataConfig(group_size=2, use_pool=False), blob_root=run)
+    dm = DataManager(Cfg(group_size=2, use_pool=False), blob_root=run)
     for _ in range(2):
         dm.add(make_record(run, "easy", status="success"))
     for _ in range(2):
@@ -209,12 +215,12 @@ def test_too_easy_and_zero_variance_groups(run):
     assert batch.groups[0].advantages == approx([1, -1])
     assert dm.counters["groups_too_easy"] == 1 and dm.counters["groups_all_fail_dropped"] == 1
     # with acc_max above 1, equal successes are a zero-variance group
-    dm = DataManager(DataConfig(group_size=2, acc_max=1.5), blob_root=run)
+    dm = DataManager(Cfg(group_size=2, acc_max=1.5), blob_root=run)
     for _ in range(2):
         dm.add(make_record(run, "easy", status="success"))
     assert dm.take_batch().groups == [] and dm.counters["groups_zero_variance"] == 1
     # drop_no_signal=False keeps a solved task's group, with zero advantages (the version goes on)
-    dm = DataManager(DataConfig(group_size=2, drop_no_signal=False), blob_root=run)
+    dm = DataManager(Cfg(group_size=2, drop_no_signal=False), blob_root=run)
     for _ in range(2):
         dm.add(make_record(run, "easy", status="success"))
     groups = dm.take_batch().groups
@@ -223,7 +229,7 @@ def test_too_easy_and_zero_variance_groups(run):
 
 
 def test_dynamic_group_size_follows_task_success(run):
-    dm = DataManager(DataConfig(), blob_root=run)  # group_size None: DART's n
+    dm = DataManager(Cfg(), blob_root=run)  # group_size None: DART's n
     assert dm.group_size("new") == 8  # never seen: rollout_n
     for _ in range(3):
         dm.add(make_record(run, "hard", status="failure"))
@@ -238,7 +244,7 @@ def test_dynamic_group_size_follows_task_success(run):
 def test_discarded_episodes_are_reported(run):
     # the rollout controller gets its staleness capacity back for accepted episodes that never train
     gone = []
-    dm = DataManager(DataConfig(group_size=2, use_pool=False), blob_root=run,
+    dm = DataManager(Cfg(group_size=2, use_pool=False), blob_root=run,
                      on_discard=lambda task, n, why: gone.append((task, n, why)))
     for _ in range(2):
         dm.add(make_record(run, "easy", status="success"))
@@ -251,7 +257,7 @@ def test_discarded_episodes_are_reported(run):
 
 
 def test_version_window(run):
-    dm = DataManager(DataConfig(group_size=2, version_window=1), blob_root=run, version=2)
+    dm = DataManager(Cfg(group_size=2, version_window=1), blob_root=run, version=2)
     assert dm.add(make_record(run, version=0)) == "stale"  # 0 < 2 − 1
     assert dm.add(make_record(run, version=1)) == ACCEPTED
     assert dm.add(make_record(run, version=2, status="success")) == ACCEPTED
@@ -262,7 +268,7 @@ def test_version_window(run):
 
 
 def test_high_entropy_selection_over_a_batch(run):
-    dm = DataManager(DataConfig(group_size=2, entropy_fraction=0.5), blob_root=run)
+    dm = DataManager(Cfg(group_size=2, entropy_fraction=0.5), blob_root=run)
     dm.add(make_record(run, status="success", logprob=-2.0))  # surprisal 2.0 per token: unsure
     dm.add(make_record(run, status="failure", logprob=-0.1))  # 0.1: sure
     batch = dm.take_batch()
@@ -270,7 +276,7 @@ def test_high_entropy_selection_over_a_batch(run):
     assert [round(s.entropy, 6) for s in batch.samples] == [2.0, 2.0]
     assert dm.counters["entropy_filtered"] == 2
     # a callback can supply the entropy instead (e.g. the learner's own forward pass)
-    dm2 = DataManager(DataConfig(group_size=2, entropy_fraction=0.5), blob_root=run,
+    dm2 = DataManager(Cfg(group_size=2, entropy_fraction=0.5), blob_root=run,
                       entropy_fn=lambda s: float(s.step_index))
     dm2.add(make_record(run, status="success"))
     dm2.add(make_record(run, status="failure"))
@@ -298,7 +304,7 @@ def test_trim_context():
 
 
 def test_trajectory_samples(run):
-    dm = DataManager(DataConfig(group_size=2, granularity="trajectory"), blob_root=run)
+    dm = DataManager(Cfg(group_size=2, granularity="trajectory"), blob_root=run)
     dm.add(make_record(run, status="success", steps=3))
     dm.add(make_record(run, status="failure", steps=3))
     batch = dm.take_batch()
@@ -315,12 +321,12 @@ def test_trajectory_samples(run):
 
 def test_checkpoint_and_restore(run, tmp_path):
     state = tmp_path / "state"
-    dm = DataManager(DataConfig(group_size=3), blob_root=run, pool_dir=state / "pool", version=1)
+    dm = DataManager(Cfg(group_size=3), blob_root=run, pool_dir=state / "pool", version=1)
     a, b = make_record(run, status="success", version=1), make_record(run, status="failure", version=1)
     dm.add(a)
     dm.add(b)
     dm.save_state(state)
-    dm2 = DataManager(DataConfig(group_size=3), blob_root=run, pool_dir=state / "pool")
+    dm2 = DataManager(Cfg(group_size=3), blob_root=run, pool_dir=state / "pool")
     assert dm2.load_state(state)
     assert dm2.version == 1 and dm2.counters == dm.counters
     assert dm2.task_stats["t1"] == dm.task_stats["t1"]
@@ -337,7 +343,7 @@ def test_checkpoint_and_restore(run, tmp_path):
 
 
 async def test_get_batch_waits_for_a_group(run):
-    dm = DataManager(DataConfig(group_size=2), blob_root=run)
+    dm = DataManager(Cfg(group_size=2), blob_root=run)
     records = [make_record(run, status=s) for s in ("success", "failure")]
 
     async def produce():
@@ -357,7 +363,7 @@ async def test_get_batch_waits_for_a_group(run):
 async def test_consume_a_run_dir_jsonl(run):
     for st in ("success", "failure", "infra_error"):
         JsonlSink(run / "episodes.jsonl").publish(make_record(run, status=st, steps=2 if st != "infra_error" else 0))
-    dm = DataManager(DataConfig(group_size=2))
+    dm = DataManager(Cfg(group_size=2))
     seen = []
     n = await dm.consume(read_jsonl(run / "episodes.jsonl"), blob_root=run,
                          on_added=lambda rec, out: seen.append(out))
@@ -369,7 +375,7 @@ def test_missing_blob_root_is_a_clear_error(run):
     with pytest.raises(ValueError, match="blob_root"):
         DataManager().add(make_record(run))
     with pytest.raises(ValueError, match="granularity"):
-        DataConfig(granularity="episode")
+        Cfg(granularity="episode")
 
 
 @pytest.fixture(scope="module")
@@ -387,7 +393,7 @@ async def test_consume_a_redis_stream(run: Path, redis_url: str) -> None:
         sink.publish(make_record(run, status=st))
     sink.publish(make_record(run, status="infra_error", steps=0))
     source = RedisStreamSource(redis_url, stream, group="trainer")
-    dm = DataManager(DataConfig(group_size=3))
+    dm = DataManager(Cfg(group_size=3))
     outcomes: list[str] = []
     n = await asyncio.wait_for(dm.consume_redis(source, blob_root=run, stop=lambda: len(outcomes) >= 4,
                                                 on_added=lambda rec, out: outcomes.append(out), block_ms=200),
@@ -396,3 +402,110 @@ async def test_consume_a_redis_stream(run: Path, redis_url: str) -> None:
     # every entry was acknowledged once stored: nothing pending for the group
     assert source.r.xpending(stream, "trainer")["pending"] == 0
     assert len(dm.take_batch().samples) == 6
+
+
+def test_entropy_selection_is_on_by_default():
+    assert DataConfig().entropy_fraction == 0.8  # DART: the top 80% of a batch's steps by entropy
+
+
+def test_planned_groups_are_exactly_what_was_allocated(run):
+    """The controller's plan is the grouping: two groups of one task stay apart (per-task pooling
+    would mix them), a group closes with what it has, a rollout arriving after its group closed is
+    late, a group left with one episode is too small, and each drop gives its capacity back."""
+    released: list[tuple[str, int, str]] = []
+    dm = DataManager(Cfg(), blob_root=run, on_discard=lambda t, n, why: released.append((t, n, why)))
+    dm.expect_group("t1#g1", "t1", 3)
+    dm.expect_group("t1#g2", "t1", 2)
+    dm.expect_group("t2#g3", "t2", 4)
+    g1 = [make_record(run, status=s, group_id="t1#g1") for s in ("success", "failure", "failure")]
+    g2 = [make_record(run, status=s, group_id="t1#g2") for s in ("failure", "success")]
+    for r in (g1[0], g2[0], g1[1], g2[1], g1[2]):
+        assert dm.add(r) == ACCEPTED
+    assert dm.pending == {} and dm.pending_episodes() == 5
+    assert dm.take_batch().groups == []  # nothing closed yet
+    dm.close_group("t1#g2")
+    dm.close_group("t1#g1")
+    assert dm.add(make_record(run, status="success", group_id="t1#g1")) == "late"  # a redundant straggler
+    dm.add(make_record(run, "t2", status="failure", group_id="t2#g3"))
+    dm.close_group("t2#g3")  # lost its other rollouts: one episode is no group
+    batch = dm.take_batch()
+    assert [(g.group_id, [e.record["episode_id"] for e in g.episodes]) for g in batch.groups] == [
+        ("t1#g2", [r["episode_id"] for r in g2]), ("t1#g1", [r["episode_id"] for r in g1])]
+    assert batch.episodes == 5 and dm.counters["groups_too_small"] == 1 and dm.counters["late"] == 1
+    assert batch.groups[0].advantages == approx([-1.0, 1.0])
+    assert released == [("t2", 1, "too_small")] and dm.pending_episodes() == 0
+
+
+async def test_get_batch_takes_whole_groups_and_flushes_when_told(run):
+    dm = DataManager(Cfg(), blob_root=run)
+    for gid, n in (("a#1", 3), ("a#2", 3)):
+        dm.expect_group(gid, "t1", n)
+        for s in ("success", "failure", "failure")[:n]:
+            dm.add(make_record(run, status=s, group_id=gid))
+        dm.close_group(gid)
+    batch = await dm.get_batch(4, timeout_s=10)  # 3 < 4: the next whole group too
+    assert batch.episodes == 6 and len(batch.groups) == 2
+    dm.expect_group("a#3", "t1", 2)
+    for s in ("success", "failure"):
+        dm.add(make_record(run, status=s, group_id="a#3"))
+    dm.close_group("a#3")
+    # fewer than asked, but the controller says nothing more can come: train on what there is
+    batch = await asyncio.wait_for(dm.get_batch(4, flush=lambda: True, poll_s=0.05), 10)
+    assert batch.episodes == 2
+
+
+def test_pool_success_reaches_the_samples_of_a_planned_group(run, tmp_path):
+    """An all-failure group trains with the pool's success (its old version does not make it
+    stale), and the group's advantages are those of the group the learner sees."""
+    dm = DataManager(Cfg(version_window=1), blob_root=run, pool_dir=tmp_path / "pool", version=0)
+    dm.expect_group("g1", "t1", 2)
+    old = make_record(run, status="success", version=0, group_id="g1")
+    dm.add(old)
+    dm.add(make_record(run, status="failure", version=0, group_id="g1"))
+    dm.close_group("g1")
+    dm.take_batch()
+    dm.set_version(5)  # the pooled success is now 5 versions old
+    dm.expect_group("g2", "t1", 3)
+    fails = [make_record(run, status="failure", version=5, group_id="g2") for _ in range(3)]
+    for r in fails:
+        dm.add(r)
+    dm.close_group("g2")
+    batch = dm.take_batch()
+    [g] = batch.groups
+    assert g.episodes[-1].record["episode_id"] == old["episode_id"] and g.episodes[-1].from_pool
+    assert g.advantages == approx([-1 / math.sqrt(2), -1 / math.sqrt(2), math.sqrt(2)])
+    pooled = [s for s in batch.samples if s.from_pool]
+    assert len(pooled) == 2 and all(s.advantage > 0 and s.policy_version == 0 for s in pooled)
+    assert batch.counts["pool_samples"] == 2 and batch.counts["stale_steps"] == 0
+    assert batch.episodes == 2  # the replayed success is not a rollout: the oldest failure gave way
+
+
+def test_xrpo_sharpening_amplifies_unlikely_successes(run):
+    dm = DataManager(Cfg(novelty_lambda=1.0), blob_root=run)
+    dm.expect_group("g", "t1", 4)
+    likely = make_record(run, status="success", logprob=-0.1, group_id="g")
+    unlikely = make_record(run, status="success", logprob=-3.0, group_id="g")
+    for r in (likely, unlikely, make_record(run, logprob=-1.0, group_id="g"), make_record(run, logprob=-1.0,
+                                                                                          group_id="g")):
+        dm.add(r)
+    dm.close_group("g")
+    [g] = dm.take_batch().groups
+    plain = DataManager(Cfg(), blob_root=run)
+    base = 1.0  # rewards [1, 1, 0, 0]: GRPO gives ±1
+    assert g.advantages[0] == approx(base)  # more likely than the group's mean: unchanged
+    assert g.advantages[1] == approx(base * (1 + math.tanh(3.0 - 1.275)))  # ℓ̄ = (−0.1 − 3 − 1 − 1)/4
+    assert g.advantages[2:] == approx([-1.0, -1.0])
+    assert plain.config.novelty_lambda == 0.0
+
+
+def test_planned_groups_survive_a_restart(run, tmp_path):
+    dm = DataManager(Cfg(), blob_root=run, version=1)
+    dm.expect_group("g1", "t1", 4)
+    for s in ("success", "failure", "failure"):
+        dm.add(make_record(run, status=s, version=1, group_id="g1"))
+    dm.save_state(tmp_path)
+    dm2 = DataManager(Cfg(), blob_root=run)
+    assert dm2.load_state(tmp_path) and dm2.pending_episodes() == 3
+    # its other rollouts died with the process: it trains with the three it has
+    [g] = dm2.take_batch().groups
+    assert g.group_id == "g1" and len(g.episodes) == 3

@@ -1,4 +1,6 @@
-"""The learner on the tiny Qwen2-VL model: token masks, updates, checkpoints and resume."""
+"""The learner on the tiny Qwen2-VL model: token masks, micro-batches, precision, updates,
+checkpoints (served weights apart from the training state) and resume; two gloo ranks on the CPU
+make the update one rank makes."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from osfarm.policy.tiny import tiny_model_dir
+from osfarm.trainer.checkpoint import model_dir as served_dir
+from osfarm.trainer.checkpoint import prune_checkpoints, train_state_dir
 from osfarm.trainer.data_manager import Sample as DMSample
 from osfarm.trainer.learner import (
     STATE_FILE,
@@ -93,6 +97,36 @@ def test_full_and_sliced_logprobs_agree(learner: Learner) -> None:
     assert torch.allclose(lp_full[mask > 0], lp_cut[0], atol=1e-5)
 
 
+TEXT_ONLY = [{"role": "system", "content": "You control a Linux desktop."},
+             {"role": "user", "content": "Open the terminal and list the files of the home directory, please."}]
+
+
+def _mixed_samples(lrn: Learner) -> list[DMSample]:
+    """Samples of different prompt and response lengths, with and without screenshots."""
+    out = []
+    for i, (msgs, ids) in enumerate([(MESSAGES, [107, 108, 109]), (TEXT_ONLY, [121]), (MESSAGES, [131, 132]),
+                                     (TEXT_ONLY, [141, 142, 143, 144, 145])]):
+        s = make_sample(msgs, ids, None, advantage=(1.0 if i % 2 else -1.0))
+        s.behav_logprobs = lrn.score(s)
+        out.append(s)
+    return out
+
+
+def test_micro_batches_score_and_train_as_single_samples(model_dir: Path) -> None:
+    """Left-padded micro-batches (images concatenated, each sample's mRoPE positions from its own
+    attention mask) give each sample the log-probs it has alone, and an update in micro-batches
+    of 3 is the update made one sample at a time (gradient accumulation by token share)."""
+    one = Learner(model_dir, LearnerOptions(lr=1e-3))
+    samples = _mixed_samples(one)
+    many = Learner(model_dir, LearnerOptions(lr=1e-3, micro_batch_size=3))
+    for got, want in zip(many.score_many(samples), [s.behav_logprobs for s in samples], strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
+    a, b = one.update(samples), many.update(samples)
+    assert a.loss == pytest.approx(b.loss, abs=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
+    for s in samples:
+        assert many.score(s) == pytest.approx(one.score(s), abs=2e-4)
+
+
 def test_only_response_tokens_get_gradient(model_dir: Path) -> None:
     lrn = Learner(model_dir, LearnerOptions(lr=1e-3, full_logits=True))
     s = _sample(lrn, [121, 122, 123], advantage=1.0)
@@ -128,8 +162,9 @@ def test_update_moves_logprobs_with_the_advantage(model_dir: Path) -> None:
     before_good, before_bad = sum(good.behav_logprobs), sum(bad.behav_logprobs)
     for _ in range(3):
         stats = lrn.update([good, bad])
-    assert stats.version == 3 and lrn.version == 3
-    assert lrn.counters == {"updates": 3, "samples": 6, "tokens": 12}
+    assert stats.version == 3 and lrn.version == 3 and stats.lr == 1e-3
+    assert lrn.counters == {"updates": 3, "samples": 6, "tokens": 12, "optimizer_steps": 3, "skipped_steps": 0,
+                            "skipped_updates": 0}
     assert sum(lrn.score(good)) > before_good
     assert sum(lrn.score(bad)) < before_bad
 
@@ -146,7 +181,11 @@ def test_checkpoint_round_trip_and_resume(model_dir: Path, tmp_path: Path) -> No
     lrn.update([s])
     lrn.update([s])
     ckpt = lrn.save(tmp_path / "checkpoints" / "v2", {"data_manager": {"seen": 7}})
-    assert (ckpt / "model.safetensors").is_file() and (ckpt / "config.json").is_file()
+    # the served weights (what a policy server loads) apart from the training state
+    assert (ckpt / "model" / "model.safetensors").is_file() and (ckpt / "model" / "config.json").is_file()
+    assert (ckpt / "model" / "tokenizer.json").is_file() and served_dir(ckpt) == ckpt / "model"
+    assert (ckpt / "state" / "optimizer.pt").is_file() and not (ckpt / "model" / "optimizer.pt").exists()
+    assert not (ckpt / "state" / "master.safetensors").exists()  # fp32 served = fp32 master: no copy
     state = read_state(ckpt)
     assert state["version"] == 2 and state["counters"]["updates"] == 2 and state["data_manager"] == {"seen": 7}
     assert latest_checkpoint(tmp_path / "checkpoints") == ckpt
@@ -158,7 +197,14 @@ def test_checkpoint_round_trip_and_resume(model_dir: Path, tmp_path: Path) -> No
     a, b = lrn.update([s]), back.update([s])
     assert a.version == b.version == 3
     assert back.score(s) == pytest.approx(lrn.score(s), abs=1e-4)
-    assert back.counters == {"updates": 3, "samples": 3, "tokens": 9}
+    assert back.counters == {"updates": 3, "samples": 3, "tokens": 9, "optimizer_steps": 3, "skipped_steps": 0,
+                             "skipped_updates": 0}
+    for v in (3, 4, 5):
+        lrn.version = v
+        lrn.save(tmp_path / "checkpoints" / f"v{v}")
+    (tmp_path / "checkpoints" / "v6.tmp123").mkdir()  # a write the process did not finish
+    prune_checkpoints(tmp_path / "checkpoints", keep=2)
+    assert sorted(d.name for d in (tmp_path / "checkpoints").iterdir()) == ["v4", "v5"]
 
 
 def test_checkpoint_loads_in_the_policy_engine(model_dir: Path, tmp_path: Path) -> None:
@@ -169,7 +215,7 @@ def test_checkpoint_loads_in_the_policy_engine(model_dir: Path, tmp_path: Path) 
     lrn.update([s])
     ckpt = lrn.save(tmp_path / "v1")
     engine = PolicyEngine(model_dir, served_name="tiny")
-    loaded = engine.reload(ckpt, 1)
+    loaded = engine.reload(ckpt / "model", 1)
     assert loaded.version == 1
     enc = lrn.encode(s)
     with torch.no_grad():
@@ -191,7 +237,7 @@ def test_lora_checkpoint(model_dir: Path, tmp_path: Path) -> None:
     lrn.update([s])
     assert sum(lrn.score(s)) > before
     ckpt = lrn.save(tmp_path / "v2")
-    assert (ckpt / "adapter" / "adapter_config.json").is_file() and (ckpt / "model.safetensors").is_file()
+    assert (ckpt / "adapter" / "adapter_config.json").is_file() and (ckpt / "model" / "model.safetensors").is_file()
     assert json.loads((ckpt / STATE_FILE).read_text())["lora"] is True
     back, _ = Learner.resume(ckpt, opts)
     assert back.version == 2
@@ -260,7 +306,7 @@ def test_model_loads_and_saves_print_no_progress_bars(tmp_path: Path) -> None:
         model = build_tiny_model(root / "tiny")
         Learner(model).save(root / "full")
         Learner(model, LearnerOptions(lora=LoraOptions(r=2))).save(root / "lora")
-        PolicyEngine(root / "full", served_name="t")
+        PolicyEngine(root / "full" / "model", served_name="t")
         print("bars on afterwards:", hf_logging.is_progress_bar_enabled())
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
@@ -270,3 +316,128 @@ def test_model_loads_and_saves_print_no_progress_bars(tmp_path: Path) -> None:
     for bar in ("Loading weights", "Writing model shards", "it/s]"):
         assert bar not in both, both[-2000:]
     assert "bars on afterwards: True" in out.stdout
+
+
+def _weights(lrn: Learner) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().clone() for k, v in lrn.model.state_dict().items()}
+
+
+def test_fp32_master_weights_keep_small_updates_that_bf16_rounds_away(model_dir: Path) -> None:
+    """Full fine-tuning with bf16 weights: an AdamW step of lr 1e-6 is far below bf16's resolution
+    (2^-8 relative) on any weight of magnitude 0.01 and more, and rounds to nothing. With fp32 master weights (the default) and bf16 compute
+    (autocast) the same step moves the weights."""
+    moved = {}
+    for master in ("same", "float32"):
+        lrn = Learner(model_dir, LearnerOptions(lr=1e-6, dtype="bfloat16", master_dtype=master))
+        assert lrn.autocast == (master == "float32")
+        s = make_sample(MESSAGES, [107, 108], None, advantage=1.0)
+        before = _weights(lrn)
+        stats = lrn.update([s])
+        assert stats.skipped_steps == 0 and stats.version == 1
+        after = _weights(lrn)
+        # weights of magnitude >= 0.01: bf16 resolves steps above ~4e-5 there, fp32 above ~1e-9
+        moved[master] = sum(int(((after[k] != before[k]) & (before[k].abs() >= 0.01)).sum()) for k in before)
+        if master == "float32":
+            assert all(p.dtype == torch.float32 for p in lrn.params)
+            state = lrn.optimizer.state[lrn.params[0]]
+            assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
+    assert moved["same"] == 0, "bf16 weights took an update below their resolution?"
+    assert moved["float32"] > 1000
+
+
+def test_a_non_finite_gradient_skips_the_step_and_keeps_the_version(model_dir: Path) -> None:
+    lrn = Learner(model_dir, LearnerOptions(lr=1e-3, warmup_steps=2))
+    bad = make_sample(MESSAGES, [107, 108], None, advantage=float("inf"))
+    before = _weights(lrn)
+    stats = lrn.update([bad])
+    assert stats.skipped and stats.skipped_steps == 1 and stats.version == 0 and lrn.version == 0
+    assert lrn.counters["skipped_updates"] == 1 and lrn.counters["updates"] == 0
+    assert lrn.counters["optimizer_steps"] == 0  # the schedule did not advance either
+    assert not lrn.optimizer.state  # no moments recorded
+    after = _weights(lrn)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    # the warmup starts where it was: lr/2, then lr
+    good = make_sample(MESSAGES, [107, 108], None, advantage=1.0)
+    assert lrn.update([good]).lr == pytest.approx(5e-4) and lrn.update([good]).lr == pytest.approx(1e-3)
+    assert lrn.version == 2
+
+
+def test_bf16_served_weights_and_fp32_master_in_the_training_state(model_dir: Path, tmp_path: Path) -> None:
+    """Served weights are written in the compute dtype (what vLLM/our server load), the fp32
+    master weights go to the training state, and a resume continues from those, not from the
+    rounded served copy."""
+    from safetensors import safe_open
+
+    lrn = Learner(model_dir, LearnerOptions(lr=1e-3, dtype="bfloat16"))
+    s = make_sample(MESSAGES, [107, 108], None, advantage=1.0)
+    lrn.update([s])
+    ckpt = lrn.save(tmp_path / "v1")
+    with safe_open(str(ckpt / "model" / "model.safetensors"), "pt") as f:
+        key = next(iter(f.keys()))
+        assert f.get_tensor(key).dtype == torch.bfloat16
+    assert (train_state_dir(ckpt) / "master.safetensors").is_file()
+    back, state = Learner.resume(ckpt, LearnerOptions(lr=1e-3, dtype="bfloat16"))
+    assert state["served_dtype"] == "bfloat16" and state["master_dtype"] == "float32"
+    want, got = _weights(lrn), _weights(back)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+RANK_SCRIPT = """
+import json, sys
+from pathlib import Path
+import torch
+from osfarm.trainer.distributed import DistContext
+from osfarm.trainer.learner import Learner, LearnerOptions
+sys.path.insert(0, {tests!r})
+from test_learner import make_sample, MESSAGES, TEXT_ONLY
+
+torch.set_num_threads(1)
+ctx = DistContext.from_env()
+out = Path({out!r})
+lrn = Learner(Path({model!r}), LearnerOptions(lr=1e-3, micro_batch_size={mbs}), ctx=ctx)
+samples = [make_sample(m, ids, None, advantage=a) for m, ids, a in
+           [(MESSAGES, [107, 108, 109], -1.0), (TEXT_ONLY, [121], 1.0), (MESSAGES, [131, 132], 1.0),
+            (TEXT_ONLY, [141, 142, 143, 144, 145], -1.0), (MESSAGES, [151], 0.5)]]
+if ctx.is_main:
+    stats = lrn.update(samples)
+    lrn.save(out / "v1")
+    lrn.stop_workers()
+    (out / "stats.json").write_text(json.dumps(stats.as_dict()))
+else:
+    lrn.serve_commands()
+"""
+
+
+def test_two_gloo_ranks_make_the_update_of_one(model_dir: Path, tmp_path: Path) -> None:
+    """torchrun with 2 ranks on the CPU (gloo, data parallel): each rank computes its share of the
+    samples, gradients are summed, and the update is the one a single rank makes on the whole batch;
+    rank 0's checkpoint loads in the policy server's engine."""
+    import subprocess
+    import sys
+
+    from osfarm.policy.engine import PolicyEngine
+
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path), model=str(model_dir),
+                                         mbs=2))
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(script)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    two = json.loads((tmp_path / "stats.json").read_text())
+    one = Learner(model_dir, LearnerOptions(lr=1e-3))
+    samples = [make_sample(m, ids, None, advantage=a) for m, ids, a in
+               [(MESSAGES, [107, 108, 109], -1.0), (TEXT_ONLY, [121], 1.0), (MESSAGES, [131, 132], 1.0),
+                (TEXT_ONLY, [141, 142, 143, 144, 145], -1.0), (MESSAGES, [151], 0.5)]]
+    stats = one.update(samples)
+    assert two["version"] == 1 and two["samples"] == 5 and two["tokens"] == stats.tokens
+    assert two["loss"] == pytest.approx(stats.loss, abs=1e-5)
+    assert two["grad_norm"] == pytest.approx(stats.grad_norm, rel=1e-4)
+    assert two["entropy"] == pytest.approx(stats.entropy, abs=1e-4)
+    engine = PolicyEngine(model_dir, served_name="tiny")
+    loaded = engine.reload(tmp_path / "v1" / "model", 1)
+    for s in samples:
+        enc = one.encode(s)
+        with torch.no_grad():
+            out = loaded.model(**enc.inputs, use_cache=False).logits
+        lp = torch.log_softmax(out[0, enc.prompt_len - 1:-1].float(), -1).gather(-1, enc.response_ids[:, None])[:, 0]
+        assert lp.tolist() == pytest.approx(one.score(s), abs=2e-4)  # the same weights, within float noise

@@ -32,7 +32,8 @@ class ChoiceAgent(BaseAgent):
     action_space = "pyautogui"
 
     def __init__(self, base_url: str | None = None, model: str = "policy", *, choices: list[str] | None = None,
-                 temperature: float = 1.0, timeout_s: float = 120.0, screenshot: bool = True, **_: Any):
+                 temperature: float = 1.0, timeout_s: float = 120.0, screenshot: bool = True,
+                 seed: int | None = None, **_: Any):
         if not base_url:
             raise ValueError("choice agent: option 'base_url' is required (--model-url: its policy server)")
         self.client = ChatClient(base_url, model, timeout_s=timeout_s)
@@ -44,6 +45,7 @@ class ChoiceAgent(BaseAgent):
         self.temperature = temperature
         self.timeout_s = timeout_s
         self.screenshot = screenshot
+        self.seed = seed  # reproducible sampling: step i of an episode asks with seed + i
         self.last_model_call: dict[str, Any] | None = None
 
     def reset(self, task: Any = None) -> None:
@@ -81,7 +83,8 @@ class ChoiceAgent(BaseAgent):
         """One sampled token (through :class:`ChatClient`: transient failures retried, a server that
         stays unreachable is an infra error, not the agent's)."""
         messages = self.messages(instruction, obs)
-        res = await self.client.complete(messages, temperature=self.temperature, max_tokens=1, logprobs=True)
+        seed = None if self.seed is None else self.seed + self.taken
+        res = await self.client.complete(messages, temperature=self.temperature, max_tokens=1, logprobs=True, seed=seed)
         return self._act(messages, res)
 
     def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:

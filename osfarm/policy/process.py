@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -40,7 +41,8 @@ class PolicyProcess:
     """One ``osfarm policy serve`` subprocess on a free loopback port."""
 
     def __init__(self, model: Path, version: int, name: str, log_path: Path, delay_ms: float = 0.0,
-                 threads: int | None = None, delay_sigma: float = 0.0, extra_args: Sequence[str] = ()):
+                 threads: int | None = None, delay_sigma: float = 0.0, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-c", "from osfarm.cli import app; app()", "policy", "serve", "--model", str(model),
@@ -54,8 +56,9 @@ class PolicyProcess:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = log_path.open("ab")
+        # env: additions to ours, e.g. the device a trainer's device map gives it (CUDA_VISIBLE_DEVICES)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only, no locks
+                                     env={**os.environ, **env} if env else None, preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only, no locks
 
     async def wait_ready(self, timeout_s: float) -> None:
         server = PolicyServer(url=self.url, health_timeout_s=timeout_s)

@@ -72,3 +72,32 @@ def grouped_advantages(rewards: Sequence[float], group_ids: Sequence[Hashable], 
         for i, a in zip(idx, adv, strict=True):
             out[i] = a
     return out
+
+
+def sharpen_advantages(advantages: Sequence[float], successes: Sequence[bool], likelihoods: Sequence[float | None],
+                       lam: float) -> list[float]:
+    """XRPO's exploitation half: amplify the successes the policy found unlikely.
+
+    A success's novelty is how far its sequence likelihood ℓ_i (mean log-prob per response token)
+    lies below the group's mean ℓ̄; its positive advantage grows by up to a factor 1 + λ:
+
+        A_i ← A_i · (1 + λ · tanh(max(0, ℓ̄ − ℓ_i)))       for successes with A_i > 0
+
+    Failures, successes at least as likely as the group, and episodes without recorded log-probs
+    keep their advantage. Group-relative (ℓ̄ over the group's episodes with a likelihood), bounded
+    (tanh < 1), and 0 sharpening leaves GRPO unchanged.
+    """
+    if lam < 0:
+        raise ValueError(f"sharpening lambda must be >= 0, got {lam}")
+    if not len(advantages) == len(successes) == len(likelihoods):
+        raise ValueError("advantages, successes and likelihoods must have one entry per episode")
+    known = [ll for ll in likelihoods if ll is not None]
+    if not known or lam == 0:
+        return [float(a) for a in advantages]
+    mean = sum(known) / len(known)
+    out = []
+    for a, ok, ll in zip(advantages, successes, likelihoods, strict=True):
+        if ok and a > 0 and ll is not None:
+            a = a * (1.0 + lam * math.tanh(max(0.0, mean - ll)))
+        out.append(float(a))
+    return out

@@ -1,4 +1,5 @@
-"""How many rollouts each task gets: DART's dynamic rollout number and an XRPO-style allocator.
+"""How many rollouts each task gets, and how long they may run: DART's dynamic rollout number and
+trajectory length, and an XRPO-style allocator.
 
 DART (../shared/reference/rl.md, "DART's data curation"): a task whose success rate sr is below
 a threshold gets the full ``rollout_n`` (8); an easier one gets max(1, int(9/sr − 7)) — fewer
@@ -31,12 +32,16 @@ class TaskStats:
     successes: int = 0
     recent: list[float] = field(default_factory=list)
     window: int = 32
+    success_steps: list[int] = field(default_factory=list)  # lengths of the recent successes
 
-    def add(self, reward: float, success: bool) -> None:
+    def add(self, reward: float, success: bool, steps: int | None = None) -> None:
         self.episodes += 1
         self.successes += bool(success)
         self.recent.append(float(reward))
         del self.recent[:-self.window]
+        if success and steps:
+            self.success_steps.append(int(steps))
+            del self.success_steps[:-self.window]
 
     @property
     def success_rate(self) -> float | None:
@@ -44,12 +49,13 @@ class TaskStats:
         return sum(self.recent) / len(self.recent) if self.recent else None
 
     def to_json(self) -> dict:
-        return {"episodes": self.episodes, "successes": self.successes, "recent": self.recent, "window": self.window}
+        return {"episodes": self.episodes, "successes": self.successes, "recent": self.recent, "window": self.window,
+                "success_steps": self.success_steps}
 
     @classmethod
     def from_json(cls, d: Mapping) -> TaskStats:
         return cls(int(d.get("episodes", 0)), int(d.get("successes", 0)), [float(x) for x in d.get("recent", [])],
-                   int(d.get("window", 32)))
+                   int(d.get("window", 32)), [int(x) for x in d.get("success_steps", [])])
 
 
 # --------------------------------------------------------------------------- DART
@@ -60,6 +66,19 @@ def dart_rollout_n(success_rate: float | None, *, rollout_n: int = 8, threshold:
     if success_rate is None or success_rate < threshold or success_rate <= 0:
         return rollout_n
     return max(1, min(rollout_n, int(9.0 / success_rate - 7.0)))
+
+
+def dart_max_steps(stats: TaskStats | None, max_steps: int, *, margin: float = 1.5, min_steps: int = 1) -> int:
+    """DART's dynamic trajectory length: a task's step limit follows its successful trajectories.
+
+    A task never solved keeps the full ``max_steps`` (exploration needs room); a solved one gets
+    ``ceil(margin × its longest recent success)`` (at least ``min_steps``, at most ``max_steps``):
+    desktops are not held for the long wandering tails of easy tasks, while a run a little longer
+    than any success so far still fits.
+    """
+    if stats is None or not stats.success_steps:
+        return max_steps
+    return max(min_steps, min(max_steps, math.ceil(margin * max(stats.success_steps))))
 
 
 # --------------------------------------------------------------------------- Student t quantile

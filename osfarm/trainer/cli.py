@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +23,9 @@ def train_command(
                                                show_default=False)] = None,
     envs: Annotated[int | None, typer.Option("--envs", help="episodes at once", show_default=False)] = None,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="ignore the run dir's checkpoints")] = False,
+    nproc: Annotated[int | None, typer.Option("--nproc", min=1, help="learner ranks on this machine (torchrun: "
+                                               "torch.distributed, FSDP2 on GPUs, data parallel on CPUs)",
+                                               show_default=False)] = None,
 ) -> None:
     """Train a policy with decoupled PPO while the farm keeps running rollouts.
 
@@ -31,12 +36,22 @@ def train_command(
     from osfarm.trainer.loop import TrainError, train
 
     try:
-        cfg = load_train_config(config, run_dir=run_dir, updates=updates)
+        cfg = load_train_config(config, run_dir=run_dir, updates=updates, nproc=nproc)
         rollout = cfg.rollout.model_copy(update={k: v for k, v in {"eta": eta, "envs": envs}.items() if v is not None})
         cfg = cfg.model_copy(update={"rollout": rollout, "resume": cfg.resume and not no_resume})
     except TrainConfigError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
+    if cfg.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        # torchrun semantics: the same command once per rank (each sees RANK, WORLD_SIZE, ...)
+        if cfg.run_dir is None:
+            err.print("[bold red]error:[/] --nproc needs --run-dir (every rank loads the same checkpoints)",
+                      highlight=False)
+            raise typer.Exit(2)
+        from osfarm.trainer.distributed import torchrun_argv
+
+        argv = torchrun_argv(cfg.nproc, sys.argv[1:])
+        os.execv(argv[0], argv)
     try:
         summary = train(cfg, err)
     except (TrainError, FileNotFoundError, ValueError) as e:

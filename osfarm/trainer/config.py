@@ -14,8 +14,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from osfarm.config import read_yaml_mapping, validation_message
-from osfarm.trainer.learner import LearnerOptions
 from osfarm.policy.client import PolicyServer
+from osfarm.trainer.learner import LearnerOptions
+from osfarm.trainer.metrics import WandbOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SUITE = REPO_ROOT / "tests" / "fixtures" / "train_suite"
@@ -60,10 +61,18 @@ class AgentSection(_Strict):
 class RolloutSection(_Strict):
     envs: int = Field(default=2, ge=1, description="most episodes at once")
     eta: int = Field(default=1, ge=0, description="max policy-version lag of a sample (0 = synchronous)")
-    batch_size: int = Field(default=8, ge=1, description="episodes consumed per update")
+    batch_size: int = Field(default=8, ge=1, description="episodes consumed per update (whole groups: at least this)")
     max_steps: int = Field(default=1, ge=1)
     episode_time_limit_s: float = Field(default=300.0, gt=0)
-    options: dict[str, Any] = Field(default_factory=dict, description="rollout controller options")
+    dynamic_length: bool = Field(default=True, description="DART: a solved task's step limit follows its successes")
+    length_margin: float = Field(default=1.5, ge=1.0, description="dynamic_length: limit = margin × longest success")
+    interruptible: bool = Field(default=False, description="AReaL: an episode in flight moves to the newest weights "
+                                "at its next step (each step records its version)")
+    seed_exemplars: bool = Field(default=False, description="XRPO: a task with no success yet gets a solved related "
+                                 "task's episode as an exemplar in the prompt of some of its rollouts")
+    seed_fraction: float = Field(default=0.5, gt=0, le=1, description="seed_exemplars: share of the group seeded")
+    options: dict[str, Any] = Field(default_factory=dict, description="rollout controller options: allocator "
+                                    "(dart|fixed|xrpo), group_size, redundancy, max_retries, rollout_n, xrpo_*")
 
 
 class DataSection(_Strict):
@@ -73,6 +82,26 @@ class DataSection(_Strict):
 class MetricsSection(_Strict):
     prometheus_port: int | None = Field(default=None, ge=0, le=65535, description="serve /metrics here (0: any port)")
     plot: bool = True
+    tensorboard: bool = Field(default=True, description="event files in <run>/tensorboard")
+    wandb: WandbOptions = Field(default_factory=WandbOptions)
+
+
+class DeviceMap(_Strict):
+    """Which devices do what (ROLL's device map): torch device names, ``cpu`` or ``cuda:N``."""
+
+    learner: list[str] = Field(default_factory=list, description="one per learner rank (default: each rank's own GPU, "
+                               "else the CPU)")
+    reference: str | None = Field(default=None, description="the KL reference model (default: the learner's device)")
+    policy: list[str] = Field(default_factory=list, description="one per spawned policy server (CUDA_VISIBLE_DEVICES); "
+                              "for vLLM replicas see `osfarm policy vllm-command --device`")
+
+    @model_validator(mode="after")
+    def _names(self) -> DeviceMap:
+        for d in [*self.learner, *self.policy, *([self.reference] if self.reference else [])]:
+            kind, _, index = d.partition(":")
+            if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+                raise ValueError(f"device {d!r}: expected 'cpu' or 'cuda:N'")
+        return self
 
 
 class TrainConfig(_Strict):
@@ -99,6 +128,12 @@ class TrainConfig(_Strict):
     # 45 tokens carry the mass, so the choice task is explorable and learnable in a few updates
     learner: LearnerOptions = Field(default_factory=lambda: LearnerOptions(lr=2e-3, temperature=0.1))
     metrics: MetricsSection = Field(default_factory=MetricsSection)
+    nproc: int = Field(default=1, ge=1, description="learner ranks (torch.distributed; `osfarm train --nproc N`)")
+    devices: DeviceMap = Field(default_factory=DeviceMap)
+    eval_every: int | None = Field(default=None, ge=1, description="evaluate on eval_suite every this many versions")
+    eval_suite: Path | None = Field(default=None, description="held-out task suite for eval_every")
+    eval_tasks: list[str] = Field(default_factory=list, description="task ids of eval_suite (default: all)")
+    eval_episodes: int = Field(default=1, ge=1, description="episodes per eval task and evaluation")
 
     @model_validator(mode="after")
     def _servers_or_spawn(self) -> TrainConfig:
@@ -113,6 +148,14 @@ class TrainConfig(_Strict):
             if s.kind == "vllm_lora" and not s.lora_versioned and s.lora_name == self.policy.model_name:
                 raise ValueError(f"policy.servers: {s.url}: lora_name {s.lora_name!r} is the base model's name "
                                  "(policy.model_name); an in-place adapter needs a name of its own")
+        if self.eval_every is not None and self.eval_suite is None:
+            raise ValueError("eval_every needs eval_suite (the held-out tasks)")
+        if self.devices.learner and len(self.devices.learner) not in (1, self.nproc) and self.nproc > 1:
+            raise ValueError(f"devices.learner lists {len(self.devices.learner)} devices for nproc={self.nproc} "
+                             "learner ranks (one each)")
+        if self.devices.policy and not self.policy.servers and len(self.devices.policy) != self.policy.spawn:
+            raise ValueError(f"devices.policy lists {len(self.devices.policy)} devices for policy.spawn="
+                             f"{self.policy.spawn} servers (one each)")
         return self
 
 

@@ -1,20 +1,29 @@
 """The data manager: finished episodes in, GRPO-grouped training samples out (DART's curation).
 
 Episodes (``osfarm.episode/1`` records, from a run dir's JSONL, a Redis Stream or plain dicts)
-pass DART's storage rules, update their task's statistics and wait, per task, until a group can
-be formed. A group is ``n`` not-yet-used episodes of one task whose policy version is inside the
-version window (policy_version ≥ current − window); n is the task's dynamic rollout number
-(DART) unless ``group_size`` fixes it. The group is trimmed to the newest n keeping at least one
+pass DART's storage rules, update their task's statistics and wait until their group can be
+formed. **Planned groups** (the trainer's case): the rollout controller plans each group — a task
+and its number of rollouts n, from DART's dynamic n, XRPO's allocation, a fixed n or a BroRL-broad
+n — registers it here (:meth:`expect_group`), tags every rollout with the group's id (the record's
+``group_id``) and closes the group once its rollouts are done (:meth:`close_group`): the group is
+exactly the rollouts that were planned together, so allocation and grouping always agree.
+Records of no planned group (a stream fed by independent workers) are grouped per task instead: a
+group is ``n`` not-yet-used episodes of one task, n the task's dynamic rollout number (DART)
+unless ``group_size`` fixes it. Either way only episodes inside the version window count
+(policy_version ≥ current − window). The group is trimmed to the newest n keeping at least one
 success and one failure when it has them; a group that is all failures swaps its oldest episode
 for the newest stored success of that task from the experience pool (or is dropped this round
 when there is none; failures with differing partial scores already carry a signal and train as they are); a group whose mean reward reaches ``acc_max`` or whose rewards are all
 equal carries no GRPO signal and is dropped (``drop_no_signal=False`` keeps it, with zero advantages). Every episode is used at most once.
 
 Each episode of a group gets its GRPO advantage (its reward vs the group's; population std, see
-advantages.py) and becomes samples: one per assistant turn (step-level GRPO: the context is the
+advantages.py; XRPO's novelty sharpening optionally amplifies the successes the policy found
+least likely) and becomes samples: one per assistant turn (step-level GRPO: the context is the
 request the agent actually sent at that step — system prompt, instruction, its last K turns with
 the last M screenshots — optionally cut shorter with ``context_turns``/``context_images``), or
-one per trajectory. High-entropy selection then keeps the top fraction of a batch's samples.
+one per trajectory. High-entropy selection (DART, on by default: the top 80%) then keeps the top
+fraction of a batch's samples. Experience-pool episodes train with the group (their old policy
+version does not make them stale: they are replayed as successes, π_b taken as π_prox).
 
 Storage rules (DART): infra errors and failed model calls are not training data; failures (and
 timeouts) are kept only if they ran at least ``min_failure_steps`` steps; a record seen twice
@@ -30,9 +39,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
+import math
 import json
 import logging
 import os
+from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -42,7 +53,7 @@ from osfarm.stream.blobs import BlobMissing, LocalBlobStore
 from osfarm.stream.consumer import CLAIM_IDLE_MS, GroupSource, StreamConsumer
 from osfarm.stream.jsonl import read_jsonl
 from osfarm.stream.record import SchemaError, check_record
-from osfarm.trainer.advantages import grpo_advantages
+from osfarm.trainer.advantages import grpo_advantages, sharpen_advantages
 from osfarm.trainer.allocation import TaskStats, dart_rollout_n
 from osfarm.trainer.selection import (
     logprobs_as_floats,
@@ -62,7 +73,7 @@ STREAM_JOURNAL = "stream-journal.jsonl"
 # add() outcomes
 ACCEPTED = "accepted"
 SKIP_REASONS = ("invalid", "duplicate", "infra_error", "model_error", "short_failure", "timeout",
-                "no_model_data", "no_version", "stale")
+                "no_model_data", "no_version", "stale", "late")
 
 
 @dataclass
@@ -113,7 +124,11 @@ class DataConfig:
     granularity: Literal["step", "trajectory"] = "step"
     context_turns: int | None = None  # cut each request to its last K turns (None: as the agent sent it)
     context_images: int | None = None  # keep only the last M screenshots (None: as sent)
-    entropy_fraction: float = 1.0  # high-entropy selection: keep this top fraction of a batch's samples
+    entropy_fraction: float = 0.8  # DART's high-entropy selection: keep this top fraction of a batch's samples
+    novelty_lambda: float = 0.0  # XRPO's advantage sharpening of unlikely successes (0: off)
+    # which step's policy version decides whether an episode is stale: the oldest ("start"), or the
+    # newest ("end", for interruptible rollouts: older steps are then dropped one by one)
+    episode_version: Literal["start", "end"] = "start"
     min_failure_steps: int = 2  # DART: keep a failure only if it ran at least this many steps
     timeout_as_failure: bool = True  # a timed-out episode is a failure (reward = its score)
     pool_per_task: int = 4  # successes kept per task in the experience pool
@@ -128,6 +143,10 @@ class DataConfig:
             raise ValueError(f"image_mode must be 'path' or 'data_url', got {self.image_mode!r}")
         if not 0.0 <= self.entropy_fraction <= 1.0:
             raise ValueError(f"entropy_fraction must be in [0, 1], got {self.entropy_fraction}")
+        if self.novelty_lambda < 0:
+            raise ValueError(f"novelty_lambda must be >= 0, got {self.novelty_lambda}")
+        if self.episode_version not in ("start", "end"):
+            raise ValueError(f"episode_version must be 'start' or 'end', got {self.episode_version!r}")
         if self.min_group_size < 2:
             raise ValueError(f"min_group_size must be >= 2 (a group of one has no advantage), got {self.min_group_size}")
 
@@ -141,6 +160,20 @@ class _Episode:
     version: int | None  # the oldest policy version that produced a step (version_start)
     seq: int  # arrival order
     from_pool: bool = False
+    version_end: int | None = None  # the newest policy version that produced a step
+
+    @property
+    def steps(self) -> int:
+        return len(self.record.get("steps", []))
+
+    def likelihood(self) -> float | None:
+        """Mean log-prob per response token over the episode's steps (XRPO's sequence likelihood)."""
+        vals: list[float] = []
+        for st in self.record.get("steps", []):
+            raw = (st.get("model") or {}).get("response_logprobs")
+            if raw:
+                vals += logprobs_as_floats(raw)
+        return sum(vals) / len(vals) if vals else None
 
     def to_json(self) -> dict[str, Any]:
         return {"record": self.record, "blob_root": self.blob_root, "reward": self.reward, "success": self.success,
@@ -148,8 +181,19 @@ class _Episode:
 
     @classmethod
     def from_json(cls, d: dict[str, Any], from_pool: bool = False) -> _Episode:
-        return cls(d["record"], d["blob_root"], float(d["reward"]), bool(d["success"]), d.get("version"),
-                   int(d.get("seq", 0)), from_pool)
+        rec = d["record"]
+        return cls(rec, d["blob_root"], float(d["reward"]), bool(d["success"]), d.get("version"),
+                   int(d.get("seq", 0)), from_pool, episode_version_end(rec))
+
+
+@dataclass(eq=False)
+class _Planned:
+    """A group the rollout controller planned: its task, its size n and the episodes so far."""
+
+    task_id: str
+    size: int
+    episodes: list[_Episode] = field(default_factory=list)
+    closed: bool = False
 
 
 @dataclass
@@ -166,6 +210,11 @@ class Batch:
     groups: list[Group] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # what building this batch skipped
 
+    @property
+    def episodes(self) -> int:
+        """Rollouts this batch consumed (experience-pool replays are not rollouts)."""
+        return sum(1 for g in self.groups for e in g.episodes if not e.from_pool)
+
 
 # --------------------------------------------------------------------------- record helpers
 
@@ -178,6 +227,16 @@ def episode_version(rec: dict[str, Any]) -> int | None:
     vs = [s["model"]["policy_version"] for s in rec.get("steps", [])
           if s.get("model") and s["model"].get("policy_version") is not None]
     return min(vs) if vs else None
+
+
+def episode_version_end(rec: dict[str, Any]) -> int | None:
+    """The newest policy version that produced a step (policy.version_end, else its steps')."""
+    v = (rec.get("policy") or {}).get("version_end")
+    if v is not None:
+        return int(v)
+    vs = [s["model"]["policy_version"] for s in rec.get("steps", [])
+          if s.get("model") and s["model"].get("policy_version") is not None]
+    return max(vs) if vs else None
 
 
 def _is_ref(x: Any) -> bool:
@@ -340,7 +399,10 @@ class DataManager:
         self.counters: dict[str, int] = {k: 0 for k in ("records", ACCEPTED, *SKIP_REASONS, "groups", "groups_too_easy",
                                                         "groups_zero_variance", "groups_all_fail_dropped",
                                                         "pool_replacements", "samples", "entropy_filtered",
-                                                        "steps_skipped", "pool_added")}
+                                                        "steps_skipped", "pool_added", "stale_steps",
+                                                        "groups_too_small", "pool_samples")}
+        self.planned: dict[str, _Planned] = {}  # planned groups by id (open, then closed)
+        self.closed: deque[str] = deque()  # closed planned groups, in closing order, not yet trained
         self._seq = 0
         self._group_seq = 0
         self._arrived = asyncio.Event()  # set when an episode is accepted (get_batch waits on it)
@@ -387,8 +449,10 @@ class DataManager:
         task = record["task_id"]
         reward = float(record["score"] or 0.0)
         success = status == "success"
-        self.task_stats.setdefault(task, TaskStats(window=self.config.stats_window)).add(reward, success)
-        ep = _Episode(record, root, reward, success, episode_version(record), self._next_seq())
+        self.task_stats.setdefault(task, TaskStats(window=self.config.stats_window)).add(
+            reward, success, len(record["steps"]))
+        ep = _Episode(record, root, reward, success, episode_version(record), self._next_seq(),
+                      version_end=episode_version_end(record))
         if success and self.config.use_pool and _steps_with_request(record):
             self._pool_add(ep)
         if not success and len(record["steps"]) < self.config.min_failure_steps:
@@ -398,16 +462,57 @@ class DataManager:
             self._count("no_model_data")
             return "no_model_data"
         if self.config.version_window is not None:
-            if ep.version is None:
+            if self._staleness_version(ep) is None:
                 self._count("no_version")
                 return "no_version"
-            if not in_version_window(ep.version, self.version, self.config.version_window):
+            if not self._in_window(ep):
                 self._count("stale")
                 return "stale"
-        self.pending.setdefault(task, []).append(ep)
+        planned = self.planned.get(record.get("group_id") or "")
+        if planned is not None and planned.closed:  # a redundant rollout that finished after its group closed
+            self._count("late")
+            return "late"
+        if planned is not None:
+            planned.episodes.append(ep)
+        else:
+            self.pending.setdefault(task, []).append(ep)
         self._count(ACCEPTED)
         self._arrived.set()
         return ACCEPTED
+
+    def _staleness_version(self, ep: _Episode) -> int | None:
+        return ep.version_end if self.config.episode_version == "end" else ep.version
+
+    def _in_window(self, ep: _Episode) -> bool:
+        if self.config.version_window is None or ep.from_pool:
+            return True
+        return in_version_window(self._staleness_version(ep), self.version, self.config.version_window)
+
+    # ------------------------------------------------------------------ planned groups
+
+    def expect_group(self, group_id: str, task_id: str, size: int) -> None:
+        """The rollout controller planned ``size`` rollouts of ``task_id`` as one group; their
+        records carry ``group_id``."""
+        if size < 1:
+            raise ValueError(f"group {group_id}: size must be >= 1, got {size}")
+        if group_id in self.planned:
+            raise ValueError(f"group {group_id} is already planned")
+        self.planned[group_id] = _Planned(task_id, size)
+
+    def close_group(self, group_id: str) -> None:
+        """The group's rollouts are done (finished, failed for good, or cancelled as redundant): it
+        trains with the episodes it has, at the next batch."""
+        p = self.planned.get(group_id)
+        if p is None or p.closed:
+            return
+        p.closed = True
+        self.closed.append(group_id)
+        self._arrived.set()
+
+    def pending_episodes(self) -> int:
+        """Accepted episodes not yet trained on or discarded (they count against the staleness capacity)."""
+        return (sum(len(eps) for eps in self.pending.values())
+                + sum(len(p.episodes) for p in self.planned.values()))
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -476,11 +581,17 @@ class DataManager:
         if self.config.version_window is None:
             return 0
         for task, eps in self.pending.items():
-            keep = [e for e in eps if in_version_window(e.version, version, self.config.version_window)]
+            keep = [e for e in eps if self._in_window(e)]
             dropped += len(eps) - len(keep)
             self.pending[task] = keep
             if len(keep) < len(eps):
                 self._discard(task, [e for e in eps if e not in keep], "stale")
+        for p in self.planned.values():
+            keep = [e for e in p.episodes if self._in_window(e)]
+            if len(keep) < len(p.episodes):
+                dropped += len(p.episodes) - len(keep)
+                self._discard(p.task_id, [e for e in p.episodes if e not in keep], "stale")
+                p.episodes = keep
         self._count("stale", dropped)
         return dropped
 
@@ -550,9 +661,9 @@ class DataManager:
         return sorted(chosen, key=lambda e: e.seq)
 
     def form_groups(self, max_groups: int | None = None) -> list[Group]:
-        """Form up to ``max_groups`` groups from the ready tasks; their episodes count as used."""
+        """Form up to ``max_groups`` groups from the ready tasks (records of no planned group);
+        their episodes count as used."""
         groups: list[Group] = []
-        c = self.config
         for task in self.ready_tasks():
             if max_groups is not None and len(groups) >= max_groups:
                 break
@@ -562,34 +673,71 @@ class DataManager:
             unused = [e for e in eps if id(e) not in picked]
             if unused:
                 self.pending[task] = unused
-            rewards = [e.reward for e in chosen]
-            if max(rewards) == min(rewards) and not any(e.success for e in chosen):
-                # all failures, no signal: the newest stored success of the task replaces the oldest
-                stored = self.pool.get(task) if c.use_pool else None
-                if not stored:
-                    self._count("groups_all_fail_dropped")
-                    self._discard(task, chosen, "all_fail")
-                    continue
-                oldest, *rest = sorted(chosen, key=lambda e: e.seq)
-                self._discard(task, [oldest], "replaced_by_pool")
-                chosen = [*rest, stored[-1]]
-                rewards = [e.reward for e in chosen]
-                self._count("pool_replacements")
-            if sum(rewards) / len(rewards) >= c.acc_max:
-                self._count("groups_too_easy")
-                if c.drop_no_signal:
-                    self._discard(task, chosen, "too_easy")
-                    continue
-            elif max(rewards) == min(rewards):
-                self._count("groups_zero_variance")
-                if c.drop_no_signal:
-                    self._discard(task, chosen, "zero_variance")
-                    continue
-            adv = grpo_advantages(rewards, std_normalize=c.std_normalize, eps=c.eps, unbiased=c.unbiased_std)
             self._group_seq += 1
-            groups.append(Group(task, f"{task}@v{self.version}#{self._group_seq}", chosen, adv))
-            self._count("groups")
+            g = self._make_group(task, chosen, f"{task}@v{self.version}#{self._group_seq}")
+            if g is not None:
+                groups.append(g)
         return groups
+
+    def take_planned(self, episodes: int | None = None) -> list[Group]:
+        """Groups of the closed planned groups, in closing order, until they hold ``episodes``
+        rollouts (None: all of them)."""
+        groups: list[Group] = []
+        got = 0
+        while self.closed and (episodes is None or got < episodes):
+            gid = self.closed.popleft()
+            p = self.planned.pop(gid)
+            eps = [e for e in p.episodes if self._in_window(e)]
+            if len(eps) < len(p.episodes):
+                self._count("stale", len(p.episodes) - len(eps))
+                self._discard(p.task_id, [e for e in p.episodes if e not in eps], "stale")
+            if len(eps) < self.config.min_group_size:
+                self._count("groups_too_small")
+                self._discard(p.task_id, eps, "too_small")
+                continue
+            chosen = self._choose(eps, p.size)
+            extra = [e for e in eps if e not in chosen]
+            if extra:  # a redundant rollout accepted before the others were cancelled
+                self._discard(p.task_id, extra, "redundant")
+            g = self._make_group(p.task_id, chosen, gid)
+            if g is not None:
+                groups.append(g)
+                got += sum(1 for e in g.episodes if not e.from_pool)
+        return groups
+
+    def _make_group(self, task: str, chosen: list[_Episode], group_id: str) -> Group | None:
+        """GRPO group of ``chosen`` (the pool's success in for an all-failure group, no-signal
+        groups dropped, advantages); None when it does not train (its episodes are discarded)."""
+        c = self.config
+        rewards = [e.reward for e in chosen]
+        if max(rewards) == min(rewards) and not any(e.success for e in chosen):
+            # all failures, no signal: the newest stored success of the task replaces the oldest
+            stored = self.pool.get(task) if c.use_pool else None
+            if not stored:
+                self._count("groups_all_fail_dropped")
+                self._discard(task, chosen, "all_fail")
+                return None
+            oldest, *rest = sorted(chosen, key=lambda e: e.seq)
+            self._discard(task, [oldest], "replaced_by_pool")
+            chosen = [*rest, stored[-1]]
+            rewards = [e.reward for e in chosen]
+            self._count("pool_replacements")
+        if sum(rewards) / len(rewards) >= c.acc_max:
+            self._count("groups_too_easy")
+            if c.drop_no_signal:
+                self._discard(task, chosen, "too_easy")
+                return None
+        elif max(rewards) == min(rewards):
+            self._count("groups_zero_variance")
+            if c.drop_no_signal:
+                self._discard(task, chosen, "zero_variance")
+                return None
+        adv = grpo_advantages(rewards, std_normalize=c.std_normalize, eps=c.eps, unbiased=c.unbiased_std)
+        if c.novelty_lambda > 0:
+            adv = sharpen_advantages(adv, [e.success for e in chosen], [e.likelihood() for e in chosen],
+                                     c.novelty_lambda)
+        self._count("groups")
+        return Group(task, group_id, chosen, adv)
 
     # ------------------------------------------------------------------ samples
 
@@ -597,10 +745,16 @@ class DataManager:
         """Samples of the groups (reads blobs: call from a worker thread in async code), with
         high-entropy selection applied over the whole batch."""
         samples: list[Sample] = []
-        counts: dict[str, int] = {"steps_skipped": 0}
+        counts: dict[str, int] = {"steps_skipped": 0, "stale_steps": 0}
+        window = self.config.version_window
         for g in groups:
             for ep, adv in zip(g.episodes, g.advantages, strict=True):
                 got, skipped = self._episode_samples(ep, adv, g.group_id)
+                if window is not None:  # a step of an interrupted episode may be older than its episode's version
+                    fresh = [s for s in got if s.from_pool or s.policy_version is None
+                             or in_version_window(s.policy_version, self.version, window)]
+                    counts["stale_steps"] += len(got) - len(fresh)
+                    got = fresh
                 samples += got
                 counts["steps_skipped"] += skipped
         if self.config.entropy_fraction < 1.0 and samples:
@@ -608,32 +762,58 @@ class DataManager:
             counts["entropy_filtered"] = sum(1 for k in keep if not k)
             samples = [s for s, k in zip(samples, keep, strict=True) if k]
         counts["samples"] = len(samples)
+        counts["pool_samples"] = sum(1 for s in samples if s.from_pool)
         return Batch(samples, groups, counts)
 
     def take_batch(self, max_groups: int | None = None) -> Batch:
-        """Form groups and build their samples now (synchronous)."""
-        batch = self.build_samples(self.form_groups(max_groups))
+        """Form groups (closed planned ones, then per task) and build their samples now (synchronous)."""
+        groups = self.take_planned() if max_groups is None else []
+        if max_groups is not None:
+            while len(groups) < max_groups and self.closed:
+                groups += self.take_planned(1)
+        groups += self.form_groups(None if max_groups is None else max(0, max_groups - len(groups)))
+        batch = self.build_samples(groups)
         self._merge(batch.counts)
         return batch
 
-    async def get_batch(self, n_groups: int, *, timeout_s: float | None = None) -> Batch:
-        """Wait until ``n_groups`` groups are formed (or ``timeout_s`` passes: then the groups
-        formed so far, possibly none), then build their samples in a worker thread."""
+    def _take(self, episodes: int) -> list[Group]:
+        """Groups holding up to about ``episodes`` rollouts: closed planned groups first (whole
+        groups: the last may overshoot), then per-task groups."""
+        groups = self.take_planned(episodes)
+        got = sum(1 for g in groups for e in g.episodes if not e.from_pool)
+        while got < episodes:
+            more = self.form_groups(1)
+            if not more:
+                break
+            groups += more
+            got += sum(1 for e in more[0].episodes if not e.from_pool)
+        return groups
+
+    async def get_batch(self, episodes: int, *, timeout_s: float | None = None,
+                        flush: Callable[[], bool] | None = None, poll_s: float = 0.5) -> Batch:
+        """Wait until whole groups holding at least ``episodes`` rollouts are formed (or
+        ``timeout_s`` passes, or ``flush()`` says nothing more can come: then the groups formed so
+        far, possibly none), then build their samples in a worker thread."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout_s is None else loop.time() + timeout_s
         groups: list[Group] = []
+        got = 0
         while True:
             self._arrived.clear()
-            groups += self.form_groups(n_groups - len(groups))
-            if len(groups) >= n_groups:
+            new = self._take(episodes - got)
+            groups += new
+            got += sum(1 for g in new for e in g.episodes if not e.from_pool)
+            if got >= episodes or (groups and flush is not None and flush()):
                 break
             left = None if deadline is None else deadline - loop.time()
             if left is not None and left <= 0:
                 break
+            wait = poll_s if flush is not None and (left is None or left > poll_s) else left
             try:
-                await asyncio.wait_for(self._arrived.wait(), left)
+                await asyncio.wait_for(self._arrived.wait(), wait)
             except TimeoutError:
-                break
+                if wait is not None and wait == left:
+                    break
         batch = await asyncio.to_thread(self.build_samples, groups)
         self._merge(batch.counts)
         return batch
@@ -738,14 +918,24 @@ class DataManager:
         return {"schema": STATE_SCHEMA, "version": self.version, "counters": dict(self.counters),
                 "task_stats": {t: s.to_json() for t, s in self.task_stats.items()},
                 "pending": {t: [e.to_json() for e in eps] for t, eps in self.pending.items() if eps},
+                # planned groups, open or closed: their rollouts died with the process, so a resumed
+                # run trains each with the episodes it has
+                "planned": {gid: {"task_id": p.task_id, "size": p.size, "episodes": [e.to_json() for e in p.episodes]}
+                            for gid, p in self.planned.items() if p.episodes},
                 "seen": sorted(self.seen), "seq": self._seq, "group_seq": self._group_seq,
                 "config": asdict(self.config)}
 
-    def save_state(self, state_dir: Path) -> Path:
-        """Write ``data_manager.json`` in ``state_dir`` (atomically); the pool is already on disk."""
+    def save_state(self, state_dir: Path, text: str | None = None) -> Path:
+        """Write ``data_manager.json`` in ``state_dir`` (atomically); the pool is already on disk.
+        ``text``: a :meth:`state_json` taken earlier (where the state may change meanwhile, e.g.
+        written from another thread than the event loop that feeds this manager)."""
         p = Path(state_dir) / "data_manager.json"
-        _atomic_write(p, json.dumps(self.state()))
+        _atomic_write(p, text if text is not None else self.state_json())
         return p
+
+    def state_json(self) -> str:
+        """The state as JSON text: a snapshot, safe to write from another thread."""
+        return json.dumps(self.state())
 
     def load_state(self, state_dir: Path) -> bool:
         """Restore what :meth:`save_state` wrote (False when there is nothing to restore)."""
@@ -762,6 +952,11 @@ class DataManager:
         self.counters.update({k: int(v) for k, v in d["counters"].items()})
         self.task_stats = {t: TaskStats.from_json(s) for t, s in d["task_stats"].items()}
         self.pending = {t: [_Episode.from_json(e) for e in eps] for t, eps in d["pending"].items()}
+        self.planned, self.closed = {}, deque()
+        for gid, g in d.get("planned", {}).items():
+            self.planned[gid] = _Planned(g["task_id"], int(g["size"]), [_Episode.from_json(e) for e in g["episodes"]],
+                                         closed=True)
+            self.closed.append(gid)
         self.seen = set(d["seen"])
         self._seq = int(d["seq"])
         self._group_seq = int(d["group_seq"])

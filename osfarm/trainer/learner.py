@@ -1,50 +1,85 @@
 """The learner: a transformers VLM trained with decoupled PPO on step-level samples.
 
-One update = one batch of :class:`Sample` s (H6's data manager):
+One update = one batch of :class:`Sample` s (the data manager's):
 
-1. every sample is encoded exactly as the policy server encoded its prompt (the chat template of
-   the model's processor over the OpenAI messages, images included), then the response token ids
-   the server returned are appended; the loss mask is 1 on those response tokens only;
+1. every sample is encoded exactly as the policy server encoded its prompt (``batching.py``), the
+   response token ids the server returned appended; the loss covers those tokens only;
 2. proximal log-probs are computed with the weights *before* this update (no grad);
-3. ``minibatches`` optimizer steps follow, each over its share of the batch with gradient
-   accumulation one sample at a time (a VLM sample carries its own images; padding them into a
-   batch saves little on a CPU and costs memory on a GPU), AdamW, gradient-norm clipping;
-4. the policy version goes up by one.
+3. ``minibatches`` optimizer steps follow, each over its share of the batch, in micro-batches of
+   ``micro_batch_size`` samples (one forward pass each, left-padded) with gradient accumulation:
+   the memory of a step is that of one micro-batch however broad the batch (BroRL's hundreds of
+   rollouts per task); each micro-batch's loss is weighted by its share of the minibatch's tokens
+   (or sequences), so the step is the same whatever the micro-batch size or number of ranks;
+4. AdamW with the learning-rate schedule (``schedule.py``: warmup, then constant / linear /
+   cosine), gradient-norm clipping; a step whose gradient is not finite is skipped (the weights,
+   the optimizer and the schedule stay as they were); an update whose every step was skipped does
+   **not** bump the policy version (nothing changed: the servers keep serving it);
+5. otherwise the policy version goes up by one.
 
-Weights are fp32 on a CPU and bf16 on a GPU. LoRA (peft) is an option: then only the adapter
-trains, the checkpoint holds the adapter (for vLLM's LoRA hot-load) and, unless turned off, the
-merged full model (for our CPU policy server's reload).
+Precision: parameters and optimizer moments are kept in ``master_dtype`` (fp32), the forward and
+backward passes run in the compute ``dtype`` (bf16 on GPUs, autocast; fp32 on CPUs): bf16 AdamW
+on bf16 weights rounds a full fine-tune's lr 1e-5 updates to nothing. LoRA keeps the frozen base in
+the compute dtype and only the adapter in fp32. The served weights are written in the compute dtype.
 
-A checkpoint is a Hugging Face model dir (``save_pretrained``: safetensors + config + processor
-files) plus ``trainer_state.json`` (policy version, counters, the data manager's and rollout
-controller's states) and ``optimizer.pt``.
+Several ranks (``distributed.py``): rank 0 sends each update's batch to the others; every rank
+computes its share; gradients are summed (data parallel on CPUs, FSDP2 ``fully_shard`` on GPUs).
+
+Checkpoints (``checkpoint.py``): ``model/`` (HF safetensors the policy servers load), ``adapter/``
+with LoRA, ``state/`` (optimizer, schedule, fp32 master weights when served in bf16, and the data
+manager's and rollout controller's state), ``trainer_state.json``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, Field
 
-from osfarm.policy.processing import encode_chat, load_processor
+from osfarm.policy.processing import load_processor
 from osfarm.policy.progress import hf_progress_bars_off
+from osfarm.trainer.batching import Encoded, MicroBatch, collate, encode_sample, plain_token, response_mask
+from osfarm.trainer.checkpoint import (
+    ADAPTER_DIR,
+    MASTER_FILE,
+    MODEL_DIR,
+    OPTIMIZER_FILE,
+    STATE_FILE,
+    STATE_SCHEMA,
+    TRAIN_STATE_DIR,
+    copy_processor_files,
+    latest_checkpoint,
+    model_dir,
+    read_state,
+    train_state_dir,
+)
 from osfarm.trainer.data_manager import Sample
+from osfarm.trainer.distributed import (
+    Commands,
+    DistContext,
+    all_reduce_floats,
+    all_reduce_grads,
+    init_process_groups,
+    shard,
+)
 from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
+from osfarm.trainer.schedule import lr_factor
 
-STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.pt"
-ADAPTER_DIR = "adapter"
-STATE_SCHEMA = "osfarm.trainer_state/1"
+__all__ = ["Encoded", "Learner", "LearnerOptions", "LoraOptions", "LossOptions", "UpdateStats", "encode_sample",
+           "latest_checkpoint", "read_state", "response_mask", "STATE_FILE"]
+
+log = logging.getLogger("osfarm.trainer.learner")
 
 
 class LoraOptions(BaseModel):
@@ -56,7 +91,7 @@ class LoraOptions(BaseModel):
 
 
 class LossOptions(BaseModel):
-    """Knobs of H6's ``decoupled_ppo_loss`` (reference/rl.md)."""
+    """Knobs of ``decoupled_ppo_loss`` (reference/rl.md)."""
 
     clip_low: float = Field(default=0.2, gt=0)
     clip_high: float = Field(default=0.28, gt=0)
@@ -74,9 +109,21 @@ class LearnerOptions(BaseModel):
     weight_decay: float = Field(default=0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(default=1.0, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(default=0, ge=0, description="optimizer steps of linear warmup from 0 to lr")
+    total_steps: int | None = Field(default=None, ge=1, description="steps the decay runs over (default: the "
+                                    "run's updates × minibatches)")
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0, description="linear/cosine: lr at the end, as a fraction")
     minibatches: int = Field(default=1, ge=1, description="optimizer steps per update (proximal ≠ current after the first)")
-    dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$")
-    device: str = Field(default="auto", description="auto: cuda when available, else cpu")
+    micro_batch_size: int = Field(default=1, ge=1, description="samples per forward pass (gradient accumulation "
+                                  "over the rest of a minibatch bounds memory)")
+    dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$",
+                       description="compute dtype (auto: bfloat16 on GPUs, float32 on CPUs)")
+    master_dtype: str = Field(default="float32", pattern="^(float32|same)$",
+                              description="trained parameters and optimizer state (same: the compute dtype)")
+    device: str = Field(default="auto", description="auto: cuda (this rank's GPU) when available, else cpu")
+    fsdp: Literal["auto", "on", "off"] = Field(default="auto", description="shard with FSDP2 over the ranks "
+                                               "(auto: on GPUs with several ranks)")
     lora: LoraOptions | None = None
     loss: LossOptions = Field(default_factory=LossOptions)
     gradient_checkpointing: bool = False
@@ -85,92 +132,36 @@ class LearnerOptions(BaseModel):
     full_logits: bool = Field(default=False, description="compute logits over the whole sequence (tests; costs memory)")
     reference: Path | None = Field(default=None, description="model dir of the KL reference policy (default: the "
                                    "model the run started from; with LoRA: the base without adapters)")
+    reference_device: str | None = Field(default=None, description="device of the KL reference (default: the learner's)")
     seed: int = 0
 
 
-# ---- samples: the policy server's prompt encoding + the sampled response ------------------------
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def response_mask(prompt_len: int, response_len: int) -> torch.Tensor:
-    """Loss mask over a (prompt + response) sequence: 1 on response tokens, 0 on the prompt."""
-    return torch.cat([torch.zeros(prompt_len), torch.ones(response_len)])
-
-
-@dataclass
-class Encoded:
-    inputs: dict[str, torch.Tensor]  # input_ids etc. for the whole sequence (batch of 1)
-    prompt_len: int
-    response_ids: torch.Tensor  # [T]
-    target_ids: torch.Tensor | None = None  # [1, L] the tokens to score, when input_ids had to differ
-
-    @property
-    def response_len(self) -> int:
-        return int(self.response_ids.numel())
-
-
-VISION_PLACEHOLDERS = ("<|image_pad|>", "<|video_pad|>")
-
-
-def encode_sample(processor: Any, messages: Sequence[dict[str, Any]], response_ids: Sequence[int]) -> Encoded:
-    """Prompt inputs + the response token ids appended (attention over all of them).
-
-    The prompt is encoded by the policy server's own function (``encode_chat``), so its ids are
-    the ones the sampled tokens were conditioned on: any difference would skew every importance
-    weight (tests/test_policy_server.py checks ids and log-probs against a running server).
-    """
-    inputs = dict(encode_chat(processor, list(messages)))
-    ids = inputs["input_ids"]
-    resp = torch.tensor(list(response_ids), dtype=ids.dtype)
-    if resp.numel() == 0:
-        raise ValueError("a sample needs at least one response token")
-    prompt_len = ids.shape[1]
-    full = torch.cat([ids, resp[None]], dim=1)
-    inputs["input_ids"] = full
-    target_ids = None
-    # A sampled vision placeholder (a random or early model can emit <|image_pad|>) would be one
-    # image token more than the image has features, and the forward pass refuses it: as an input
-    # it becomes a plain token; it is still scored as the token the policy sampled.
-    tok = processor.tokenizer
-    placeholders = [i for i in (tok.convert_tokens_to_ids(t) for t in VISION_PLACEHOLDERS)
-                    if isinstance(i, int) and i != tok.unk_token_id]
-    if placeholders and bool(torch.isin(resp, torch.tensor(placeholders, dtype=resp.dtype)).any()):
-        plain = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        safe = resp.clone()
-        safe[torch.isin(resp, torch.tensor(placeholders, dtype=resp.dtype))] = plain
-        inputs["input_ids"] = torch.cat([ids, safe[None]], dim=1)
-        target_ids = full
-    if "attention_mask" in inputs:
-        am = inputs["attention_mask"]
-        inputs["attention_mask"] = torch.cat([am, torch.ones(1, resp.numel(), dtype=am.dtype)], dim=1)
-    if "mm_token_type_ids" in inputs:  # response tokens are text
-        mt = inputs["mm_token_type_ids"]
-        inputs["mm_token_type_ids"] = torch.cat([mt, torch.zeros(1, resp.numel(), dtype=mt.dtype)], dim=1)
-    inputs.pop("token_type_ids", None)
-    return Encoded(inputs=inputs, prompt_len=prompt_len, response_ids=resp, target_ids=target_ids)
-
-
-# ---- the learner -------------------------------------------------------------------------------------
-
-
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, ctx: DistContext | None = None) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda", (ctx.local_rank if ctx else 0) % torch.cuda.device_count())
+        return torch.device("cpu")
     return torch.device(name)
 
 
 def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return DTYPES[name]
+
+
+def load_model(path: Path, dtype: torch.dtype) -> Any:
+    from transformers import AutoModelForImageTextToText
+
+    with hf_progress_bars_off():
+        return AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
 
 
 def load_model_and_processor(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
-    from transformers import AutoModelForImageTextToText
-
-    processor = load_processor(path)
-    with hf_progress_bars_off():
-        model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
-    return model.to(device), processor
+    return load_model(path, dtype).to(device), load_processor(path)
 
 
 @dataclass
@@ -183,7 +174,14 @@ class UpdateStats:
     kl_prox_behav: float  # mean (log π_b − log π_prox) over response tokens: the staleness drift
     grad_norm: float
     seconds: float
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient
+    lr: float = 0.0  # the learning rate of the last step taken
     extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def skipped(self) -> bool:
+        """No step was taken: the weights and the version did not change."""
+        return self.skipped_steps > 0 and self.extra.get("steps_taken", 0.0) == 0.0
 
     def as_dict(self) -> dict[str, float]:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
@@ -192,38 +190,76 @@ class UpdateStats:
 
 
 class Learner:
-    """Holds the policy being trained, its optimizer and its version."""
+    """Holds the policy being trained, its optimizer and its version (on every learner rank)."""
 
-    def __init__(self, model_path: Path, opts: LearnerOptions | None = None, *, version: int = 0):
+    def __init__(self, model_path: Path, opts: LearnerOptions | None = None, *, version: int = 0,
+                 ctx: DistContext | None = None, device: str | None = None,
+                 before_sharding: Callable[[Learner], None] | None = None):
         self.opts = opts or LearnerOptions()
-        torch.manual_seed(self.opts.seed)
-        self.device = pick_device(self.opts.device)
-        self.dtype = pick_dtype(self.opts.dtype, self.device)
+        self.ctx = ctx or DistContext()
+        torch.manual_seed(self.opts.seed)  # the same initial LoRA weights on every rank
+        self.device = pick_device(device or self.opts.device, self.ctx)
+        self.compute_dtype = pick_dtype(self.opts.dtype, self.device)
+        self.master_dtype = torch.float32 if self.opts.master_dtype == "float32" else self.compute_dtype
         self.model_path = Path(model_path)
-        self.model, self.processor = load_model_and_processor(self.model_path, self.dtype, self.device)
+        self.lora = self.opts.lora is not None
+        self.fsdp = self.ctx.enabled and (self.opts.fsdp == "on" or (self.opts.fsdp == "auto" and self.device.type == "cuda"))
+        self.commands: Commands | None = None
+        if self.ctx.enabled:
+            self.commands = Commands(self.ctx, init_process_groups(self.ctx, self.device))
+        self.processor = load_processor(self.model_path)
+        self.pad_id = plain_token(self.processor.tokenizer)
+        # full fine-tuning: every weight is trained, so all are kept in the master dtype; LoRA: the
+        # frozen base stays in the compute dtype and only the adapter is upcast
+        self.model = load_model(self.model_path, self.compute_dtype if self.lora else self.master_dtype)
         if self.opts.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
-        self.lora = self.opts.lora is not None
         if self.opts.lora is not None:
             from peft import LoraConfig, get_peft_model
 
             lo = self.opts.lora
             self.model = get_peft_model(self.model, LoraConfig(r=lo.r, lora_alpha=lo.alpha, lora_dropout=lo.dropout,
                                                                target_modules=lo.target_modules))
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.to(self.master_dtype)
+        if before_sharding is not None:  # e.g. resume: the fp32 master weights, the adapter
+            before_sharding(self)
+        # FSDP2 casts the shards to the compute dtype itself; elsewhere autocast runs the mixed passes
+        self.autocast = (not self.fsdp) and self.compute_dtype != self.master_dtype
+        if self.fsdp:
+            self._shard()
+        else:
+            self.model.to(self.device)
         # The KL reference stays frozen for the whole run; with LoRA it is the base model itself
         # (adapters switched off), so no second copy is loaded.
         self.ref_model: Any = None
+        self.ref_device = torch.device(self.opts.reference_device) if self.opts.reference_device else self.device
         if self.opts.loss.kl_coef > 0 and not self.lora:
-            self.ref_model, _ = load_model_and_processor(Path(self.opts.reference or self.model_path), self.dtype,
-                                                         self.device)
+            self.ref_model = load_model(Path(self.opts.reference or self.model_path), self.compute_dtype).to(self.ref_device)
             self.ref_model.eval().requires_grad_(False)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.opts.lr, weight_decay=self.opts.weight_decay,
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=self.opts.lr, weight_decay=self.opts.weight_decay,
                                            betas=self.opts.betas)
+        self.model.eval()
         self.version = version
-        self.counters: dict[str, int] = {"updates": 0, "samples": 0, "tokens": 0}
+        self.counters: dict[str, int] = {"updates": 0, "samples": 0, "tokens": 0, "optimizer_steps": 0,
+                                         "skipped_steps": 0, "skipped_updates": 0}
 
-    # -- forward ------------------------------------------------------------------------------------
+    def _shard(self) -> None:
+        """FSDP2: each decoder layer / vision block its own unit, then the root; fp32 master shards,
+        compute in the compute dtype, gradients reduced in fp32."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.model.to(self.device)
+        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        units = set(getattr(self.model, "_no_split_modules", None) or [])
+        for m in self.model.modules():
+            if type(m).__name__ in units:
+                fully_shard(m, mp_policy=mp)
+        fully_shard(self.model, mp_policy=mp)
+
+    # -- encoding and forward -------------------------------------------------------------------------
 
     def response_ids(self, sample: Sample) -> list[int]:
         """The sample's response token ids; an experience-pool episode recorded without ids has
@@ -244,46 +280,54 @@ class Learner:
                              "by the learner yet; use the data manager's step granularity")
         return encode_sample(self.processor, sample.messages, self.response_ids(sample))
 
-    def token_logprobs(self, enc: Encoded, *, full: bool | None = None,
-                       model: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(log-probs [1, N], loss mask [1, N], logits [1, N, V]) of the sequence's next tokens.
+    @contextlib.contextmanager
+    def _precision(self) -> Iterator[None]:
+        if self.autocast:
+            with torch.autocast(self.device.type, dtype=self.compute_dtype):
+                yield
+        else:
+            yield
 
-        ``full``: N = every position of prompt + response, and the mask (:func:`response_mask`)
-        is 1 only where the predicted token is a response token. Otherwise (the default, which
-        saves a [L, vocab] logits tensor on long VLM prompts) only the response positions are
-        computed: N = T and the mask is all ones. Both give the same response log-probs.
-        """
+    def forward(self, mb: MicroBatch, *, model: Any = None, full: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs [B, T], logits [B, T, V]) of the last T tokens of each sequence (T = the
+        micro-batch's longest response; ``mb.mask`` says which are a sample's response tokens).
+
+        ``full``: compute the logits of every position first (tests; what ``logits_to_keep``
+        saves on long VLM prompts), then keep the last T. Both give the same log-probs."""
         full = self.opts.full_logits if full is None else full
-        inputs = {k: v.to(self.device) for k, v in enc.inputs.items()}
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
-        ids = inputs["input_ids"]
-        keep = 0 if full else enc.response_len + 1  # 0 = all positions
-        logits = (model or self.model)(**inputs, use_cache=False, logits_to_keep=keep).logits[:, :-1, :]
+        model = model or self.model
+        device = self.ref_device if model is self.ref_model else self.device
+        inputs = {k: v.to(device) for k, v in mb.inputs.items()}
+        if "pixel_values" in inputs and not self.autocast:  # the dtype the vision tower computes in
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.compute_dtype)
+        with self._precision():
+            logits = model(**inputs, use_cache=False, logits_to_keep=0 if full else mb.width + 1).logits
+        logits = logits[:, -(mb.width + 1):-1, :]  # the logit at position i predicts token i + 1
         if self.opts.temperature != 1.0:  # the policy is the distribution the server samples from
             logits = logits / self.opts.temperature
-        scored = enc.target_ids.to(ids.device) if enc.target_ids is not None else ids
-        targets = scored[:, -logits.shape[1]:]  # the logit at position i predicts token i + 1
-        logp = gather_logprobs(logits, targets)
-        if full:
-            mask = response_mask(enc.prompt_len - 1, enc.response_len)[None].to(logp.device)
-        else:
-            mask = torch.ones_like(logp)
-        return logp, mask, logits
+        return gather_logprobs(logits, mb.targets.to(logits.device)), logits
+
+    def token_logprobs(self, enc: Encoded, *, full: bool | None = None,
+                       model: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One sample: (log-probs [1, T], mask [1, T] of ones, logits [1, T, V]) of its response tokens."""
+        mb = collate([enc], self.pad_id)
+        logp, logits = self.forward(mb, model=model, full=full)
+        return logp, mb.mask.to(logp.device), logits
 
     def response_logprobs(self, enc: Encoded) -> torch.Tensor:
         """Log-probs [1, T] of the response tokens under the current weights."""
-        logp, mask, _ = self.token_logprobs(enc)
-        return logp[mask > 0][None]
+        return self.token_logprobs(enc)[0]
 
     @torch.no_grad()
     def reference_logprobs(self, enc: Encoded) -> torch.Tensor:
         """Log-probs [1, T] of the response tokens under the frozen KL reference."""
+        return self._reference(collate([enc], self.pad_id))
+
+    def _reference(self, mb: MicroBatch) -> torch.Tensor:
         if self.lora:
             with self.model.disable_adapter():
-                return self.response_logprobs(enc)
-        logp, mask, _ = self.token_logprobs(enc, model=self.ref_model)
-        return logp[mask > 0][None]
+                return self.forward(mb)[0]
+        return self.forward(mb, model=self.ref_model)[0].to(self.device)
 
     @torch.no_grad()
     def score(self, sample: Sample) -> list[float]:
@@ -291,29 +335,38 @@ class Learner:
         self.model.eval()
         return self.response_logprobs(self.encode(sample))[0].float().cpu().tolist()
 
-    def sample_loss(self, sample: Sample, enc: Encoded, prox: torch.Tensor,
-                    ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-        """(loss, loss stats, mean entropy) of one sample; ``prox`` [1, T]: its proximal log-probs,
-        ``ref`` [1, T]: its KL reference's (None without a KL term)."""
+    @torch.no_grad()
+    def score_many(self, samples: Sequence[Sample]) -> list[list[float]]:
+        """Current log-probs of several samples, ``micro_batch_size`` per forward pass."""
+        self.model.eval()
+        out: list[list[float]] = []
+        step = self.opts.micro_batch_size
+        for i in range(0, len(samples), step):
+            mb = collate([self.encode(s) for s in samples[i:i + step]], self.pad_id)
+            logp, _ = self.forward(mb)
+            out += [row.float().cpu().tolist() for row in mb.per_sample(logp)]
+        return out
+
+    # -- the loss of a micro-batch --------------------------------------------------------------------
+
+    def micro_loss(self, samples: Sequence[Sample], mb: MicroBatch, prox: torch.Tensor,
+                   ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """(loss, loss stats, mean entropy) of a micro-batch, each a mean over its response tokens
+        (or sequences); ``prox`` / ``ref``: [B, T] proximal / reference log-probs."""
         lo = self.opts.loss
-        logp, mask, logits = self.token_logprobs(enc)
-        # place the per-response-token tensors on the sequence's mask (prompt positions: unused 0s)
-        on = mask > 0
-        prox_full = torch.zeros_like(logp)
-        prox_full[on] = prox.reshape(-1).to(logp.dtype)
-        if sample.behav_logprobs is None:  # not recorded (e.g. a pool episode): π_b = π_prox, weight 1
-            behav = prox_full
-        else:
-            behav = torch.zeros_like(logp)
-            behav[on] = torch.tensor(list(sample.behav_logprobs), dtype=logp.dtype, device=logp.device)
-        adv = torch.tensor([float(sample.advantage)], dtype=torch.float32, device=self.device)
-        loss, stats = decoupled_ppo_loss(logp, prox_full, behav, adv, mask, clip_low=lo.clip_low,
-                                         clip_high=lo.clip_high, behav_cap=lo.behav_cap, behav_reject=lo.behav_reject,
-                                         dual_clip=lo.dual_clip, aggregation=lo.aggregation)
+        logp, logits = self.forward(mb)
+        mask = mb.mask.to(logp.device)
+        prox = prox.to(logp.device, logp.dtype)
+        # no behaviour log-probs recorded, or an experience-pool sample (an old success replayed as
+        # DART does): π_b = π_prox, importance weight 1
+        behav = mb.rows([None if s.behav_logprobs is None or s.from_pool else s.behav_logprobs for s in samples], prox)
+        adv = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32, device=logp.device)
+        loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, clip_low=lo.clip_low, clip_high=lo.clip_high,
+                                         behav_cap=lo.behav_cap, behav_reject=lo.behav_reject, dual_clip=lo.dual_clip,
+                                         aggregation=lo.aggregation)  # type: ignore[arg-type]
         if ref is not None and lo.kl_coef > 0:
-            ref_full = torch.zeros_like(logp)
-            ref_full[on] = ref.reshape(-1).to(logp.dtype)
-            kl = kl_penalty(logp, ref_full, mask, kind=lo.kl_kind, aggregation=lo.aggregation)  # type: ignore[arg-type]
+            kl = kl_penalty(logp, ref.to(logp.device, logp.dtype), mask, kind=lo.kl_kind,  # type: ignore[arg-type]
+                            aggregation=lo.aggregation)  # type: ignore[arg-type]
             loss = loss + lo.kl_coef * kl
             stats = {**stats, "kl_ref": float(kl.detach())}
         ent = token_entropy(logits)
@@ -322,168 +375,313 @@ class Learner:
             loss = loss - lo.entropy_coef * ent_mean
         return loss, stats, ent_mean.detach()
 
+    def sample_loss(self, sample: Sample, enc: Encoded, prox: torch.Tensor,
+                    ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
+        """:meth:`micro_loss` of one sample (``prox`` [1, T])."""
+        return self.micro_loss([sample], collate([enc], self.pad_id), prox.reshape(1, -1),
+                               None if ref is None else ref.reshape(1, -1))
+
     # -- update -------------------------------------------------------------------------------------
 
     def update(self, samples: Sequence[Sample]) -> UpdateStats:
-        """One policy update on ``samples``; the version goes up by one."""
+        """One policy update on ``samples`` (rank 0; the other ranks join through their command
+        loop); the version goes up by one unless every optimizer step was skipped."""
+        if self.commands is not None:
+            self.commands.send("update", list(samples))
+        return self._update(list(samples))
+
+    def _micro_batches(self, mine: list[int], count: int, filler: int) -> list[tuple[list[int], float]]:
+        """``mine`` cut into micro-batches, padded to ``count`` with zero-weight copies of sample
+        ``filler`` (every rank must run as many forward passes: FSDP's are collective)."""
+        step = self.opts.micro_batch_size
+        out = [(mine[i:i + step], 1.0) for i in range(0, len(mine), step)]
+        while len(out) < count:
+            out.append(([filler], 0.0))
+        return out
+
+    def _update(self, samples: list[Sample]) -> UpdateStats:
         if not samples:
             raise ValueError("update needs at least one sample")
         t0 = time.perf_counter()
-        encs = [self.encode(s) for s in samples]
-        for s, e in zip(samples, encs, strict=True):
-            if s.behav_logprobs is not None and len(s.behav_logprobs) != e.response_len:
+        rank, world = self.ctx.rank, self.ctx.world
+        resp = [self.response_ids(s) for s in samples]
+        lengths = [len(r) for r in resp]
+        # checked on every rank before any collective, so all raise together
+        for s, n in zip(samples, lengths, strict=True):
+            if n == 0:
+                raise ValueError(f"sample {s.episode_id}#{s.step_index}: no response tokens")
+            if s.behav_logprobs is not None and len(s.behav_logprobs) != n:
                 raise ValueError(f"sample {s.episode_id}#{s.step_index}: {len(s.behav_logprobs)} behaviour "
-                                 f"log-probs for {e.response_len} response tokens")
-        # proximal policy = the weights before this update
-        self.model.eval()
-        with torch.no_grad():
-            prox = [self.response_logprobs(e).detach() for e in encs]
-            refs = ([self.reference_logprobs(e).detach() for e in encs] if self.opts.loss.kl_coef > 0
-                    else [None] * len(encs))
-        self.model.train()
-        aggregation = self.opts.loss.aggregation
-        total_tokens = sum(e.response_len for e in encs)
+                                 f"log-probs for {n} response tokens")
+        agg = self.opts.loss.aggregation
+        total_tokens = sum(lengths)
         n_mb = min(self.opts.minibatches, len(samples))
         minibatches = [list(range(len(samples)))[i::n_mb] for i in range(n_mb)]
-        loss_sum, ent_sum, drift_sum, grad_norms = 0.0, 0.0, 0.0, []
-        agg_stats: dict[str, float] = {}
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        step = self.opts.micro_batch_size
+        plans: list[list[tuple[list[int], float]]] = []
         for mb in minibatches:
+            per_rank = [shard(mb, lengths, r, world) for r in range(world)]
+            count = max(math.ceil(len(p) / step) for p in per_rank)
+            plans.append(self._micro_batches(per_rank[rank], count, mb[0]))
+        mine = sorted({i for plan in plans for idx, _ in plan for i in idx})
+        encs = {i: encode_sample(self.processor, samples[i].messages, resp[i]) for i in mine}
+
+        # proximal policy = the weights before this update; the KL reference when used
+        self.model.eval()
+        prox: dict[int, torch.Tensor] = {}
+        refs: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for plan in plans:
+                for idx, _ in plan:
+                    todo = [i for i in idx if i not in prox]
+                    if not todo:
+                        continue
+                    mb = collate([encs[i] for i in todo], self.pad_id)
+                    logp, _ = self.forward(mb)
+                    for i, row in zip(todo, mb.per_sample(logp), strict=True):
+                        prox[i] = row.detach().float()
+                    if self.opts.loss.kl_coef > 0:
+                        for i, row in zip(todo, mb.per_sample(self._reference(mb)), strict=True):
+                            refs[i] = row.detach().float()
+
+        self.model.train()
+        sums = {"loss": 0.0, "entropy": 0.0, "drift": 0.0}
+        stat_sums: dict[str, float] = {}
+        grad_norms: list[float] = []
+        taken = skipped = 0
+        lr = 0.0
+        for mb_idx, plan in zip(minibatches, plans, strict=True):
             self.optimizer.zero_grad(set_to_none=True)
-            mb_tokens = sum(encs[i].response_len for i in mb)
-            for i in mb:
-                s, e = samples[i], encs[i]
-                loss, stats, ent_mean = self.sample_loss(s, e, prox[i], refs[i])
-                # per-sample means re-weighted so the minibatch's loss is a token (or sequence) mean
-                share = e.response_len / mb_tokens if aggregation == "token_mean" else 1.0 / len(mb)
+            mb_tokens = sum(lengths[i] for i in mb_idx)
+            for k, (idx, weight) in enumerate(plan):
+                if self.fsdp:  # reduce-scatter once, after the minibatch's last micro-batch
+                    self.model.set_requires_gradient_sync(k == len(plan) - 1)
+                mb = collate([encs[i] for i in idx], self.pad_id)
+                width = mb.width
+                prox_rows = torch.stack([torch.nn.functional.pad(prox[i], (width - lengths[i], 0)) for i in idx])
+                ref_rows = (torch.stack([torch.nn.functional.pad(refs[i], (width - lengths[i], 0)) for i in idx])
+                            if refs else None)
+                loss, stats, ent = self.micro_loss([samples[i] for i in idx], mb, prox_rows, ref_rows)
+                micro_tokens = sum(lengths[i] for i in idx)
+                # the micro-batch's mean, re-weighted so the minibatch's loss is the token (or
+                # sequence) mean over all of its samples, on all ranks together
+                share = (micro_tokens / mb_tokens if agg == "token_mean" else len(idx) / len(mb_idx)) * weight
                 (loss * share).backward()
-                w = e.response_len / total_tokens
-                loss_sum += float(loss.detach()) * w
-                ent_sum += float(ent_mean) * w
-                if s.behav_logprobs is not None:
-                    behav = torch.tensor(list(s.behav_logprobs), dtype=torch.float32)
-                    drift_sum += float((behav - prox[i].reshape(-1).float().cpu()).sum())
-                for k, v in stats.items():
-                    agg_stats[k] = agg_stats.get(k, 0.0) + float(v) * w
-            gn = torch.nn.utils.clip_grad_norm_(params, self.opts.grad_clip)
-            grad_norms.append(float(gn))
-            if math.isfinite(float(gn)):  # a non-finite gradient skips the step instead of poisoning the weights
+                w = weight * micro_tokens / total_tokens
+                sums["loss"] += float(loss.detach()) * w
+                sums["entropy"] += float(ent) * w
+                for k2, v in stats.items():
+                    stat_sums[k2] = stat_sums.get(k2, 0.0) + float(v) * w
+                if weight:
+                    for i in idx:
+                        s = samples[i]
+                        if s.behav_logprobs is not None and not s.from_pool:
+                            sums["drift"] += float((torch.tensor(s.behav_logprobs, dtype=torch.float32)
+                                                    - prox[i].cpu()).sum())
+            if self.ctx.enabled and not self.fsdp:
+                all_reduce_grads(self.params)
+            gn = float(torch.nn.utils.clip_grad_norm_(self.params, self.opts.grad_clip))
+            grad_norms.append(gn)
+            if math.isfinite(gn):
+                lr = self.opts.lr * lr_factor(self.counters["optimizer_steps"], kind=self.opts.lr_schedule,
+                                              warmup=self.opts.warmup_steps, total=self.opts.total_steps,
+                                              min_ratio=self.opts.min_lr_ratio)
+                for g in self.optimizer.param_groups:
+                    g["lr"] = lr
                 self.optimizer.step()
+                self.counters["optimizer_steps"] += 1
+                taken += 1
+            else:  # a non-finite gradient skips the step instead of poisoning the weights
+                skipped += 1
+                self.counters["skipped_steps"] += 1
             self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
-        self.version += 1
-        self.counters["updates"] += 1
-        self.counters["samples"] += len(samples)
-        self.counters["tokens"] += total_tokens
-        return UpdateStats(version=self.version, samples=len(samples), tokens=total_tokens, loss=loss_sum,
-                           entropy=ent_sum, kl_prox_behav=drift_sum / total_tokens, grad_norm=max(grad_norms),
-                           seconds=round(time.perf_counter() - t0, 3),
-                           extra={f"loss/{k}": v for k, v in agg_stats.items()})
+        if self.ctx.enabled:
+            keys = sorted(stat_sums)
+            summed = all_reduce_floats([sums["loss"], sums["entropy"], sums["drift"], *(stat_sums[k] for k in keys)],
+                                       self.device)
+            sums["loss"], sums["entropy"], sums["drift"] = summed[:3]
+            stat_sums = dict(zip(keys, summed[3:], strict=True))
+        if taken:
+            self.version += 1
+            self.counters["updates"] += 1
+            self.counters["samples"] += len(samples)
+            self.counters["tokens"] += total_tokens
+        else:
+            self.counters["skipped_updates"] += 1
+            log.warning("update skipped: every optimizer step had a non-finite gradient (version stays %d)", self.version)
+        extra = {f"loss/{k}": v for k, v in stat_sums.items()}
+        extra["steps_taken"] = float(taken)
+        finite = [g for g in grad_norms if math.isfinite(g)]
+        return UpdateStats(version=self.version, samples=len(samples), tokens=total_tokens, loss=sums["loss"],
+                           entropy=sums["entropy"], kl_prox_behav=sums["drift"] / total_tokens,
+                           grad_norm=max(finite) if finite else float("nan"), seconds=round(time.perf_counter() - t0, 3),
+                           skipped_steps=skipped, lr=lr, extra=extra)
 
     # -- checkpoints --------------------------------------------------------------------------------
 
+    def _full_state(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+        """(model state dict, optimizer state dict) gathered to rank 0 under FSDP (collective);
+        (None, None) elsewhere (the model's own are used)."""
+        if not self.fsdp:
+            return None, None
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return (get_model_state_dict(self.model, options=opts),
+                get_optimizer_state_dict(self.model, self.optimizer, options=opts))
+
     def save(self, out: Path, extra_state: dict[str, Any] | None = None,
              write_extra: Callable[[Path], None] | None = None) -> Path:
-        """Write a checkpoint dir (atomically: a temp dir renamed into place) and return it.
-
-        The dir is a HF model dir the CPU policy server reloads; with LoRA it also holds
-        ``adapter/`` (vLLM LoRA hot-load) and the merged model unless ``export_merged`` is off.
-        """
+        """Write a checkpoint dir (atomically: a temp dir renamed into place) and return it (rank 0;
+        under FSDP the other ranks join to gather the weights)."""
+        if self.commands is not None:
+            self.commands.send("save", str(out))
+        model_sd, optim_sd = self._full_state()
         out = Path(out)
+        if not self.ctx.is_main:
+            return out
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        (tmp / TRAIN_STATE_DIR).mkdir(parents=True)
         with hf_progress_bars_off():
             if self.lora:
                 self.model.save_pretrained(str(tmp / ADAPTER_DIR))
                 assert self.opts.lora is not None
                 if self.opts.lora.export_merged:
-                    self._save_merged(tmp)
+                    self._save_merged(tmp / MODEL_DIR)
             else:
-                self.model.save_pretrained(str(tmp), safe_serialization=True)
-        copy_processor_files(self.model_path, tmp)
-        torch.save(self.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+                self._save_served(tmp / MODEL_DIR, model_sd)
+        if (tmp / MODEL_DIR).is_dir():
+            copy_processor_files(self.model_path, tmp / MODEL_DIR)
+        torch.save(optim_sd if optim_sd is not None else self.optimizer.state_dict(),
+                   tmp / TRAIN_STATE_DIR / OPTIMIZER_FILE)
         state = {"schema": STATE_SCHEMA, "version": self.version, "counters": dict(self.counters),
                  "base_model": str(self.model_path), "lora": self.lora, "saved_at": time.time(),
+                 "served_dtype": str(self.compute_dtype).removeprefix("torch."),
+                 "master_dtype": str(self.master_dtype).removeprefix("torch."), "world_size": self.ctx.world,
                  **(extra_state or {})}
         if write_extra is not None:  # e.g. the data manager's and rollout controller's state files
-            write_extra(tmp)
+            write_extra(tmp / TRAIN_STATE_DIR)
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
         return out
 
+    def _save_served(self, out: Path, full_sd: dict[str, torch.Tensor] | None) -> None:
+        """The weights in the serving (compute) dtype, and the master weights when they differ."""
+        sd = full_sd if full_sd is not None else {k: v.detach() for k, v in self.model.state_dict().items()}
+        served = {k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in sd.items()}
+        config = self.model.config
+        old = getattr(config, "dtype", None)
+        config.dtype = self.compute_dtype
+        try:
+            self.model.save_pretrained(str(out), state_dict=served, safe_serialization=True)
+        finally:
+            config.dtype = old
+        if self.master_dtype != self.compute_dtype:
+            from safetensors.torch import save_file
+
+            master = {k: v.detach().to("cpu").contiguous() for k, v in sd.items() if v.is_floating_point()}
+            save_file(_unshared(master), str(out.parent / TRAIN_STATE_DIR / MASTER_FILE))
+
     def _save_merged(self, out: Path) -> None:
         """The base weights with the adapter folded in, without touching the training model."""
         merged = copy.deepcopy(self.model).merge_and_unload()
-        merged.save_pretrained(str(out), safe_serialization=True)
+        merged.to(self.compute_dtype).save_pretrained(str(out), safe_serialization=True)
         del merged
 
     @classmethod
-    def resume(cls, ckpt: Path, opts: LearnerOptions | None = None) -> tuple[Learner, dict[str, Any]]:
-        """A learner restored from a checkpoint dir: weights, optimizer, version and counters.
-
-        Returns it with the whole saved state (the data manager's and rollout controller's parts
-        are the caller's to restore)."""
+    def resume(cls, ckpt: Path, opts: LearnerOptions | None = None, *, ctx: DistContext | None = None,
+               device: str | None = None) -> tuple[Learner, dict[str, Any]]:
+        """A learner restored from a checkpoint dir: weights (the fp32 master ones when saved),
+        optimizer, version and counters. Returns it with the whole saved state (the data manager's
+        and rollout controller's parts are the caller's to restore)."""
         ckpt = Path(ckpt)
         state = read_state(ckpt)
         opts = opts or LearnerOptions()
+        sdir = train_state_dir(ckpt)
         if state.get("lora"):
             if opts.lora is None:
                 raise ValueError(f"{ckpt}: a LoRA checkpoint; set learner.lora to resume it")
-            base = Path(state["base_model"])
-            learner = cls(base, opts, version=int(state["version"]))
-            from peft import set_peft_model_state_dict
-            from safetensors.torch import load_file
 
-            adapter = load_file(str(ckpt / ADAPTER_DIR / "adapter_model.safetensors"))
-            set_peft_model_state_dict(learner.model, adapter)
+            def load_adapter(lrn: Learner) -> None:
+                from peft import set_peft_model_state_dict
+                from safetensors.torch import load_file
+
+                set_peft_model_state_dict(lrn.model, load_file(str(ckpt / ADAPTER_DIR / "adapter_model.safetensors")))
+                for p in lrn.model.parameters():
+                    if p.requires_grad:
+                        p.data = p.data.to(lrn.master_dtype)
+
+            learner = cls(Path(state["base_model"]), opts, version=int(state["version"]), ctx=ctx, device=device,
+                          before_sharding=load_adapter)
         else:
+            master = sdir / MASTER_FILE
+
+            def load_master(lrn: Learner) -> None:
+                if master.is_file():  # served in bf16: continue from the fp32 weights
+                    from safetensors.torch import load_file
+
+                    missing = lrn.model.load_state_dict(load_file(str(master)), strict=False)
+                    if missing.unexpected_keys:
+                        raise ValueError(f"{master}: weights the model does not have: {missing.unexpected_keys[:5]}")
+
             # the KL reference is the model the run started from, not this checkpoint
             ref = opts.reference or Path(state.get("base_model", ckpt))
-            learner = cls(ckpt, opts.model_copy(update={"lora": None, "reference": ref}), version=int(state["version"]))
+            learner = cls(model_dir(ckpt), opts.model_copy(update={"lora": None, "reference": ref}),
+                          version=int(state["version"]), ctx=ctx, device=device, before_sharding=load_master)
             learner.model_path = Path(state.get("base_model", ckpt))
-        opt_file = ckpt / OPTIMIZER_FILE
+        opt_file = sdir / OPTIMIZER_FILE
         if opt_file.is_file():
-            learner.optimizer.load_state_dict(torch.load(opt_file, map_location=learner.device, weights_only=True))
+            optim_sd = torch.load(opt_file, map_location="cpu" if learner.fsdp else learner.device, weights_only=True)
+            if learner.fsdp:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                set_optimizer_state_dict(learner.model, learner.optimizer, optim_sd,
+                                         options=StateDictOptions(full_state_dict=True))
+            else:
+                learner.optimizer.load_state_dict(optim_sd)
         learner.counters.update({k: int(v) for k, v in state.get("counters", {}).items()})
         return learner, state
 
+    # -- the other ranks ----------------------------------------------------------------------------
 
-# the files of a model dir that are not weights or config: tokenizer, processor, chat template
-PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "added_tokens.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
-                   "chat_template.jinja", "chat_template.json")
+    def serve_commands(self) -> None:
+        """Ranks > 0: do what rank 0 says until it says stop."""
+        assert self.commands is not None and not self.ctx.is_main
+        while True:
+            name, payload = self.commands.receive()
+            if name == "stop":
+                return
+            try:
+                if name == "update":
+                    self._update(payload)
+                elif name == "save":
+                    self._full_state()
+                else:
+                    raise ValueError(f"unknown learner command {name!r}")
+            except ValueError as e:  # rank 0 raised the same (checked before any collective)
+                log.warning("rank %d: %s", self.ctx.rank, e)
+
+    def stop_workers(self) -> None:
+        """Rank 0: release the other ranks' command loops."""
+        if self.commands is not None:
+            self.commands.send("stop")
+            self.commands = None
 
 
-def copy_processor_files(src: Path, dst: Path) -> None:
-    """Copy the base model's processor files (the policy server loads the processor from the
-    checkpoint dir too, and it never changes during training)."""
-    for name in PROCESSOR_FILES:
-        f = Path(src) / name
-        if f.is_file():
-            shutil.copy2(f, Path(dst) / name)
-
-
-def read_state(ckpt: Path) -> dict[str, Any]:
-    f = Path(ckpt) / STATE_FILE
-    if not f.is_file():
-        raise FileNotFoundError(f"{ckpt}: not a trainer checkpoint (no {STATE_FILE})")
-    state = json.loads(f.read_text())
-    if state.get("schema") != STATE_SCHEMA:
-        raise ValueError(f"{f}: unknown checkpoint schema {state.get('schema')!r}; expected {STATE_SCHEMA}")
-    return state
-
-
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The checkpoint with the highest version under ``ckpt_root`` (dirs named ``v<version>``)."""
-    best: tuple[int, Path] | None = None
-    if not Path(ckpt_root).is_dir():
-        return None
-    for d in Path(ckpt_root).iterdir():
-        if d.is_dir() and d.name.startswith("v") and d.name[1:].isdigit() and (d / STATE_FILE).is_file():
-            v = int(d.name[1:])
-            if best is None or v > best[0]:
-                best = (v, d)
-    return best[1] if best else None
+def _unshared(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy with no two entries sharing storage (safetensors refuses tied weights)."""
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in sd.items():
+        ptr = v.data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.setdefault(ptr, k)
+    return out

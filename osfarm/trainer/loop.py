@@ -2,24 +2,30 @@
 
 Four parts run at once on one event loop:
 
-* the **rollout controller** (H6) keeps up to ``envs`` episodes running on the farm through the
-  in-process **scheduler** (rollout-wise: the next episode starts the moment one ends), as long
-  as AReaL's staleness capacity allows;
+* the **rollout controller** plans groups (task × n: DART's dynamic n, a fixed or BroRL-broad n,
+  XRPO's allocation) and keeps up to ``envs`` episodes running on the farm through the in-process
+  **scheduler** (rollout-wise: the next episode starts the moment one ends), as long as AReaL's
+  staleness capacity allows; each rollout's life is tracked (ROLL): retried when it fails,
+  cancelled when its group already has enough (redundant rollouts) or when it could only come
+  back stale;
 * each finished episode becomes an ``osfarm.episode/1`` record (``episodes.jsonl`` + blobs in the
-  run dir) and goes to the **data manager** (H6), which forms GRPO groups and samples;
-* the **learner** takes a batch, updates the policy in a worker thread (episodes go on
-  meanwhile), writes a checkpoint (weights + version + the data manager's and controller's
-  state) and
+  run dir) and goes to the **data manager**, which collects it into its planned group and turns
+  closed groups into GRPO samples (experience pool, entropy selection, version window);
+* the **learner** takes whole groups worth a batch, updates the policy in a worker thread
+  (episodes go on meanwhile; with ``--nproc N`` on N ranks), writes a checkpoint (served weights +
+  training state) and
 * **weight sync** pushes it to every policy server, one at a time; only then does the controller
   learn the new version (so rollouts it starts next use the new weights).
 
-η = 0 makes it synchronous (generate a batch, train, generate): the capacity is then exactly
-one batch per version, so nothing runs while the learner trains.
+η = 0 makes it synchronous (generate a batch, train, generate): the capacity is then one batch,
+so nothing runs while the learner trains. Held-out evaluation runs every ``eval_every`` versions
+through the same scheduler.
 
 Resume: the latest checkpoint under ``<run>/checkpoints`` restores the learner (weights,
-optimizer, version, counters), the data manager (task statistics, pending episodes, seen ids)
-and the controller (AReaL's rule: accepted = version·batch_size), and the policy servers are
-reloaded with it before any rollout starts.
+optimizer, schedule, version, counters), the data manager (task statistics, pending episodes, seen
+ids) and the controller (AReaL's rule: accepted = what was consumed plus what waits to train), and
+the policy servers are brought to it before any rollout starts (a server that kept running keeps
+the adapters it already has).
 """
 
 from __future__ import annotations
@@ -28,14 +34,14 @@ import asyncio
 import contextlib
 import functools
 import json
+import math
 import os
-import shutil
 import signal
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -49,7 +55,7 @@ from osfarm.farm.server import FarmServer
 from osfarm.policy.client import PolicyServer
 from osfarm.policy.process import PolicyProcess, PolicyStartError
 from osfarm.policy.tiny import tiny_model_dir
-from osfarm.runner.episode import EpisodeConfig, StepRecord, run_episode
+from osfarm.runner.episode import EpisodeConfig, run_episode
 from osfarm.runner.results import episode_record
 from osfarm.runner.scheduler import RolloutScheduler
 from osfarm.stream.blobs import BlobStore, LocalBlobStore
@@ -57,11 +63,17 @@ from osfarm.stream.jsonl import JsonlSink
 from osfarm.tasks.filecache import FileCache, suite_cache
 from osfarm.tasks.model import Task
 from osfarm.tasks.suite import OSWORLD_INDEX, Suite, load_suite
+from osfarm.trainer.allocation import dart_max_steps
+from osfarm.trainer.checkpoint import latest_checkpoint, model_dir, prune_checkpoints, read_state, train_state_dir
 from osfarm.trainer.config import TrainConfig
-from osfarm.trainer.data_manager import Batch, DataConfig, DataManager, Sample
-from osfarm.trainer.learner import Learner, UpdateStats, latest_checkpoint, read_state
+from osfarm.trainer.data_manager import ACCEPTED, Batch, DataConfig, DataManager, Sample
+from osfarm.trainer.distributed import DistContext
+from osfarm.trainer.evaluation import EvalTracker
+from osfarm.trainer.learner import Learner, LearnerOptions, UpdateStats
 from osfarm.trainer.metrics import TrainMetrics
-from osfarm.trainer.rollout_controller import ControllerConfig, RolloutController
+from osfarm.trainer.rollout_controller import ABORTED, REJECTED, ControllerConfig, RolloutController
+from osfarm.trainer.routing import RoutedAgent
+from osfarm.trainer.seeding import TaskInfo, pick_exemplar
 from osfarm.trainer.weight_sync import SyncResult, WeightSync
 
 P = ParamSpec("P")
@@ -71,10 +83,15 @@ EpisodeRecord = dict[str, Any]  # an osfarm.episode/1 record (osfarm.stream.reco
 CHECKPOINTS = "checkpoints"
 DM_STATE = "data_manager.json"
 RC_STATE = "rollout_controller.json"
+TRAIN, EVAL = "train", "eval"
 
 
 class TrainError(RuntimeError):
     """A run that cannot start or go on (the message says why)."""
+
+
+class Aborted(Exception):
+    """A rollout the trainer cancelled (its group had enough, or it could only come back stale)."""
 
 
 @dataclass(eq=False)
@@ -84,6 +101,10 @@ class Rollout:
     task_id: str
     seq: int  # rollout number in this process (distinct episode ids)
     version: int  # the controller's version when it was submitted
+    group_id: str | None = None  # the planned group (training rollouts)
+    kind: str = TRAIN  # or EVAL: a held-out evaluation episode of policy version `version`
+    max_steps: int | None = None  # DART's dynamic trajectory length (None: the config's)
+    exemplar: str | None = None  # XRPO's in-context seed, appended to the instruction
 
 
 # ---- per-update bookkeeping ----------------------------------------------------------------------
@@ -125,32 +146,49 @@ def pin_learner(cpus: set[int]) -> None:
     torch.set_num_threads(len(cpus))
 
 
-def tag_versions(steps: list[StepRecord], version: int) -> int:
-    """Give ``version`` to the steps whose model call reported none (a server that does not say
-    which weights answered, e.g. vLLM); returns how many were tagged.
-
-    The version is the one the episode's model name stood for when it started: exact for a
-    versioned LoRA adapter, a lower bound where weights are replaced in place (versions only rise,
-    so the staleness computed from it is never too small)."""
-    n = 0
-    for s in steps:
-        if s.model is not None and s.model.get("policy_version") is None:
-            s.model["policy_version"] = version
-            n += 1
-    return n
-
-
 def staleness_of(samples: list[Sample], version: int) -> list[int]:
-    return [version - int(s.policy_version) for s in samples if s.policy_version is not None]
+    return [version - int(s.policy_version) for s in samples if s.policy_version is not None and not s.from_pool]
+
+
+def learner_options(cfg: TrainConfig, rank: int = 0) -> tuple[LearnerOptions, str | None]:
+    """The learner's options for this run (the decay runs over the run's steps unless given) and
+    the rank's device from the device map (None: the learner picks)."""
+    lo = cfg.learner
+    update: dict[str, Any] = {}
+    if lo.total_steps is None:
+        update["total_steps"] = cfg.updates * lo.minibatches
+    if cfg.devices.reference and lo.reference_device is None:
+        update["reference_device"] = cfg.devices.reference
+    return lo.model_copy(update=update), (cfg.devices.learner[rank] if cfg.devices.learner else None)
+
+
+def model_dir_of(cfg: TrainConfig) -> Path:
+    if cfg.model == "tiny":
+        return tiny_model_dir()
+    p = Path(cfg.model).expanduser()
+    if not (p / "config.json").is_file():
+        raise TrainError(f"model {cfg.model}: not a Hugging Face model dir (no config.json); use a dir or 'tiny'")
+    return p
+
+
+def load_learner(cfg: TrainConfig, ckpt_root: Path, ctx: DistContext) -> tuple[Learner, Path | None]:
+    """The learner of this rank: resumed from the run's latest checkpoint, or fresh."""
+    opts, device = learner_options(cfg, ctx.rank)
+    latest = latest_checkpoint(ckpt_root) if cfg.resume else None
+    if latest is not None:
+        learner, _ = Learner.resume(latest, opts, ctx=ctx, device=device)
+        return learner, latest
+    return Learner(model_dir_of(cfg), opts, ctx=ctx, device=device), None
 
 
 # ---- the trainer ---------------------------------------------------------------------------------
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, console: Console | None = None):
+    def __init__(self, cfg: TrainConfig, console: Console | None = None, ctx: DistContext | None = None):
         self.cfg = cfg
         self.console = console or Console(stderr=True)
+        self.ctx = ctx or DistContext()
         run_dir = cfg.run_dir or Path("runs") / ("train-" + datetime.now().strftime("%Y%m%d-%H%M%S"))
         self.run_dir = Path(run_dir).resolve()
         self.ckpt_root = self.run_dir / CHECKPOINTS
@@ -158,64 +196,66 @@ class Trainer:
         self.rollout_seq = 0
         self.window = Window()
         self.totals: dict[str, Any] = {"episodes": 0, "env_busy_s": 0.0, "samples": 0, "updates_this_run": 0,
-                                       "stale_dropped": 0, "sync_failures": 0}
+                                       "stale_dropped": 0, "sync_failures": 0, "aborted": 0, "skipped_updates": 0}
         self.processes: list[PolicyProcess] = []
-        self.in_flight: dict[int, float] = {}  # running episodes: id -> monotonic start
+        self.in_flight: dict[int, float] = {}  # running episodes: id(rollout) -> monotonic start
         self.in_flight_versions: dict[int, int] = {}  # running episodes: id -> version of the model they request
+        self.running: dict[int, tuple[Rollout, asyncio.Task[Any]]] = {}  # cancellable episodes by id(rollout)
         self.farm: AsyncFarm | None = None  # opened by the first rollout, on the event loop
         self.stop = asyncio.Event()
         self.learner_pool: ThreadPoolExecutor | None = None  # None: asyncio's default executor
+        self.eval = EvalTracker(self.run_dir, [], None)
+        self.start_version = 0
 
     # -- setup ---------------------------------------------------------------------------------------
 
     def model_dir(self) -> Path:
-        if self.cfg.model == "tiny":
-            return tiny_model_dir()
-        p = Path(self.cfg.model).expanduser()
-        if not (p / "config.json").is_file():
-            raise TrainError(f"model {self.cfg.model}: not a Hugging Face model dir (no config.json); use a dir or 'tiny'")
-        return p
+        return model_dir_of(self.cfg)
 
-    def load_learner(self) -> tuple[Learner, Path | None, dict[str, Any]]:
-        latest = latest_checkpoint(self.ckpt_root) if self.cfg.resume else None
+    def load_learner(self) -> tuple[Learner, Path | None]:
+        learner, latest = load_learner(self.cfg, self.ckpt_root, self.ctx)
         if latest is not None:
-            learner, state = Learner.resume(latest, self.cfg.learner)
             self.console.print(f"resumed from {latest} (version {learner.version})", highlight=False)
-            return learner, latest, state
-        return Learner(self.model_dir(), self.cfg.learner), None, {}
+        return learner, latest
 
-    def load_tasks(self) -> tuple[Suite, list[Task]]:
-        suite_dir = Path(self.cfg.suite)
+    def load_tasks(self, suite_dir: Path | None = None, ids: list[str] | None = None) -> tuple[Suite, list[Task]]:
+        suite_dir = Path(suite_dir or self.cfg.suite)
+        ids = self.cfg.tasks if ids is None else ids
         index = suite_dir / OSWORLD_INDEX if (suite_dir / OSWORLD_INDEX).is_file() else None
         suite = load_suite(suite_dir, index)
         tasks = list(suite)
-        if self.cfg.tasks:
+        if ids:
             by_id = {t.id: t for t in tasks}
-            missing = [t for t in self.cfg.tasks if t not in by_id]
+            missing = [t for t in ids if t not in by_id]
             if missing:
                 raise TrainError(f"tasks not in {suite_dir}: {', '.join(missing)}")
-            tasks = [by_id[t] for t in self.cfg.tasks]
+            tasks = [by_id[t] for t in ids]
         if not tasks:
             raise TrainError(f"{suite_dir}: no tasks")
         return suite, tasks
 
-    def make_agent(self, base_url: str, name: str) -> Agent:
+    def make_agent(self, base_url: str, name: str, seed: int | None = None) -> Agent:
         a = self.cfg.agent
         if a.kind == "choice":
             return make_agent("choice", base_url=base_url, model=name, choices=a.choices, temperature=a.temperature,
-                              timeout_s=a.timeout_s, screenshot=a.screenshot)
+                              timeout_s=a.timeout_s, screenshot=a.screenshot, seed=seed)
         return make_agent("vlm", base_url=base_url, model=name, prompt_format=a.prompt_format, observation=a.observation,
                           history_turns=a.history_turns, history_images=a.history_images, temperature=a.temperature,
-                          max_tokens=a.max_tokens, timeout_s=a.timeout_s, capture_logprobs=True)
+                          max_tokens=a.max_tokens, timeout_s=a.timeout_s, capture_logprobs=True, seed=seed)
 
     async def start_policy(self, model: Path, version: int) -> list[PolicyServer]:
         p = self.cfg.policy
         if p.servers:
             return list(p.servers)
         threads = max(1, (os.cpu_count() or 2) // 2)
+        devices = self.cfg.devices.policy
         for i in range(p.spawn):
+            env = None
+            if devices and devices[i].startswith("cuda"):
+                env = {"CUDA_VISIBLE_DEVICES": devices[i].partition(":")[2] or "0"}
             self.processes.append(PolicyProcess(model, version, p.model_name, self.run_dir / f"policy-{i}.log",
-                                                delay_ms=p.delay_ms, threads=threads, delay_sigma=p.delay_sigma))
+                                                delay_ms=p.delay_ms, threads=threads, delay_sigma=p.delay_sigma,
+                                                env=env))
         with self.console.status(f"starting {p.spawn} policy server(s) ..."):
             for proc in self.processes:
                 try:
@@ -233,6 +273,33 @@ class Trainer:
             return f.url, token, None
         server = start_local_farm(local_farm_settings(self.cfg.rollout.envs, **f.overrides))
         return server.url, server.token, server
+
+    def data_config(self) -> DataConfig:
+        options = dict(self.cfg.data.options)
+        options.setdefault("version_window", self.cfg.rollout.eta)
+        options.setdefault("min_failure_steps", 1)
+        if self.cfg.rollout.interruptible:
+            options.setdefault("episode_version", "end")
+        if self.ctx.multi_node:  # the other machines' ranks cannot read this one's blob paths
+            options.setdefault("image_mode", "data_url")
+        try:
+            return DataConfig(**options)
+        except (TypeError, ValueError) as e:
+            raise TrainError(f"data.options: {e}") from None
+
+    def controller_config(self, dcfg: DataConfig) -> ControllerConfig:
+        ro = self.cfg.rollout
+        copts = {"rollout_n": dcfg.rollout_n, "rollout_threshold": dcfg.rollout_threshold,
+                 "min_group_size": dcfg.min_group_size, **ro.options}
+        if dcfg.group_size is not None:  # a fixed group size in the data options means the same plan
+            copts.setdefault("allocator", "fixed")
+            copts.setdefault("group_size", dcfg.group_size)
+        try:
+            ccfg = ControllerConfig(batch_size=ro.batch_size, eta=ro.eta, max_concurrent=ro.envs, seed=self.cfg.seed,
+                                    **copts)
+        except (TypeError, ValueError) as e:
+            raise TrainError(f"rollout.options: {e}") from None
+        return ccfg
 
     # -- the loop ------------------------------------------------------------------------------------
 
@@ -264,45 +331,58 @@ class Trainer:
 
     async def in_learner(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
         """Run blocking learner work on the learner's thread (its own CPUs when pinned)."""
+        if self.learner_pool is None and self.ctx.enabled:  # one thread: the ranks' collectives stay in order
+            self.learner_pool = ThreadPoolExecutor(1, thread_name_prefix="learner")
         return await asyncio.get_running_loop().run_in_executor(self.learner_pool, functools.partial(fn, *args, **kwargs))
 
     async def _run(self) -> dict[str, Any]:
-        cfg, ro = self.cfg, self.cfg.rollout
+        cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "train_config.json").write_text(cfg.model_dump_json(indent=2))
         suite, tasks = self.load_tasks()
         by_id = {t.id: t for t in tasks}
+        eval_by_id: dict[str, Task] = {}
+        eval_cache: FileCache | None = None
+        if cfg.eval_every is not None and cfg.eval_suite is not None:
+            eval_suite, eval_tasks = self.load_tasks(cfg.eval_suite, cfg.eval_tasks)
+            eval_by_id = {t.id: t for t in eval_tasks}
+            eval_cache = suite_cache(eval_suite, Path(cfg.eval_suite), None, self.run_dir, True)
+            self.eval = EvalTracker(self.run_dir, list(eval_by_id), cfg.eval_every, cfg.eval_episodes)
         # osfarm's one progress display for the slow start steps (transformers' bars are off)
         with self.console.status(f"loading the policy model ({cfg.model}) ..."):
-            learner, ckpt, _state = await self.in_learner(self.load_learner)
+            learner, ckpt = await self.in_learner(self.load_learner)
         self.learner = learner
-        start_version = learner.version
-        if learner.version >= cfg.updates:
-            self.console.print(f"already at version {learner.version} >= updates={cfg.updates}: nothing to do")
-            return self.summary(start_version)
+        start_version = self.start_version = learner.version
+        try:
+            if learner.version >= cfg.updates:
+                self.console.print(f"already at version {learner.version} >= updates={cfg.updates}: nothing to do")
+                return self.summary(start_version)
+            return await self._train(learner, ckpt, suite, by_id, eval_by_id, eval_cache, start_version)
+        finally:
+            learner.stop_workers()
 
-        metrics = TrainMetrics(self.run_dir, self.console, cfg.metrics.prometheus_port)
+    async def _train(self, learner: Learner, ckpt: Path | None, suite: Suite, by_id: dict[str, Task],
+                     eval_by_id: dict[str, Task], eval_cache: FileCache | None, start_version: int) -> dict[str, Any]:
+        cfg, ro = self.cfg, self.cfg.rollout
+        metrics = TrainMetrics(self.run_dir, self.console, cfg.metrics.prometheus_port,
+                               tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb,
+                               config=json.loads(cfg.model_dump_json()))
         self.metrics = metrics
         farm_server = None
         try:
-            servers = await self.start_policy(ckpt or learner.model_path, learner.version)
+            servers = await self.start_policy(model_dir(ckpt) if ckpt is not None else learner.model_path,
+                                              learner.version)
             sync = WeightSync(servers, base_model=cfg.policy.model_name)
             self.sync = sync
-            if ckpt is not None and cfg.policy.servers:  # running servers: bring them to the resumed weights
-                await self._sync(sync, ckpt, learner.version)
-            for s in servers:
-                sync.versions[s.url] = learner.version
+            if cfg.policy.servers:
+                await self._bring_servers_up(sync, ckpt, learner.version)
+            else:  # spawned on the current weights
+                for s in servers:
+                    sync.versions[s.url] = learner.version
             url, token, farm_server = await asyncio.to_thread(self.start_farm)
 
-            options = dict(cfg.data.options)
-            options.setdefault("version_window", ro.eta)
-            options.setdefault("group_size", min(ro.batch_size, 8))
-            options.setdefault("min_failure_steps", 1)
-            try:
-                dcfg = DataConfig(**options)
-            except TypeError as e:
-                raise TrainError(f"data.options: {e}") from None
-            n_groups = max(1, ro.batch_size // (dcfg.group_size or ro.batch_size))
+            dcfg = self.data_config()
+            ccfg = self.controller_config(dcfg)
             controller: RolloutController | None = None
 
             def discard(_task: str, n: int, _reason: str) -> None:
@@ -312,37 +392,54 @@ class Trainer:
             dm = DataManager(dcfg, blob_root=self.run_dir, pool_dir=self.run_dir / "pool", version=learner.version,
                              on_discard=discard)
             if ckpt is not None:
-                dm.load_state(ckpt)
+                dm.load_state(train_state_dir(ckpt))
                 dm.set_version(learner.version)
-            copts = {"rollout_n": dcfg.rollout_n, **ro.options}
-            try:
-                ccfg = ControllerConfig(batch_size=ro.batch_size, eta=ro.eta, max_concurrent=ro.envs, seed=cfg.seed, **copts)
-            except TypeError as e:
-                raise TrainError(f"rollout.options: {e}") from None
+            self.dm = dm
 
             scheduler: RolloutScheduler[Rollout, EpisodeRecord] = RolloutScheduler(self._run_one_factory(
-                by_id, suite_cache(suite, Path(cfg.suite), None, self.run_dir, True), url, token, servers,
-                EpisodeConfig(max_steps=ro.max_steps, time_limit_s=ro.episode_time_limit_s, infra_retries=0,
-                              work_dir=self.run_dir / ".work"),
-                LocalBlobStore(self.run_dir), JsonlSink(self.run_dir / "episodes.jsonl")), ro.envs)
+                by_id, eval_by_id, suite_cache(suite, Path(cfg.suite), None, self.run_dir, True), eval_cache, url, token,
+                servers, EpisodeConfig(max_steps=ro.max_steps, time_limit_s=ro.episode_time_limit_s, infra_retries=0,
+                                       work_dir=self.run_dir / ".work"),
+                LocalBlobStore(self.run_dir), JsonlSink(self.run_dir / "episodes.jsonl"),
+                JsonlSink(self.run_dir / "eval" / "episodes.jsonl")), ro.envs)
+            self.scheduler = scheduler
+            infos = {t.id: TaskInfo(t.id, t.domain or "", t.instruction) for t in by_id.values()}
 
-            async def submit(task_id: str, n: int, version: int) -> None:
-                for _ in range(n):
+            async def submit(task_id: str, n: int, version: int, group_id: str) -> None:
+                seeded = 0
+                exemplar = self._exemplar(task_id, dm, infos) if ro.seed_exemplars else None
+                if exemplar is not None:
+                    seeded = math.ceil(n * ro.seed_fraction)
+                for i in range(n):
                     self.rollout_seq += 1
-                    scheduler.submit(Rollout(task_id, self.rollout_seq, version))
+                    steps = (dart_max_steps(dm.task_stats.get(task_id), ro.max_steps, margin=ro.length_margin)
+                             if ro.dynamic_length else ro.max_steps)
+                    scheduler.submit(Rollout(task_id, self.rollout_seq, version, group_id, TRAIN, steps,
+                                             exemplar if i < seeded else None))
 
-            controller = RolloutController(list(by_id), submit, ccfg, task_stats=dm.task_stats)
+            def on_close(group_id: str) -> None:
+                dm.close_group(group_id)
+                self.cancel(lambda r: r.group_id == group_id)  # the redundant rest (ROLL)
+
+            controller = RolloutController(list(by_id), submit, ccfg, task_stats=dm.task_stats,
+                                           on_plan=dm.expect_group, on_close=on_close)
             if ckpt is not None:
-                controller.load(ckpt / RC_STATE)
-            controller.set_version(learner.version)
+                controller.load(train_state_dir(ckpt) / RC_STATE, pending=dm.pending_episodes())
+            controller.gate.set_version(max(controller.version, learner.version))
+            self.controller = controller
+            if self.eval.due(learner.version):
+                self._start_eval(learner.version, scheduler)
 
             consumer = asyncio.create_task(self._consume(scheduler, dm, controller))
             filler = asyncio.create_task(controller.run(self.stop))
             try:
-                await self._learn(learner, dm, controller, sync, n_groups, consumer)
+                await self._learn(learner, dm, controller, sync, consumer)
+                filler.cancel()
+                await self._drain_eval(consumer)
             finally:
                 self.stop.set()
                 filler.cancel()
+                self.cancel(lambda r: True)
                 consumer.cancel()
                 await scheduler.aclose()
                 if self.farm is not None:
@@ -363,48 +460,128 @@ class Trainer:
             metrics.close()
         return self.summary(start_version)
 
-    def _run_one_factory(self, by_id: dict[str, Task], cache: FileCache, url: str, token: str,
-                         servers: list[PolicyServer], ecfg: EpisodeConfig, blobs: BlobStore,
-                         sink: JsonlSink) -> Callable[[Rollout], Awaitable[EpisodeRecord]]:
+    async def _bring_servers_up(self, sync: WeightSync, ckpt: Path | None, version: int) -> None:
+        """Running servers (not ours): take over the adapters they already have, then, after a
+        resume, bring them to the checkpoint's weights. A server whose sync fails keeps no version
+        (its answers or its adapter names say which weights they are); none synced is an error."""
+        for err in await sync.adopt(set(range(version + 1))):
+            self.console.print(f"[yellow]could not list a server's adapters[/]: {err}", highlight=False)
+        if ckpt is None:
+            return
+        results = await self._sync(sync, ckpt, version)
+        if not any(r.ok for r in results):
+            raise TrainError(f"no policy server could be brought to the resumed version {version}: "
+                             + "; ".join(r.error or "?" for r in results))
+
+    def _exemplar(self, task_id: str, dm: DataManager, infos: dict[str, TaskInfo]) -> str | None:
+        """XRPO: a solved related task's episode for a task with no success yet."""
+        st = dm.task_stats.get(task_id)
+        if (st is not None and st.successes) or dm.pool.get(task_id):
+            return None
+        solved = {t: eps[-1].record for t, eps in dm.pool.items() if eps and t != task_id}
+        return pick_exemplar(infos[task_id], infos, solved)
+
+    def cancel(self, which: Callable[[Rollout], bool]) -> int:
+        """Cancel the running episodes ``which`` selects; they end as ``aborted``."""
+        n = 0
+        for item, task in list(self.running.values()):
+            if which(item) and not task.done():
+                task.cancel()
+                n += 1
+        return n
+
+    def _start_eval(self, version: int, scheduler: RolloutScheduler[Rollout, EpisodeRecord]) -> None:
+        for task_id in self.eval.start(version):
+            self.rollout_seq += 1
+            scheduler.submit(Rollout(task_id, self.rollout_seq, version, kind=EVAL))
+
+    async def _drain_eval(self, consumer: asyncio.Task[None]) -> None:
+        """Wait for the evaluations already started (the last version's included) to come back."""
+        if self.eval.outstanding:
+            self.cancel(lambda r: r.kind == TRAIN)
+            with self.console.status(f"waiting for {self.eval.outstanding} evaluation episode(s) ..."):
+                while self.eval.outstanding and not consumer.done() and not self.stop.is_set():
+                    await asyncio.sleep(0.2)
+
+    def _run_one_factory(self, by_id: dict[str, Task], eval_by_id: dict[str, Task], cache: FileCache,
+                         eval_cache: FileCache | None, url: str, token: str, servers: list[PolicyServer],
+                         ecfg: EpisodeConfig, blobs: BlobStore, sink: JsonlSink,
+                         eval_sink: JsonlSink) -> Callable[[Rollout], Awaitable[EpisodeRecord]]:
         async def run_one(item: Rollout) -> EpisodeRecord:
-            self.in_flight[id(item)] = time.monotonic()
+            key = id(item)
+            self.in_flight[key] = time.monotonic()
             if self.farm is None:
                 self.farm = AsyncFarm(url, token)
                 await self.farm.__aenter__()
             farm = self.farm
-            task_id, seq = item.task_id, item.seq
-            server = servers[seq % len(servers)]
-            model, version = self.sync.route(server)
-            if version is not None:
-                self.in_flight_versions[id(item)] = version
-            agent = self.make_agent(server.url, model)
+            server = self._pick_server(servers, item.seq)
+            agent = RoutedAgent(self.make_agent(server.url, self.cfg.policy.model_name,
+                                                seed=request_seed(self.cfg.seed, self.start_version, item.seq)),
+                                functools.partial(self.sync.route, server),
+                                interruptible=self.cfg.rollout.interruptible)
+            if agent.version is not None:
+                self.in_flight_versions[key] = agent.version
+            evaluating = item.kind == EVAL
+            task = (eval_by_id if evaluating else by_id)[item.task_id]
+            if item.exemplar:
+                task = task.model_copy(update={"instruction": task.instruction + item.exemplar})
+            cfg = ecfg if item.max_steps is None or evaluating else replace(ecfg, max_steps=item.max_steps)
+            episode = asyncio.ensure_future(run_episode(farm, task, agent, (eval_cache or cache) if evaluating else cache,
+                                                        cfg, self.run_id))
+            self.running[key] = (item, episode)
             try:
-                res = await run_episode(farm, by_id[task_id], agent, cache, ecfg, self.run_id)
+                res = await episode
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # the scheduler itself is being stopped
+                raise Aborted(f"rollout {item.seq} of {item.group_id or item.task_id} cancelled") from None
             finally:
-                self.in_flight_versions.pop(id(item), None)
-            if version is not None:
-                tag_versions(res.steps, version)
+                self.running.pop(key, None)
+                self.in_flight_versions.pop(key, None)
             # every rollout of a task is its own episode (the runner's ids are per task and attempt)
-            res.episode_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{self.run_id}:{task_id}:{seq}"))
+            res.episode_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{self.run_id}:{item.task_id}:{item.seq}"))
             rec = await asyncio.to_thread(episode_record, res, self.run_id, blobs)
-            await asyncio.to_thread(sink.publish, rec)
+            if item.group_id is not None:
+                rec["group_id"] = item.group_id
+            await asyncio.to_thread((eval_sink if evaluating else sink).publish, rec)
             return rec
 
         return run_one
 
+    def _pick_server(self, servers: list[PolicyServer], seq: int) -> PolicyServer:
+        """Round robin over the servers, leaving out one that fell more than η versions behind
+        (its syncs failed: what it rolls out could only be dropped as stale)."""
+        floor = self.controller.version - self.cfg.rollout.eta if hasattr(self, "controller") else 0
+        fresh = [s for s in servers if (v := self.sync.versions.get(s.url)) is None or v >= floor]
+        pool = fresh or servers
+        return pool[seq % len(pool)]
+
     async def _consume(self, scheduler: RolloutScheduler[Rollout, EpisodeRecord], dm: DataManager,
                        controller: RolloutController) -> None:
         async for done in scheduler.results():
-            rec = done.result
+            item, rec = done.item, done.result
+            self.in_flight.pop(id(item), None)
+            if item.kind == EVAL:
+                row = self.eval.add(item.version, rec["status"] if rec else None, rec["score"] if rec else None)
+                if rec is None:
+                    self.console.print(f"[yellow]evaluation episode failed[/]: {type(done.error).__name__}: "
+                                       f"{done.error}", highlight=False)
+                if row is not None:
+                    self.metrics.log_eval(row)
+                continue
             if rec is None:
-                outcome = f"error: {type(done.error).__name__}: {done.error}"
-                self.console.print(f"[yellow]rollout failed[/]: {outcome}", highlight=False)
-                controller.on_episode(done.item.task_id, False)
+                aborted = isinstance(done.error, Aborted)
+                outcome = "aborted" if aborted else f"error: {type(done.error).__name__}: {done.error}"
+                if aborted:
+                    self.totals["aborted"] += 1
+                else:
+                    self.console.print(f"[yellow]rollout failed[/]: {outcome}", highlight=False)
+                controller.on_episode(item.group_id or "", ABORTED if aborted else REJECTED)
             else:
                 outcome = dm.add(rec, self.run_dir)
-                controller.on_episode(rec["task_id"], outcome == "accepted")
-            self.in_flight.pop(id(done.item), None)
-            self.window.add(rec, outcome if rec is not None else "error", done.started, done.finished)
+                controller.on_episode(item.group_id or "", outcome if outcome == ACCEPTED else REJECTED)
+            self.window.add(rec, outcome if rec is not None else outcome.partition(":")[0], done.started, done.finished)
             self.totals["episodes"] += 1
             self.totals["env_busy_s"] += done.finished - done.started
             if self.cfg.max_episodes is not None and self.totals["episodes"] >= self.cfg.max_episodes:
@@ -420,10 +597,10 @@ class Trainer:
         return results
 
     async def _learn(self, learner: Learner, dm: DataManager, controller: RolloutController, sync: WeightSync,
-                     n_groups: int, consumer: asyncio.Task[None]) -> None:
+                     consumer: asyncio.Task[None]) -> None:
         cfg, eta = self.cfg, self.cfg.rollout.eta
         while learner.version < cfg.updates and not self.stop.is_set():
-            get = asyncio.create_task(dm.get_batch(n_groups))
+            get = asyncio.create_task(dm.get_batch(cfg.rollout.batch_size, flush=controller.blocked))
             stopping = asyncio.create_task(self.stop.wait())
             done, _ = await asyncio.wait({get, consumer, stopping}, return_when=asyncio.FIRST_COMPLETED)
             stopping.cancel()
@@ -435,31 +612,45 @@ class Trainer:
                     raise TrainError(f"the episode consumer stopped: {consumer.exception()}")
                 raise TrainError("the episode stream ended before the run finished")
             batch = get.result()
-            samples = [s for s in batch.samples if s.policy_version is None or learner.version - s.policy_version <= eta]
+            # the data manager's version window already holds; experience-pool replays are exempt
+            samples = [s for s in batch.samples
+                       if s.from_pool or s.policy_version is None or learner.version - s.policy_version <= eta]
             self.totals["stale_dropped"] += len(batch.samples) - len(samples)
             if not samples:
+                controller.consume(batch.episodes)
                 continue
             stale = staleness_of(samples, learner.version)
             t_update = time.monotonic()
             stats = await self.in_learner(learner.update, samples)
             update_s = time.monotonic() - t_update
+            if stats.skipped:  # nothing changed: no checkpoint, no sync, the version stays
+                self.totals["skipped_updates"] += 1
+                self.console.print(f"[yellow]update skipped[/]: every optimizer step had a non-finite gradient "
+                                   f"(version stays {learner.version})", highlight=False)
+                controller.consume(batch.episodes)
+                continue
             version = stats.version
             t_sync = time.monotonic()
             dm.set_version(version)  # pending episodes now outside the window are dropped before saving
+            dm_state = dm.state_json()  # snapshots taken here, on the event loop that changes them
 
-            def write_states(d: Path) -> None:
-                dm.save_state(d)
-                controller.save(d / RC_STATE)
+            def write_states(d: Path, text: str = dm_state) -> None:
+                dm.save_state(d, text)
 
             ckpt = await self.in_learner(learner.save, self.ckpt_root / f"v{version}",
-                                           {"run_dir": str(self.run_dir), "totals": self.totals}, write_states)
+                                         {"run_dir": str(self.run_dir), "totals": dict(self.totals)}, write_states)
             results = await self._sync(sync, ckpt, version)
             for err in await sync.prune(set(self.in_flight_versions.values())):
                 self.console.print(f"[yellow]adapter unload failed[/]: {err}", highlight=False)
             sync_s = time.monotonic() - t_sync
-            controller.set_version(version)  # only now may rollouts count on the new weights
-            await asyncio.to_thread(controller.save, ckpt / RC_STATE)  # the checkpoint's copy at the new version
-            self._prune_checkpoints()
+            controller.set_version(version, batch.episodes)  # only now may rollouts count on the new weights
+            rc_state = controller.state_json()
+            await asyncio.to_thread(controller.save, train_state_dir(ckpt) / RC_STATE, rc_state)
+            await asyncio.to_thread(prune_checkpoints, self.ckpt_root, cfg.keep_checkpoints)
+            if not cfg.rollout.interruptible:  # what started before the window can only come back stale
+                self.cancel(lambda r: r.kind == TRAIN and r.version < version - eta)
+            if self.eval.due(version):
+                self._start_eval(version, self.scheduler)
             self.totals["samples"] += len(samples)
             self.totals["updates_this_run"] += 1
             self._log_row(stats, samples, stale, update_s, sync_s, results, batch, controller)
@@ -482,41 +673,51 @@ class Trainer:
             "samples": len(samples),
             "samples_per_s": len(samples) / wall,
             "batch_reward": sum(s.reward for s in samples) / len(samples),
+            "batch_episodes": batch.episodes,
+            "pool_samples": sum(1 for s in samples if s.from_pool),
             "staleness_max": max(stale) if stale else 0,
             "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
-            "sample_versions": sorted({s.policy_version for s in samples if s.policy_version is not None}),
+            "sample_versions": sorted({s.policy_version for s in samples
+                                       if s.policy_version is not None and not s.from_pool}),
             "loss": stats.loss,
             "kl": stats.extra.get("loss/approx_kl"),
             "kl_behav": stats.extra.get("loss/behav_kl"),
             "entropy": stats.entropy,
             "grad_norm": stats.grad_norm,
             "clip_frac": stats.extra.get("loss/clip_frac"),
+            "lr": stats.lr,
+            "skipped_steps": stats.skipped_steps,
             "update_s": update_s,
             "sync_s": sync_s,
             "sync_ok": all(r.ok for r in results),
             "server_versions": [r.version for r in results if r.ok],
             "groups": len(batch.groups),
+            "group_sizes": [len(g.episodes) for g in batch.groups],
             "capacity": controller.capacity(),
             "outcomes": w.outcomes,
             "eta": self.cfg.rollout.eta,
+            "ranks": self.ctx.world,
             "counters": dict(self.learner.counters),
         }
+        if self.eval.results:
+            last = self.eval.results[-1]
+            row["eval_version"], row["eval_success_rate"] = last["version"], last["success_rate"]
         self.metrics.log(row)
-
-    def _prune_checkpoints(self) -> None:
-        keep = self.cfg.keep_checkpoints
-        dirs = sorted((d for d in self.ckpt_root.iterdir() if d.is_dir() and d.name[1:].isdigit()),
-                      key=lambda d: int(d.name[1:]))
-        for d in dirs[:-keep]:
-            shutil.rmtree(d, ignore_errors=True)
 
     def summary(self, start_version: int) -> dict[str, Any]:
         rows = self.metrics.rows() if hasattr(self, "metrics") else []
         return {"run_dir": str(self.run_dir), "start_version": start_version,
                 "version": self.learner.version if hasattr(self, "learner") else start_version,
                 "counters": dict(self.learner.counters) if hasattr(self, "learner") else {},
-                "totals": self.totals, "rows": len(rows),
+                "totals": self.totals, "rows": len(rows), "eval": self.eval.read(),
                 "plot": str(self.run_dir / "curves.png") if (self.run_dir / "curves.png").is_file() else None}
+
+
+def request_seed(seed: int, start_version: int, seq: int) -> int:
+    """A distinct, reproducible sampling seed per rollout of a run (its steps add their index):
+    the same config samples the same tokens from the same weights, so a synchronous run is
+    reproducible; a resumed process (its rollout numbers start again) draws new ones."""
+    return (seed * 1_000_003 + start_version * 10_007 + seq * 7919) % (2**31)
 
 
 def checkpoint_state(run_dir: Path) -> dict[str, Any] | None:
@@ -525,9 +726,26 @@ def checkpoint_state(run_dir: Path) -> dict[str, Any] | None:
     return read_state(ckpt) if ckpt else None
 
 
+def run_learner_rank(cfg: TrainConfig, ctx: DistContext) -> None:
+    """Ranks > 0: a learner that follows rank 0's commands (rank 0 runs the trainer)."""
+    run_dir = Path(cfg.run_dir or ".").resolve()
+    learner, _ = load_learner(cfg, run_dir / CHECKPOINTS, ctx)
+    learner.serve_commands()
+
+
 def train(cfg: TrainConfig, console: Console | None = None) -> dict[str, Any]:
-    """Run a training run to ``cfg.updates`` policy versions (SIGTERM/SIGINT stop it cleanly)."""
-    trainer = Trainer(cfg, console)
+    """Run a training run to ``cfg.updates`` policy versions (SIGTERM/SIGINT stop it cleanly).
+
+    Under torchrun (``WORLD_SIZE`` > 1) rank 0 runs the trainer and the other ranks its learner."""
+    ctx = DistContext.from_env()
+    if ctx.enabled and cfg.run_dir is None:
+        raise TrainError("several learner ranks need an explicit run_dir (they load the same checkpoints)")
+    if cfg.devices.learner and len(cfg.devices.learner) != ctx.world:
+        raise TrainError(f"devices.learner lists {len(cfg.devices.learner)} devices for {ctx.world} learner rank(s)")
+    if ctx.enabled and not ctx.is_main:
+        run_learner_rank(cfg, ctx)
+        return {"rank": ctx.rank}
+    trainer = Trainer(cfg, console, ctx)
 
     async def main() -> dict[str, Any]:
         loop = asyncio.get_running_loop()

@@ -8,7 +8,13 @@ may start only while
 
 so at most (η + 1) batches beyond what versions 0..v−1 consumed are accepted or in flight:
 a rollout started at version v is consumed by an update no later than v + η. η = 0 is
-synchronous RL (generate one batch, train, repeat). ``accepted`` counts finished rollouts that
+synchronous RL (generate one batch, train, repeat). When updates consume whole GRPO groups, an
+update may take a little more than a batch; the gate then counts what was really ``consumed``
+(v·batch_size is the special case) and may be given a ``slack`` of rollouts (the largest group
+less one), so a learner waiting for whole groups is never left without room for them:
+
+    capacity = min(max_concurrent − running, (η + 1)·batch_size + slack + consumed − (accepted + running))
+ ``accepted`` counts finished rollouts that
 became training data; rejected ones (infra errors, episodes the storage rules drop) give their
 slot back. After a resume ``accepted`` restarts at v·batch_size: a counter restored as 0 (or
 lost) would let (η + v + 1) whole batches start at once, the unbounded staleness AReaL's
@@ -24,12 +30,14 @@ from pathlib import Path
 
 
 def staleness_capacity(*, version: int, eta: int, batch_size: int, accepted: int, running: int,
-                       max_concurrent: int | None = None) -> int:
-    """How many more rollouts may start now (≤ 0: none). ``max_concurrent`` None = no env limit."""
-    if eta < 0 or batch_size < 1 or version < 0:
-        raise ValueError(f"need eta >= 0, batch_size >= 1, version >= 0; got eta={eta}, "
-                         f"batch_size={batch_size}, version={version}")
-    by_staleness = (eta + version + 1) * batch_size - (accepted + running)
+                       max_concurrent: int | None = None, consumed: int | None = None, slack: int = 0) -> int:
+    """How many more rollouts may start now (≤ 0: none). ``max_concurrent`` None = no env limit;
+    ``consumed`` None = version·batch_size (every update took exactly one batch)."""
+    if eta < 0 or batch_size < 1 or version < 0 or slack < 0:
+        raise ValueError(f"need eta >= 0, batch_size >= 1, version >= 0, slack >= 0; got eta={eta}, "
+                         f"batch_size={batch_size}, version={version}, slack={slack}")
+    used = version * batch_size if consumed is None else consumed
+    by_staleness = (eta + 1) * batch_size + slack + used - (accepted + running)
     if max_concurrent is None:
         return by_staleness
     return min(max_concurrent - running, by_staleness)
@@ -59,6 +67,7 @@ class StalenessState:
     running: int = 0
     rejected: int = 0
     submitted: int = 0
+    consumed: int | None = None  # accepted episodes the updates trained on (None: version·batch_size)
 
 
 class StalenessGate:
@@ -77,10 +86,17 @@ class StalenessGate:
         self.eta, self.batch_size, self.max_concurrent = eta, batch_size, max_concurrent
         self.state = state or StalenessState()
 
-    def capacity(self) -> int:
+    def capacity(self, slack: int = 0) -> int:
         s = self.state
         return staleness_capacity(version=s.version, eta=self.eta, batch_size=self.batch_size, accepted=s.accepted,
-                                  running=s.running, max_concurrent=self.max_concurrent)
+                                  running=s.running, max_concurrent=self.max_concurrent, consumed=s.consumed,
+                                  slack=slack)
+
+    def consume(self, n: int) -> None:
+        """An update trained on ``n`` accepted episodes."""
+        if self.state.consumed is None:
+            self.state.consumed = self.state.version * self.batch_size
+        self.state.consumed += n
 
     def submit(self, n: int = 1) -> None:
         self.state.running += n

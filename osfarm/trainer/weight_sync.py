@@ -7,8 +7,8 @@ and its response says which version produced it.
 
 Each server has an adapter for its kind:
 
-* ``osfarm``: our CPU policy server: ``POST /v1/weights/reload {"path", "version"}`` answers
-  ``{"version"}``.
+* ``osfarm``: our CPU policy server: ``POST /v1/weights/reload {"path", "version"}`` (the
+  checkpoint's ``model/`` dir) answers ``{"version"}``.
 * ``vllm_lora``: vLLM with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``:
   ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` with the checkpoint's ``adapter/``
   dir (``learner.lora`` must be set). vLLM's responses carry no policy version, so by default
@@ -16,19 +16,25 @@ Each server has an adapter for its kind:
   it starts and keeps it, so each of its steps was produced by exactly version N. Adapters no
   episode uses any more are unloaded (``prune``). ``lora_versioned: false`` instead reloads one
   name in place (``load_inplace``); steps are then tagged with a lower bound of their version.
+  A server that kept running while the trainer restarted still has its adapters: :meth:`adopt`
+  reads them from ``GET /v1/models`` (an adapter already loaded from the same path is taken as
+  is, one of that name from another path is replaced in place), so a resumed run goes on with
+  them instead of failing on "already loaded".
 * ``command``: anything else (a vLLM restart, a ``/collective_rpc`` reload, a k8s rollout): a
-  shell command template run with ``{path}``, ``{version}`` and ``{url}`` filled in; when it
-  exits 0 the server is waited on until healthy.
+  shell command template run with ``{path}`` (the served weights, ``model/``), ``{checkpoint}``,
+  ``{version}`` and ``{url}`` filled in; when it exits 0 the server is waited on until healthy.
 
 Every call has a timeout and is followed by a health check (``GET /health``; one before it too,
 except for a command, which may be what revives a dead server); a server that fails keeps its
-old version, the failure is reported and logged, and the sync goes on with the next server
-(weight syncs that hang forever are the most reported failure of RL trainers).
+old version (its answers keep saying so, or keep the old adapter's name), the failure is reported
+and logged, and the sync goes on with the next server (weight syncs that hang forever are the most
+reported failure of RL trainers).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import shlex
 import time
 from collections.abc import Sequence
@@ -38,7 +44,7 @@ from pathlib import Path
 import httpx
 
 from osfarm.policy.client import PolicyServer, PolicyUnavailable, wait_healthy
-from osfarm.trainer.learner import ADAPTER_DIR
+from osfarm.trainer.checkpoint import ADAPTER_DIR, model_dir
 
 
 @dataclass
@@ -55,7 +61,7 @@ class SyncError(RuntimeError):
 
 
 async def _reload_osfarm(client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> None:
-    r = await client.post(f"{server.url}/v1/weights/reload", json={"path": str(path), "version": version},
+    r = await client.post(f"{server.url}/v1/weights/reload", json={"path": str(model_dir(path)), "version": version},
                           headers=server.headers(), timeout=server.timeout_s)
     if r.status_code != 200:
         raise SyncError(f"{server.url}/v1/weights/reload: HTTP {r.status_code}: {r.text[:300]}")
@@ -69,12 +75,26 @@ def adapter_name(server: PolicyServer, version: int) -> str:
     return f"{server.lora_name}-v{version}" if server.lora_versioned else server.lora_name
 
 
+async def served_adapters(client: httpx.AsyncClient, server: PolicyServer) -> dict[str, str | None]:
+    """The LoRA adapters a server has loaded: name -> path (``GET /v1/models``: vLLM lists each
+    adapter with ``parent`` set and its path as ``root``)."""
+    r = await client.get(f"{server.url}/v1/models", headers=server.headers(), timeout=server.health_timeout_s)
+    if r.status_code != 200:
+        raise SyncError(f"{server.url}/v1/models: HTTP {r.status_code}: {r.text[:300]}")
+    return {str(m["id"]): m.get("root") for m in r.json().get("data", []) if m.get("parent")}
+
+
 async def _reload_vllm_lora(client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> None:
     adapter = path / ADAPTER_DIR
     if not adapter.is_dir():
         raise SyncError(f"{path}: no {ADAPTER_DIR}/ (vllm_lora needs learner.lora)")
-    body = {"lora_name": adapter_name(server, version), "lora_path": str(adapter),
-            "load_inplace": not server.lora_versioned}
+    name = adapter_name(server, version)
+    loaded = await served_adapters(client, server)
+    if name in loaded and loaded[name] is not None and Path(str(loaded[name])).resolve() == adapter.resolve():
+        return  # still loaded from a run that went on from this checkpoint: nothing to do
+    # a name loaded from elsewhere (another run) is replaced in place, never trusted
+    body = {"lora_name": name, "lora_path": str(adapter),
+            "load_inplace": (not server.lora_versioned) or name in loaded}
     r = await client.post(f"{server.url}/v1/load_lora_adapter", json=body, headers=server.headers(),
                           timeout=server.timeout_s)
     if r.status_code != 200:
@@ -91,7 +111,8 @@ async def _unload_vllm_lora(client: httpx.AsyncClient, server: PolicyServer, nam
 async def _reload_command(server: PolicyServer, path: Path, version: int) -> None:
     if not server.command:
         raise SyncError(f"{server.url}: kind 'command' needs a command template")
-    cmd = server.command.format(path=shlex.quote(str(path)), version=version, url=shlex.quote(server.url))
+    cmd = server.command.format(path=shlex.quote(str(model_dir(path))), checkpoint=shlex.quote(str(path)),
+                                version=version, url=shlex.quote(server.url))
     proc = await asyncio.create_subprocess_shell(cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
         out, _ = await asyncio.wait_for(proc.communicate(), server.timeout_s)
@@ -126,6 +147,27 @@ class WeightSync:
             v = version if version in loaded else max(loaded)
             return loaded[v], v
         return self.base_model, version
+
+    async def adopt(self, versions: set[int] | None = None) -> list[str]:
+        """Take over the versioned adapters the vllm_lora servers already serve (a server that kept
+        running while the trainer restarted): they are routed to and pruned like our own.
+        ``versions``: only these (None: every ``<lora_name>-v<N>``). Returns what failed."""
+        errors: list[str] = []
+        async with httpx.AsyncClient() as client:
+            for server in self.servers:
+                if server.kind != "vllm_lora" or not server.lora_versioned:
+                    continue
+                pattern = re.compile(re.escape(server.lora_name) + r"-v(\d+)")
+                try:
+                    loaded = await served_adapters(client, server)
+                except (SyncError, httpx.HTTPError, ValueError) as e:
+                    errors.append(str(e) if isinstance(e, SyncError) else f"{server.url}: {type(e).__name__}: {e}")
+                    continue
+                for name in loaded:
+                    m = pattern.fullmatch(name)
+                    if m and (versions is None or int(m.group(1)) in versions):
+                        self.adapters[server.url][int(m.group(1))] = name
+        return errors
 
     async def sync_one(self, client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> SyncResult:
         t0 = time.perf_counter()
