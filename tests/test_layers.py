@@ -81,6 +81,7 @@ LAZY_THIRD_PARTY = {
     "libvirt_qemu": "system binding (python3-libvirt); only on libvirt hosts",
     "gi": "system binding (AT-SPI over GObject); only inside a desktop with an accessibility bus",
     "pandas": "~0.2 s to import; only the table getters need it",
+    "wandb": "optional (not in any extra); only when a W&B project is configured for training",
     "easyocr": "optional extra (ocr); seconds to import (torch); only compare_image_text",
     "easyocr_en_models": "optional extra (ocr): EasyOCR's weights; only compare_image_text",
 }
