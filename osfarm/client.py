@@ -69,6 +69,15 @@ class FarmCapacityError(FarmAPIError):
     """429 (every desktop leased; retry after ``retry_after_s``) or 503 (cannot start desktops)."""
 
 
+class LeaseQuotaError(FarmCapacityError):
+    """429 with ``X-Osfarm-Quota``: this token holds as many leases as it may; release one (waiting
+    does not help)."""
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """413: the request body is over the farm's limit (the detail names it)."""
+
+
 class DesktopGuestError(FarmAPIError):
     """5xx: the desktop's guest server failed or timed out (the lease may still be usable)."""
 
@@ -79,7 +88,8 @@ class FarmUnreachableError(FarmAPIError):
 
 _BY_STATUS: dict[int, type[FarmAPIError]] = {
     400: InvalidRequestError, 422: InvalidRequestError, 401: AuthError, 403: ForeignLeaseError,
-    404: UnknownDesktopError, 410: LeaseGoneError, 429: FarmCapacityError, 503: FarmCapacityError,
+    404: UnknownDesktopError, 410: LeaseGoneError, 413: RequestTooLargeError, 429: FarmCapacityError,
+    503: FarmCapacityError,
 }  # fmt: skip
 
 
@@ -88,6 +98,8 @@ def _error_for(r: httpx.Response) -> FarmAPIError:
     retry = r.headers.get("retry-after")
     retry_s = float(retry) if retry and retry.replace(".", "", 1).isdigit() else None
     cls = _BY_STATUS.get(r.status_code) or (DesktopGuestError if r.status_code >= 500 else FarmAPIError)
+    if r.status_code == 429 and "x-osfarm-quota" in r.headers:
+        cls = LeaseQuotaError
     return cls(r.status_code, detail, retry_s)
 
 
@@ -303,6 +315,10 @@ class AsyncFarm:
     async def pool(self) -> dict[str, Any]:
         return (await self._request("GET", "/v1/pool")).json()
 
+    async def whoami(self) -> dict[str, Any]:
+        """This token's principal: name, role, limits, leases held."""
+        return (await self._request("GET", "/v1/whoami")).json()
+
     async def healthz(self) -> dict[str, Any]:
         return (await self._request("GET", "/healthz")).json()
 
@@ -457,6 +473,10 @@ class Farm:
     def pool(self) -> dict[str, Any]:
         return self._request("GET", "/v1/pool").json()
 
+    def whoami(self) -> dict[str, Any]:
+        """This token's principal: name, role, limits, leases held."""
+        return self._request("GET", "/v1/whoami").json()
+
     def healthz(self) -> dict[str, Any]:
         return self._request("GET", "/healthz").json()
 
@@ -473,5 +493,5 @@ class Farm:
 __all__ = [
     "AsyncFarm", "AsyncRemoteDesktop", "AuthError", "DesktopGuestError", "Farm", "FarmAPIError", "FarmCapacityError",
     "FarmUnreachableError", "ForeignLeaseError", "InvalidRequestError",
-    "LeaseGoneError", "RemoteDesktop", "UnknownDesktopError", "screenshot_bytes", "screenshot_image",
+    "LeaseGoneError", "LeaseQuotaError", "RemoteDesktop", "RequestTooLargeError", "UnknownDesktopError", "screenshot_bytes", "screenshot_image",
 ]  # fmt: skip

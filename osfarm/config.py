@@ -28,7 +28,29 @@ class FarmSettings(BaseSettings):
 
     host: str = Field(default="127.0.0.1", description="address the farm API binds (loopback by default)")
     port: int = Field(default=8765, ge=0, le=65535)
-    token: str = Field(default="", description="bearer token for the farm API; generated when empty")
+    token: str = Field(default="", description="the admin bearer token of the farm API; generated when empty")
+    tokens_file: Path | None = Field(
+        default=None, description="per-client tokens: a YAML file of {name, role, sha256, max_leases, max_ttl_s} "
+        "entries (osfarm tokens add); see osfarm/http/principals.py",
+    )
+    tokens: str = Field(
+        default="", description="per-client tokens as a list: name:role:token-or-sha256:<hex>[:max_leases[:max_ttl_s]], "
+        "comma-separated (OSFARM_TOKENS)",
+    )
+    client_max_leases: int | None = Field(default=None, ge=1, description="lease quota of a client token without its own")
+    client_max_ttl_s: float | None = Field(default=None, gt=0, description="longest lease TTL of a client token without its own")
+    max_body_bytes: int = Field(default=16 << 20, ge=1024, description="largest request body of the farm API (413 above)")
+    max_upload_bytes: int = Field(
+        default=1 << 30, ge=1024, description="largest request body through the guest passthrough (uploads; 413 above)"
+    )
+    task_cache_dir: Path | None = Field(
+        default=None, description="the task routes' file cache (OSWorld layout <dir>/<task id>/<file>, url_map.json); "
+        "default <state_dir>/task-cache. file:// and local task paths are only read from here and task_suite_dir",
+    )
+    task_suite_dir: Path | None = Field(
+        default=None, description="a suite folder whose files the task routes may upload (relative task paths resolve here)"
+    )
+    task_offline: bool = Field(default=True, description="the task routes never download: a file not in the cache is a 424")
     provider: Literal["sandbox", "docker", "libvirt"] = Field(
         default="sandbox", description="how desktops are boxed: sandbox (bubblewrap, no daemon), docker, libvirt"
     )
@@ -82,6 +104,9 @@ class FarmSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _YamlFileSource(settings_cls))
+
+    def resolved_task_cache_dir(self) -> Path:
+        return self.task_cache_dir if self.task_cache_dir is not None else self.state_dir / "task-cache"
 
     def ensure_token(self) -> FarmSettings:
         if not self.token:

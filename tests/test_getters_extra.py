@@ -43,6 +43,12 @@ class FakeController:
     def get_file(self, path: str) -> bytes | None:
         return self.files.get(path)
 
+    def download_file(self, path: str, dest: str | Path, max_bytes: int | None = None) -> bool:
+        data = self.files.get(path)
+        if data is not None:
+            Path(dest).write_bytes(data)
+        return data is not None
+
     def get_accessibility_tree(self) -> str | None:
         if self.raises:
             raise RuntimeError("guest gone")

@@ -92,7 +92,8 @@ def test_cache_osworld_layout_and_url_map(tmp_path: Path) -> None:
     (maps / "files").mkdir(parents=True)
     (maps / "files" / "b.bin").write_bytes(b"mapped")
     (maps / "urls.yaml").write_text("https://example.invalid/b.bin: files/b.bin\n")
-    fc = FileCache(root, load_url_map(maps / "urls.yaml"), offline=True)
+    # the map's files lie outside the cache: the operator names their folder as a root
+    fc = FileCache(root, load_url_map(maps / "urls.yaml"), offline=True, roots=[maps])
     assert fc.fetch(url, "t1", name="a.xlsx").read_bytes() == b"osworld"
     assert fc.fetch("https://example.invalid/x/plain.txt", "t1").read_bytes() == b"plain"
     assert fc.fetch("https://example.invalid/b.bin", "t1").read_bytes() == b"mapped"

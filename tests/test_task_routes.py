@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+
+from osfarm.farm.server import FarmServer
 
 
 OUT = "/home/user/Desktop/out.txt"
@@ -34,9 +35,10 @@ def detail(r: httpx.Response) -> str:
     return body["detail"]
 
 
-def copy_task(local: Path) -> dict[str, Any]:
+def copy_task(local: str) -> dict[str, Any]:
+    """``local``: a file of the farm's task cache (``task_cache_dir/<task id>/``): the API takes no host path."""
     return task(
-        [{"type": "upload_file", "parameters": {"files": [{"local_path": str(local), "path": "/home/user/Desktop/in.txt"}]}},
+        [{"type": "upload_file", "parameters": {"files": [{"local_path": local, "path": "/home/user/Desktop/in.txt"}]}},
          {"type": "launch", "parameters": {"command": ["xfce4-terminal", "--disable-server"]}},
          {"type": "activate_window", "parameters": {"window_name": "xfce4-terminal", "by_class": True}}],
         {"postconfig": [{"type": "execute", "parameters": {
@@ -47,10 +49,11 @@ def copy_task(local: Path) -> dict[str, Any]:
     )
 
 
-def test_reset_step_evaluate(api: httpx.Client, lid: str, tmp_path: Path) -> None:
-    local = tmp_path / "in.txt"
-    local.write_text("payload-42\n")
-    t = copy_task(local)
+def test_reset_step_evaluate(api: httpx.Client, lid: str, farm: FarmServer) -> None:
+    cached = farm.settings.resolved_task_cache_dir() / "osfarm-task-routes-1" / "in.txt"
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    cached.write_text("payload-42\n")
+    t = copy_task("in.txt")
     r = api.post(f"/v1/desktops/{lid}/reset", json={"task": t})
     assert r.status_code == 200, r.text
     body = r.json()

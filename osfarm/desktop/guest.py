@@ -39,6 +39,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from osfarm.desktop import native_routes, osworld_routes
 from osfarm.desktop.guest_state import Desktop
 from osfarm.http.auth import BearerAuth
+from osfarm.http.body_limit import BodyLimit, BodyRule
+
+# Request bodies: actions and commands are small; uploads (a task's input files) may be large, and
+# are spooled to disk by the form parser, never held in memory. Over the limit: 413.
+MAX_BODY_BYTES = 16 << 20
+MAX_UPLOAD_BYTES = 1 << 30
 
 
 def create_app(
@@ -80,7 +86,9 @@ def create_app(
     app = FastAPI(title="osfarm guest", version="1", lifespan=lifespan, docs_url=None,
                   redoc_url=None, openapi_url="/v1/openapi.json")
     app.state.desktop = desk
-    app.add_middleware(BearerAuth, token=token)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, setting="the guest's MAX_BODY_BYTES",
+                       rules=[BodyRule(r"/setup/upload$", MAX_UPLOAD_BYTES, "the guest's MAX_UPLOAD_BYTES")])
+    app.add_middleware(BearerAuth, token=token)  # added last = runs first: no body is read before the token
 
     # ---- error shapes
 

@@ -6,8 +6,10 @@
 * :mod:`~osfarm.farm.passthrough_routes`: the OSWorld-compatible guest passthrough.
 
 The app's lifespan makes the provider, starts the lease pool and closes both on shutdown; the
-routes reach them through :mod:`osfarm.farm.state`. Every route but ``/healthz`` needs the farm
-token (:class:`osfarm.http.auth.BearerAuth`, Bearer or Basic). Errors always answer
+routes reach them through :mod:`osfarm.farm.state`. Every route but ``/healthz`` needs a token
+(:class:`osfarm.http.auth.BearerAuth`, Bearer or Basic): the admin ``token`` or a client's
+(:mod:`osfarm.http.principals`), whose principal the routes get as ``CurrentPrincipal``. Request
+bodies are capped (:class:`osfarm.http.body_limit.BodyLimit`: 413 naming the limit). Errors always answer
 ``{"detail": "<message>"}``: a pool error with its own status, bad input with 400/422 naming the
 field, a crashed guest with 410, never a bare 500 page.
 """
@@ -27,18 +29,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import osfarm
 from osfarm.config import FarmSettings
 from osfarm.farm import desktop_routes, passthrough_routes, service_routes, task_routes
-from osfarm.farm.errors import ApiError, CapacityError, FarmError, describe
+from osfarm.farm.errors import ApiError, CapacityError, FarmError, QuotaExceeded, describe
 from osfarm.farm.state import FarmState
 from osfarm.http.auth import BearerAuth
+from osfarm.http.body_limit import BodyLimit, BodyRule
+from osfarm.http.principals import TokenTable, build_token_table
 from osfarm.providers.base import Provider
 
 log = logging.getLogger("osfarm.farm.api")
+
+# Marks a 429 that waiting does not cure (the token's lease quota); the client raises LeaseQuotaError.
+QUOTA_HEADER = "X-Osfarm-Quota"
 
 
 def create_app(settings: FarmSettings, provider: Provider | None = None) -> FastAPI:
     """The farm app. ``provider`` defaults to ``make_provider(settings)`` at startup; either
     way the app closes it at shutdown."""
     settings.ensure_token()
+    tokens = farm_tokens(settings)  # a bad token file fails here, before anything starts
     state = FarmState(settings, provider)
 
     @asynccontextmanager
@@ -61,14 +69,23 @@ def create_app(settings: FarmSettings, provider: Provider | None = None) -> Fast
         strict_content_type=False,
     )
     app.state.farm = state
-    app.add_middleware(BearerAuth, token=settings.token, public=service_routes.PUBLIC_PATHS, basic=True,
-                       realm="osfarm")
+    # Added first = runs inside: the token is checked before a byte of the body is read.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, setting="max_body_bytes (OSFARM_MAX_BODY_BYTES)",
+                       rules=[BodyRule(passthrough_routes.PATH_REGEX, settings.max_upload_bytes,
+                                       "max_upload_bytes (OSFARM_MAX_UPLOAD_BYTES)")])
+    app.add_middleware(BearerAuth, tokens=tokens, public=service_routes.PUBLIC_PATHS, basic=True, realm="osfarm")
     _add_error_handlers(app)
     app.include_router(service_routes.router)
     app.include_router(desktop_routes.router)
     app.include_router(task_routes.router)
     app.include_router(passthrough_routes.router)
     return app
+
+
+def farm_tokens(settings: FarmSettings) -> TokenTable:
+    """The admin token plus every client token of the settings (raises ConfigError naming a bad entry)."""
+    return build_token_table(settings.token, settings.tokens, settings.tokens_file,
+                             settings.client_max_leases, settings.client_max_ttl_s)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -79,6 +96,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         headers = None
         if isinstance(exc, CapacityError):
             headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+        elif isinstance(exc, QuotaExceeded):
+            headers = {QUOTA_HEADER: f"max_leases={exc.max_leases}"}
         return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=headers)
 
     @app.exception_handler(ApiError)

@@ -7,6 +7,7 @@ The native calls go to the desktop's guest server over :class:`~osfarm.farm.gues
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated
 
@@ -18,7 +19,8 @@ from osfarm.farm.errors import ApiError
 from osfarm.farm.metrics import STEP_SECONDS
 from osfarm.farm.pool import Lease
 from osfarm.farm.schemas import DESKTOP_ERRORS, ErrorBody, HeartbeatRequest, LeaseInfo, LeaseRequest
-from osfarm.farm.state import LeaseOf, Pool, State
+from osfarm.farm.state import Leaser, LeaseOf, Pool, State
+from osfarm.http.principals import Principal
 
 router = APIRouter(tags=["desktops"])
 
@@ -37,16 +39,35 @@ def lease_info(lease: Lease) -> LeaseInfo:
         guest_url=f"/v1/desktops/{lease.id}/guest",
         provider=lease.provider,
         image=lease.image,
+        client=lease.principal,
     )
+
+
+def allowed_ttl(principal: Principal, ttl_s: float | None, default_s: float) -> float | None:
+    """The TTL to grant: the asked one within the caller's ``max_ttl_s`` (422 above it); none
+    asked: the farm's default, capped at that maximum."""
+    limit = principal.max_ttl_s
+    if limit is None:
+        return ttl_s
+    if ttl_s is None:
+        return min(default_s, limit)
+    if ttl_s > limit:
+        raise ApiError(422, f"body.ttl_s: {ttl_s:g} s is longer than the {limit:g} s token {principal.name!r} may "
+                            "hold a lease (max_ttl_s); heartbeat to keep a lease longer")
+    return ttl_s
 
 
 @router.post("/v1/desktops", status_code=201, response_model=LeaseInfo, summary="Lease a desktop",
              responses={**DESKTOP_ERRORS,
-                        429: {"model": ErrorBody, "description": "every desktop is leased; retry after Retry-After"},
+                        429: {"model": ErrorBody, "description": "every desktop is leased (retry after Retry-After), "
+                              "or the token's lease quota is reached (max_leases; no Retry-After)"},
                         503: {"model": ErrorBody, "description": "desktops cannot be started"}})
-async def lease_desktop(pool: Pool, req: Annotated[LeaseRequest | None, Body()] = None) -> LeaseInfo:
+async def lease_desktop(pool: Pool, state: State, principal: Leaser,
+                        req: Annotated[LeaseRequest | None, Body()] = None) -> LeaseInfo:
     req = req or LeaseRequest()
-    return lease_info(await pool.lease(owner=req.owner, ttl_s=req.ttl_s, wait_s=req.wait_s))
+    ttl = allowed_ttl(principal, req.ttl_s, state.settings.lease_ttl_s)
+    return lease_info(await pool.lease(owner=req.owner, ttl_s=ttl, wait_s=req.wait_s, principal=principal.name,
+                                       max_leases=principal.max_leases))
 
 
 @router.get("/v1/desktops/{lease_id}", response_model=LeaseInfo, summary="Lease details", responses=DESKTOP_ERRORS)
@@ -93,8 +114,12 @@ async def screenshot(
 
 @router.post("/v1/desktops/{lease_id}/heartbeat", response_model=LeaseInfo, summary="Extend the lease",
              responses=DESKTOP_ERRORS)
-async def heartbeat(lease: LeaseOf, pool: Pool, req: Annotated[HeartbeatRequest | None, Body()] = None) -> LeaseInfo:
-    return lease_info(await pool.heartbeat(lease.id, req.ttl_s if req else None))
+async def heartbeat(lease: LeaseOf, pool: Pool, principal: Leaser,
+                    req: Annotated[HeartbeatRequest | None, Body()] = None) -> LeaseInfo:
+    ttl = req.ttl_s if req else None
+    if ttl is not None:
+        ttl = allowed_ttl(principal, ttl, lease.ttl_s)
+    return lease_info(await pool.heartbeat(lease.id, ttl))
 
 
 @router.delete("/v1/desktops/{lease_id}", status_code=204, response_class=Response,
@@ -102,4 +127,5 @@ async def heartbeat(lease: LeaseOf, pool: Pool, req: Annotated[HeartbeatRequest 
 async def release(lease: LeaseOf, pool: Pool, state: State) -> Response:
     await pool.release(lease.id)
     await state.drop_guest(lease.desktop_id)  # the reset may give the desktop a new socket
+    await asyncio.to_thread(state.drop_episode_dir, lease.id)  # what its tasks wrote on the host
     return Response(status_code=204)

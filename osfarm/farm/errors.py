@@ -52,6 +52,17 @@ class CapacityError(FarmError):
         self.retry_after_s = retry_after_s
 
 
+class QuotaExceeded(FarmError):
+    """The client holds as many leases as its token allows (429, no Retry-After: waiting does
+    not help, releasing one does); ``max_leases`` is its quota."""
+
+    status = 429
+
+    def __init__(self, message: str, max_leases: int):
+        super().__init__(message)
+        self.max_leases = max_leases
+
+
 class ApiError(Exception):
     """An HTTP error raised inside a route (not by the pool); answered as ``{"detail": message}``."""
 

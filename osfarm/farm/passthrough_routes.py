@@ -27,6 +27,9 @@ _RESPONSE_HEADERS = ("content-type", "content-length", "content-encoding", "cont
 
 router = APIRouter(tags=["guest passthrough"])
 
+# The passthrough's paths (uploads to the guest go here: their own body limit, max_upload_bytes).
+PATH_REGEX = r"/v1/desktops/[^/]+/guest(/|$)"
+
 
 async def guest_passthrough(path: str, request: Request, lease: LeaseOf, state: State) -> Response:
     headers = {k: request.headers[k] for k in _REQUEST_HEADERS if k in request.headers}

@@ -34,7 +34,7 @@ import httpx
 
 from osfarm.config import FarmSettings
 from osfarm.farm import metrics
-from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, ResetFailed, UnknownDesktop
+from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, QuotaExceeded, ResetFailed, UnknownDesktop
 from osfarm.http.errors import error_detail
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider
 
@@ -86,6 +86,7 @@ class Lease:
     wait_s: float
     provider: str = "sandbox"
     image: str | None = None
+    principal: str | None = None  # the client (token) holding it; only it and admins see the lease
 
 
 _LEASE_ID_ALPHABET = string.ascii_letters + string.digits
@@ -139,7 +140,8 @@ class LeasePool:
         )
         self._desktops: dict[str, _Desktop] = {}
         self._leases: dict[str, Lease] = {}
-        self._ended: OrderedDict[str, tuple[str | None, str]] = OrderedDict()
+        self._ended: OrderedDict[str, tuple[str | None, str, str | None]] = OrderedDict()  # owner, why, principal
+        self._requesting: dict[str | None, int] = {}  # lease requests in flight per principal (quotas)
         self._waiters: deque[asyncio.Future[_Desktop]] = deque()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._box_tasks: dict[str, asyncio.Task[Any]] = {}  # start/reset in flight, by desktop
@@ -225,9 +227,38 @@ class LeasePool:
 
     # -- leases -----------------------------------------------------------------------------
 
-    async def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0) -> Lease:
+    async def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0,
+                    principal: str | None = None, max_leases: int | None = None) -> Lease:
+        """A lease for ``principal`` (the client's name); with ``max_leases`` it may hold at most
+        that many at once, requests still waiting included (QuotaExceeded otherwise)."""
         if self._closed or not self._started:
             raise CapacityError("the farm is not running", status=503)
+        if max_leases is not None:
+            held = self.leases_held(principal) + self._requesting.get(principal, 0)
+            if held >= max_leases:
+                raise QuotaExceeded(f"lease quota reached: client {principal!r} holds {held} lease(s) or requests "
+                                    f"and may hold {max_leases} at once (max_leases); release one first",
+                                    max_leases)
+        self._requesting[principal] = self._requesting.get(principal, 0) + 1
+        try:
+            return await self._lease(owner, ttl_s, wait_s, principal)
+        finally:
+            self._requesting[principal] -= 1
+            if not self._requesting[principal]:
+                del self._requesting[principal]
+
+    def lease_ids(self) -> set[str]:
+        """Every live lease's id."""
+        return set(self._leases)
+
+    def lease_ids_of(self, principal: str | None) -> set[str]:
+        return {lease.id for lease in self._leases.values() if lease.principal == principal}
+
+    def leases_held(self, principal: str | None) -> int:
+        """Live leases of ``principal`` (expired ones not yet swept count until the next check)."""
+        return sum(1 for lease in self._leases.values() if lease.principal == principal)
+
+    async def _lease(self, owner: str | None, ttl_s: float | None, wait_s: float, principal: str | None) -> Lease:
         t0 = self.clock.monotonic()
         ttl = float(ttl_s or self.settings.lease_ttl_s)
         deadline = t0 + max(0.0, wait_s)
@@ -250,6 +281,7 @@ class LeasePool:
             wait_s=self.clock.monotonic() - t0,
             provider=d.handle.provider,
             image=d.handle.info.get("image"),
+            principal=principal,
         )
         d.lease_id = lease.id
         self._leases[lease.id] = lease
@@ -354,9 +386,14 @@ class LeasePool:
         self._replenish()
         return lease
 
-    def get(self, lease_id: str, owner: str | None = None) -> Lease:
+    def get(self, lease_id: str, owner: str | None = None, principal: str | None = None) -> Lease:
+        """The live lease; ``principal`` (a client's name; None: an admin, sees every lease): a lease
+        of another client is answered exactly as an unknown id (404), so ids cannot be probed."""
+        unknown = UnknownDesktop(f"no desktop lease {lease_id!r}; lease one with POST /v1/desktops")
         lease = self._leases.get(lease_id)
         if lease is not None:
+            if principal is not None and lease.principal != principal:
+                raise unknown
             if owner is not None and owner != lease.owner:
                 raise ForeignLease(f"lease {lease_id} belongs to another owner")
             if self.clock.time() > lease.expires_at:
@@ -365,11 +402,13 @@ class LeasePool:
                 return lease
         ended = self._ended.get(lease_id)
         if ended is not None:
-            ended_owner, message = ended
+            ended_owner, message, ended_principal = ended
+            if principal is not None and ended_principal != principal:
+                raise unknown
             if owner is not None and owner != ended_owner:
                 raise ForeignLease(f"lease {lease_id} belongs to another owner")
             raise LeaseGone(message)
-        raise UnknownDesktop(f"no desktop lease {lease_id!r}; lease one with POST /v1/desktops")
+        raise unknown
 
     def mark_failed(self, lease_id: str, reason: str) -> None:
         """The API found the guest unreachable: end the lease, replace the desktop."""
@@ -447,7 +486,7 @@ class LeasePool:
 
     def _end_lease(self, lease: Lease, message: str) -> None:
         self._leases.pop(lease.id, None)
-        self._ended[lease.id] = (lease.owner, message)
+        self._ended[lease.id] = (lease.owner, message, lease.principal)
         while len(self._ended) > ENDED_LEASES_KEPT:
             self._ended.popitem(last=False)
         d = self._desktops.get(lease.desktop_id)

@@ -47,6 +47,7 @@ class LeaseInfo(BaseModel):
     guest_url: str = Field(description="path of the OSWorld-compatible guest passthrough")
     provider: str = Field(default="sandbox", description="the box: sandbox, docker or libvirt")
     image: str | None = Field(default=None, description="the desktop image (docker, libvirt); none for sandbox")
+    client: str | None = Field(default=None, description="name of the token (client) holding the lease")
 
 
 class DesktopStatus(BaseModel):
@@ -73,6 +74,17 @@ class PoolStatus(BaseModel):
     last_error: str | None = None
 
 
+class WhoAmI(BaseModel):
+    """The caller, as its token names it (``GET /v1/whoami``)."""
+
+    name: str
+    role: Literal["admin", "client", "viewer"] = Field(description="admin: every lease and the whole pool; client: "
+                                                       "its own leases; viewer: read-only pool status")
+    max_leases: int | None = Field(default=None, description="most leases held at once; null: no quota")
+    max_ttl_s: float | None = Field(default=None, description="longest lease TTL it may ask for; null: no limit")
+    leases: int = Field(description="leases it holds now")
+
+
 class Healthz(BaseModel):
     status: Literal["ok"] = "ok"
     version: str
@@ -88,8 +100,9 @@ class ErrorBody(BaseModel):
 # Responses every desktop route can give; listed once so the OpenAPI page documents them.
 DESKTOP_ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorBody, "description": "missing or wrong token"},
-    403: {"model": ErrorBody, "description": "the lease belongs to another owner (X-Osfarm-Owner)"},
-    404: {"model": ErrorBody, "description": "no such lease"},
+    403: {"model": ErrorBody, "description": "the lease belongs to another owner (X-Osfarm-Owner), or the "
+          "token is read-only (viewer)"},
+    404: {"model": ErrorBody, "description": "no such lease (another client's lease answers the same)"},
     410: {"model": ErrorBody, "description": "the lease expired or was released, or its desktop crashed"},
     422: {"model": ErrorBody, "description": "invalid input; the detail names the field"},
 }

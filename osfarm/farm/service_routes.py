@@ -10,8 +10,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import osfarm
 from osfarm.farm.metrics import REGISTRY
-from osfarm.farm.schemas import ErrorBody, Healthz, PoolStatus
-from osfarm.farm.state import Pool, State
+from osfarm.farm.schemas import ErrorBody, Healthz, PoolStatus, WhoAmI
+from osfarm.farm.state import CurrentPrincipal, Pool, State
 
 router = APIRouter(tags=["farm"])
 
@@ -29,9 +29,23 @@ async def healthz(state: State) -> Healthz:
     )
 
 
-@router.get("/v1/pool", response_model=PoolStatus, summary="Pool status", responses={401: {"model": ErrorBody}})
-async def pool_status(pool: Pool) -> PoolStatus:
-    return PoolStatus.model_validate(pool.status())
+@router.get("/v1/pool", response_model=PoolStatus, summary="Pool status (lease ids: an admin sees all, a client "
+            "its own, a viewer none)", responses={401: {"model": ErrorBody}})
+async def pool_status(pool: Pool, principal: CurrentPrincipal) -> PoolStatus:
+    status = pool.status()
+    if not principal.is_admin:
+        own = pool.lease_ids_of(principal.name) if principal.can_lease else set()
+        for d in status["desktops"]:
+            if d.get("lease_id") not in own:
+                d["lease_id"] = None
+    return PoolStatus.model_validate(status)
+
+
+@router.get("/v1/whoami", response_model=WhoAmI, summary="The caller: name, role and limits of its token",
+            responses={401: {"model": ErrorBody}})
+async def whoami(principal: CurrentPrincipal, pool: Pool) -> WhoAmI:
+    return WhoAmI(name=principal.name, role=principal.role, max_leases=principal.max_leases,
+                  max_ttl_s=principal.max_ttl_s, leases=pool.leases_held(principal.name))
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,

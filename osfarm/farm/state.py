@@ -1,10 +1,15 @@
 """What the farm's routes share, and how a route gets it: ``FarmState`` plus FastAPI dependencies.
 
 ``create_app`` puts one ``FarmState`` on ``app.state.farm``; routes ask for it (or for the pool,
-or for the lease named by the path's ``lease_id``) with the typed aliases below::
+or for the lease named by the path's ``lease_id``, or for the caller) with the typed aliases below::
 
     @router.post("/v1/desktops/{lease_id}/thing")
-    async def thing(lease: LeaseOf, state: State) -> ...: ...
+    async def thing(lease: LeaseOf, state: State, who: CurrentPrincipal) -> ...: ...
+
+The caller is the :class:`~osfarm.http.principals.Principal` of its token (put on
+``request.state.principal`` by the auth middleware). ``LeaseOf`` enforces who sees which lease:
+a client only its own (another client's lease is a 404, like an unknown id), an admin every
+lease, a viewer none (403); ``Leaser`` is a caller that may lease desktops (admin or client).
 
 Every dependency here is ``async def`` on purpose: FastAPI runs plain ``def`` dependencies in a
 worker thread, and the pool must only be touched from the event loop's thread.
@@ -14,8 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import shutil
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
@@ -26,6 +34,7 @@ from osfarm.farm.errors import ApiError, FarmError, describe
 from osfarm.farm.guest_link import GuestLink, GuestReply, GuestTimeout, GuestUnreachable
 from osfarm.farm.pool import Lease, LeasePool
 from osfarm.http.errors import error_detail
+from osfarm.http.principals import Principal
 from osfarm.providers import make_provider
 from osfarm.providers.base import GuestEndpoint, Provider
 
@@ -86,6 +95,32 @@ class FarmState:
         if self.pool is None:
             raise ApiError(503, "the farm is starting or stopping", {"Retry-After": "1"})
         return self.pool
+
+    # -- per-episode folders (what a task writes on the host) --------------------------------
+
+    @property
+    def episodes_root(self) -> Path:
+        return self.settings.state_dir / "episodes"
+
+    def episode_dir(self, lease_id: str, fresh: bool) -> Path:
+        """``<state_dir>/episodes/<lease id>`` (0700): the one folder a task on this lease may
+        write on the host (``execute`` output, fetched files). ``fresh`` empties it (a reset
+        starts a new episode). Folders of leases that ended are removed on the way. Blocking:
+        call it in a thread."""
+        root = self.episodes_root
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        live = self.pool.lease_ids() if self.pool is not None else set()
+        for old in os.listdir(root):
+            if old not in live and old != lease_id:
+                shutil.rmtree(root / old, ignore_errors=True)
+        d = root / lease_id  # lease ids are the pool's: letters and digits only
+        if fresh:
+            shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(exist_ok=True, mode=0o700)
+        return d
+
+    def drop_episode_dir(self, lease_id: str) -> None:
+        shutil.rmtree(self.episodes_root / lease_id, ignore_errors=True)
 
     # -- connections to the guests ------------------------------------------------------------
 
@@ -183,9 +218,32 @@ OwnerHeader = Annotated[
 ]
 
 
-async def get_lease(lease_id: str, pool: Pool, owner: OwnerHeader = None) -> Lease:
-    """The live lease named by the path's ``lease_id``: 404 unknown, 410 ended, 403 another owner's."""
-    return pool.get(lease_id, owner)
+async def get_principal(request: Request) -> Principal:
+    """The caller (set by the auth middleware; every route but the public ones has one)."""
+    principal = getattr(request.state, "principal", None)
+    if not isinstance(principal, Principal):
+        raise ApiError(401, "no authenticated caller")
+    return principal
+
+
+CurrentPrincipal = Annotated[Principal, Depends(get_principal)]
+
+
+async def get_leaser(principal: CurrentPrincipal) -> Principal:
+    """The caller, if it may lease desktops and use them (admin, client); 403 for a viewer."""
+    if not principal.can_lease:
+        raise ApiError(403, f"token {principal.name!r} has the role {principal.role}: read-only, it cannot lease "
+                            "or use desktops")
+    return principal
+
+
+Leaser = Annotated[Principal, Depends(get_leaser)]
+
+
+async def get_lease(lease_id: str, pool: Pool, principal: Leaser, owner: OwnerHeader = None) -> Lease:
+    """The live lease named by the path's ``lease_id``: 404 unknown or another client's, 410 ended,
+    403 another owner's (``X-Osfarm-Owner``) or a read-only caller."""
+    return pool.get(lease_id, owner, principal=None if principal.is_admin else principal.name)
 
 
 LeaseOf = Annotated[Lease, Depends(get_lease)]

@@ -14,49 +14,75 @@ step is 502 naming its index, type and reason, a crashing getter or metric is 50
 
 The desktop itself is reset by :meth:`LeasePool.reset_lease` (the lease keeps its id and points
 at the fresh box).
+
+The API takes no host path: the task's files come from the server's file cache
+(``task_cache_dir``, ``task_suite_dir``, ``task_offline`` settings; a request that still sends
+``cache_dir`` or ``offline`` is a 422 naming the field), and what a task writes on the host
+(``execute`` output, fetched files) goes to the lease's own episode folder
+(``<state_dir>/episodes/<lease id>``, emptied at each reset, removed with the lease). A task whose
+paths would leave those folders is a 422 naming the JSON path (:mod:`osfarm.tasks.task_paths`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
+import yaml
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 from osfarm.farm.errors import ApiError
 from osfarm.farm.schemas import ErrorBody
+from osfarm.config import FarmSettings
+from osfarm.evaluators.errors import RuleError
 from osfarm.farm.state import LeaseOf, State
 from osfarm.tasks.controller import GuestController, GuestError
-from osfarm.tasks.filecache import AssetMissing, FileCache
+from osfarm.tasks.filecache import URL_MAP_NAMES, AssetMissing, FileCache, load_url_map
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, run_postconfig, run_setup
 from osfarm.tasks.lifecycle import evaluate as evaluate_task
 from osfarm.tasks.model import Task, TaskError, parse_task
 from osfarm.tasks.setup import SETUP_TYPES, UNSUPPORTED_TYPES, StepReport, SetupFailed, SetupUnsupported
+from osfarm.tasks.task_paths import TaskPathError
 
 log = logging.getLogger("osfarm.farm.task_routes")
 
 GOOGLE = "needs a Google account (Google Drive / Google login), which an offline farm does not have"
 
 
-class ResetRequest(BaseModel):
-    task: dict[str, Any] = Field(description="an OSWorld task JSON object")
-    cache_dir: str | None = Field(default=None, description="FileCache root for the task's files "
-                                  "(OSWorld layout: <cache_dir>/<task_id>/...); a temporary one if unset")
-    offline: bool = Field(default=True, description="never download: a file not in the cache is a 424")
+# Request keys that were host paths / host policy once and are server settings now.
+_SERVER_SETTINGS = {
+    "cache_dir": "the task file cache is the server's task_cache_dir setting (OSFARM_TASK_CACHE_DIR)",
+    "offline": "downloads are the server's task_offline setting (OSFARM_TASK_OFFLINE)",
+}
 
 
-class EvaluateRequest(BaseModel):
+class _TaskRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     task: dict[str, Any] = Field(description="an OSWorld task JSON object")
+    cache_dir: Any = Field(default=None, deprecated=True, description="not accepted (422): the farm takes no host "
+                           "path; " + _SERVER_SETTINGS["cache_dir"])
+    offline: Any = Field(default=None, deprecated=True, description="not accepted (422): "
+                         + _SERVER_SETTINGS["offline"])
+
+    @field_validator("cache_dir", "offline", mode="before")
+    @classmethod
+    def _server_setting(cls, value: Any, info: Any) -> Any:
+        raise PydanticCustomError("server_setting", "the farm API takes no host path or download policy from a "
+                                  "request any more: {why}", {"why": _SERVER_SETTINGS[info.field_name]})
+
+
+class ResetRequest(_TaskRequest):
+    pass
+
+
+class EvaluateRequest(_TaskRequest):
     last_action: str | dict[str, Any] | None = Field(default=None, description="the agent's last action "
                                                      "(\"FAIL\" or {\"action_type\": \"FAIL\"} for infeasible tasks)")
-    cache_dir: str | None = Field(default=None, description="FileCache root for cloud_file getters")
-    offline: bool = True
 
 
 class StepInfo(BaseModel):
@@ -102,22 +128,26 @@ def validate_task(data: dict[str, Any]) -> Task:
 def setup_error(e: SetupFailed, what: str = "setup") -> ApiError:
     if isinstance(e, SetupUnsupported):
         return ApiError(422, f"{what} step {e.index} ({e.type}) {GOOGLE}")
+    if isinstance(e.__cause__, TaskPathError):  # the task names a host path it may not
+        return ApiError(422, f"{what} step {e.index} ({e.type}): {e.reason}")
     if isinstance(e.__cause__, AssetMissing):
         return ApiError(424, f"{what} step {e.index} ({e.type}): {e.__cause__}")
     return ApiError(502, f"{what} step {e.index} ({e.type}) failed: {e.reason}")
 
 
-class _Cache:
-    """The request's FileCache; a temporary root (removed on close) when none is given."""
-
-    def __init__(self, cache_dir: str | None, offline: bool):
-        self.tmp = None if cache_dir else tempfile.mkdtemp(prefix="osfarm-task-")
-        root = Path(cache_dir) if cache_dir else Path(self.tmp)  # type: ignore[arg-type]
-        self.cache = FileCache(root, offline=offline)
-
-    def close(self) -> None:
-        if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
+def farm_cache(settings: FarmSettings) -> FileCache:
+    """The server's task file cache (OSWorld layout, optional url map), made on demand."""
+    root = settings.resolved_task_cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    url_map: dict[str, str] = {}
+    for name in URL_MAP_NAMES:
+        if (root / name).is_file():
+            try:
+                url_map = load_url_map(root / name)
+            except (OSError, TypeError, ValueError, yaml.YAMLError) as e:
+                raise ApiError(503, f"the farm's task cache url map {root / name} is broken: {e}") from None
+            break
+    return FileCache(root, url_map, suite_dir=settings.task_suite_dir, offline=settings.task_offline)
 
 
 def _step_infos(reports: list[StepReport]) -> list[StepInfo]:
@@ -134,30 +164,31 @@ async def reset_task(req: ResetRequest, lease: LeaseOf, state: State) -> ResetRe
     t0 = time.perf_counter()
     await state.drop_guest(lease.desktop_id)  # its connections go to the old box
     lease = await state.require_pool().reset_lease(lease.id)
-    cache = _Cache(req.cache_dir, req.offline)
+    cache = farm_cache(state.settings)
+    work = await asyncio.to_thread(state.episode_dir, lease.id, True)  # a fresh episode: nothing kept
     controller = GuestController.from_endpoint(lease.endpoint)
     try:
-        run = TaskRun(task, controller, cache.cache, lease.screen, offline=req.offline)
+        run = TaskRun(task, controller, cache, lease.screen, offline=cache.offline, work_dir=work)
         try:
             reports = await asyncio.to_thread(run_setup, run)
         except SetupFailed as e:
             raise setup_error(e) from None
     finally:
         await asyncio.to_thread(controller.close)
-        cache.close()
     return ResetReply(task_id=task.id, steps=_step_infos(reports), t_ms=round((time.perf_counter() - t0) * 1000, 1))
 
 
 @router.post("/v1/desktops/{lease_id}/evaluate", response_model=EvaluateReply, responses=_ERRORS,
              summary="Run an OSWorld task's postconfig, getters and metric; the score")
-async def evaluate(req: EvaluateRequest, lease: LeaseOf) -> EvaluateReply:
+async def evaluate(req: EvaluateRequest, lease: LeaseOf, state: State) -> EvaluateReply:
     task = validate_task(req.task)
     t0 = time.perf_counter()
-    cache = _Cache(req.cache_dir, req.offline)
-    work = tempfile.mkdtemp(prefix="osfarm-eval-")  # the getters' cache_dir, per call
+    cache = farm_cache(state.settings)
+    # The getters' cache_dir: the episode's folder, where the setup's execute steps saved output.
+    work = await asyncio.to_thread(state.episode_dir, lease.id, False)
     controller = GuestController.from_endpoint(lease.endpoint)
     try:
-        run = TaskRun(task, controller, cache.cache, lease.screen, offline=req.offline, work_dir=Path(work))
+        run = TaskRun(task, controller, cache, lease.screen, offline=cache.offline, work_dir=work)
         if task.evaluator.postconfig:
             try:
                 await asyncio.to_thread(run_postconfig, run)
@@ -166,12 +197,12 @@ async def evaluate(req: EvaluateRequest, lease: LeaseOf) -> EvaluateReply:
         try:
             score = await asyncio.to_thread(evaluate_task, run, req.last_action)
         except EvaluationError as e:
+            if isinstance(e.__cause__, RuleError):  # the task's evaluator is wrong (e.g. a path it may not use)
+                raise ApiError(422, str(e)) from None
             raise ApiError(502, str(e)) from None
         except GuestError as e:
             raise ApiError(502, f"evaluation: {e}") from None
     finally:
         await asyncio.to_thread(controller.close)
-        cache.close()
-        shutil.rmtree(work, ignore_errors=True)
     return EvaluateReply(task_id=task.id, score=score, metrics=task.evaluator.funcs,
                          t_ms=round((time.perf_counter() - t0) * 1000, 1))

@@ -4,6 +4,11 @@ A middleware (rather than a FastAPI dependency) also covers ``/docs``, ``/openap
 ``/metrics`` and unknown routes, so nothing is served before the token is checked, except the
 paths in ``public``. Tokens are compared in constant time.
 
+With a :class:`~osfarm.http.principals.TokenTable` (the farm), each token names a
+:class:`~osfarm.http.principals.Principal`, put in ``scope["state"]["principal"]`` (FastAPI:
+``request.state.principal``) for the routes to decide what the caller may see and do. With a
+single ``token`` (the guest server) the caller is ``Principal("admin", "admin")``.
+
 ``basic=True`` also accepts ``Authorization: Basic base64(<any user>:<token>)``: the farm wants
 it because OSWorld's ``PythonController`` uses ``requests``, which turns the userinfo of
 ``http://osfarm:TOKEN@host/...`` into Basic auth, and because a browser can then open ``/docs``
@@ -19,46 +24,63 @@ import secrets
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from typing import Any
 
+from osfarm.http.principals import ADMIN_NAME, Principal, TokenTable
+
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-def check_authorization(header: str | None, token: str, basic: bool = False) -> str | None:
-    """None if the ``Authorization`` header carries ``token``; otherwise why not (the 401 detail)."""
+def presented_token(header: str | None, basic: bool = False) -> tuple[str | None, str | None]:
+    """(the token an ``Authorization`` header carries, None) or (None, why not: the 401 detail)."""
     also = " (or HTTP Basic auth with the token as password)" if basic else ""
     if not header:
-        return f"missing bearer token: send 'Authorization: Bearer <token>'{also}"
+        return None, f"missing bearer token: send 'Authorization: Bearer <token>'{also}"
     scheme, _, value = header.strip().partition(" ")
     value = value.strip()
     scheme = scheme.lower()
     if scheme == "bearer":
-        given = value
-    elif scheme == "basic" and basic:
+        return value, None
+    if scheme == "basic" and basic:
         try:
             decoded = base64.b64decode(value, validate=True).decode("utf-8")
         except (binascii.Error, UnicodeDecodeError):
-            return "malformed Basic credentials"
+            return None, "malformed Basic credentials"
         _, sep, given = decoded.partition(":")
         if not sep:
-            return "malformed Basic credentials: expected user:token"
-    else:
-        return f"unsupported auth scheme {scheme!r}: use 'Authorization: Bearer <token>'{also}"
+            return None, "malformed Basic credentials: expected user:token"
+        return given, None
+    return None, f"unsupported auth scheme {scheme!r}: use 'Authorization: Bearer <token>'{also}"
+
+
+def check_authorization(header: str | None, token: str, basic: bool = False) -> str | None:
+    """None if the ``Authorization`` header carries ``token``; otherwise why not (the 401 detail)."""
+    given, problem = presented_token(header, basic)
+    if given is None:
+        return problem
     if not secrets.compare_digest(given.encode(), token.encode()):
         return "invalid token"
     return None
 
 
 class BearerAuth:
-    """Answers 401 (JSON ``{"detail": ...}``) to every HTTP request without the token."""
+    """Answers 401 (JSON ``{"detail": ...}``) to every HTTP request without a known token.
 
-    def __init__(self, app: ASGIApp, token: str, public: Iterable[str] = (), basic: bool = False,
-                 realm: str | None = None):
-        if not token:
-            raise ValueError("the token must not be empty")
+    ``token``: the one token (guest server); ``tokens``: a table of per-client tokens (farm).
+    """
+
+    def __init__(self, app: ASGIApp, token: str | None = None, public: Iterable[str] = (), basic: bool = False,
+                 realm: str | None = None, tokens: TokenTable | None = None):
+        if tokens is None:
+            if not token:
+                raise ValueError("the token must not be empty")
+            tokens = TokenTable()
+            tokens.add_token(token, Principal(ADMIN_NAME, "admin"))
+        elif not len(tokens):
+            raise ValueError("the token table must not be empty")
         self.app = app
-        self.token = token
+        self.tokens = tokens
         self.public = frozenset(public)
         self.basic = basic
         param = f' realm="{realm}"' if realm else ""
@@ -76,10 +98,14 @@ class BearerAuth:
             if k == b"authorization":
                 header = v.decode("latin-1")
                 break
-        problem = check_authorization(header, self.token, self.basic)
-        if problem is None:
-            await self.app(scope, receive, send)
-            return
+        given, problem = presented_token(header, self.basic)
+        if given is not None:
+            principal = self.tokens.resolve(given)
+            if principal is not None:
+                scope.setdefault("state", {})["principal"] = principal
+                await self.app(scope, receive, send)
+                return
+            problem = "invalid token"
         body = json.dumps({"detail": problem}).encode()
         await send({
             "type": "http.response.start",

@@ -10,6 +10,11 @@ connection could not be made) is re-tried by the transport; any other failure ra
 "Not found" replies become ``None`` / ``False`` where OSWorld's methods return ``None``
 (``get_file``, ``get_window_size``, ``get_wallpaper``, ``get_directory_tree``,
 ``activate_window``, ``close_window``).
+
+Files come out of the desktop with a byte cap, because the agent decides how big they are (a
+100 GB sparse "result" file in the home): ``download_file`` streams one to disk and stops at
+``max_file_bytes`` (default 1 GiB, ``OSFARM_MAX_GUEST_FILE_BYTES``), ``get_file`` (in memory)
+at 64 MiB; over the cap raises :class:`GuestFileTooLarge` and nothing is kept.
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ if TYPE_CHECKING:
     from osfarm.providers.base import GuestEndpoint
 
 CONNECT_RETRIES = 2  # connect failures only: the request was never sent
+MAX_FILE_BYTES = 1 << 30  # a desktop file streamed to disk (download_file)
+MAX_IN_MEMORY_BYTES = 64 << 20  # a desktop file read into memory (get_file)
+_CHUNK = 1 << 20
+
+
+def max_file_bytes_from_env() -> int:
+    value = os.environ.get("OSFARM_MAX_GUEST_FILE_BYTES", "")
+    return int(value) if value.isdigit() and int(value) > 0 else MAX_FILE_BYTES
 
 
 class GuestError(RuntimeError):
@@ -36,11 +49,21 @@ class GuestError(RuntimeError):
         super().__init__(f"guest {where}: {message}")
 
 
+class GuestFileTooLarge(GuestError):
+    """A desktop file is over the byte cap; nothing of it was kept."""
+
+    def __init__(self, route: str, path: str, limit: int, size: int | None = None):
+        told = f"{size} bytes" if size is not None else f"more than {limit} bytes"
+        super().__init__(route, None, f"{path} is {told}, over the {limit}-byte limit for a desktop file")
+        self.path, self.limit, self.size = path, limit, size
+
+
 class GuestController:
     """One desktop's guest routes over a unix socket (``uds``) or a loopback ``base_url``."""
 
     def __init__(self, base_url: str = "http://guest", token: str | None = None, uds: str | None = None,
-                 timeout: float = 120.0):
+                 timeout: float = 120.0, max_file_bytes: int | None = None):
+        self.max_file_bytes = max_file_bytes if max_file_bytes is not None else max_file_bytes_from_env()
         transport = httpx.HTTPTransport(uds=uds, retries=CONNECT_RETRIES) if uds else \
             httpx.HTTPTransport(retries=CONNECT_RETRIES)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -125,9 +148,52 @@ class GuestController:
         self._request("POST", "/setup/upload", data={"file_path": path},
                       files={"file_data": (os.path.basename(path) or "file", data)})
 
-    def get_file(self, path: str) -> bytes | None:
-        r = self._request("POST", "/file", data={"file_path": path}, ok_missing=True)
-        return None if r is None else r.content
+    def get_file(self, path: str, max_bytes: int = MAX_IN_MEMORY_BYTES) -> bytes | None:
+        """The desktop file's bytes (None when missing); GuestFileTooLarge over ``max_bytes``."""
+        chunks: list[bytes] = []
+        found = self._stream_file(path, min(max_bytes, self.max_file_bytes), chunks.append)
+        return b"".join(chunks) if found else None
+
+    def download_file(self, path: str, dest: str | os.PathLike[str], max_bytes: int | None = None) -> bool:
+        """Stream the desktop file ``path`` into ``dest`` (created or truncated, never through a
+        symlink); False when it does not exist. Over ``max_bytes`` (default ``max_file_bytes``)
+        raises GuestFileTooLarge and removes ``dest``."""
+        limit = self.max_file_bytes if max_bytes is None else min(max_bytes, self.max_file_bytes)
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                found = self._stream_file(path, limit, f.write)
+        except BaseException:
+            os.unlink(dest)
+            raise
+        if not found:
+            os.unlink(dest)
+        return found
+
+    def _stream_file(self, path: str, limit: int, sink: Any) -> bool:
+        """POST /file, the body handed to ``sink`` chunk by chunk; False on 404."""
+        route = "/file"
+        try:
+            with self._http.stream("POST", route, data={"file_path": path}) as r:
+                if r.status_code == 404:
+                    return False
+                if r.status_code >= 400:
+                    r.read()
+                    raise GuestError(route, r.status_code, error_detail(r.content, fallback=r.reason_phrase, limit=2000))
+                announced = r.headers.get("content-length", "")
+                if announced.isdigit() and int(announced) > limit:
+                    raise GuestFileTooLarge(route, path, limit, int(announced))
+                got = 0
+                for chunk in r.iter_raw(_CHUNK):
+                    got += len(chunk)
+                    if got > limit:
+                        raise GuestFileTooLarge(route, path, limit)
+                    sink(chunk)
+        except httpx.TimeoutException as e:
+            raise GuestError(route, None, f"no reply within the timeout ({type(e).__name__})") from e
+        except httpx.HTTPError as e:
+            raise GuestError(route, None, f"cannot reach the guest: {type(e).__name__}: {e}") from e
+        return True
 
     def get_directory_tree(self, path: str) -> dict | None:
         route = "/list_directory"
@@ -231,4 +297,4 @@ class GuestController:
         self.close()
 
 
-__all__ = ["GuestController", "GuestError"]
+__all__ = ["GuestController", "GuestError", "GuestFileTooLarge"]

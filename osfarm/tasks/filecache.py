@@ -14,6 +14,13 @@ Where a URL's bytes are looked for, in order:
 
 A file that cannot be found raises :class:`AssetMissing`, whose message names the URL and every
 place that was looked at.
+
+Task files are hostile, and so is what a third-party suite ships in its cache: a file found any
+of these ways is read only if it resolves (symlinks followed) inside the cache's ``roots``: the
+cache root, the suite folder, the folder of a URL map file the operator named, and any
+``roots=`` given. ``file:///etc/shadow``, a plain ``/etc/shadow`` or a cache entry that is a
+symlink out of the cache raise :class:`~osfarm.tasks.task_paths.TaskPathError`. Downloads are
+written only through paths without symlinks.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import yaml
 
 from osfarm.http.download import DownloadError, DownloadPolicy, download_sync
 from osfarm.tasks.manifest import Manifest
+from osfarm.tasks.task_paths import TaskPathError, inside, plain_name_problem, readable_inside
 
 if TYPE_CHECKING:
     from osfarm.tasks.suite import Suite
@@ -70,9 +78,12 @@ def cache_name(url: str, name: str) -> str:
 
 class FileCache:
     def __init__(self, root: Path, url_map: dict[str, str] | None = None, *, suite_dir: Path | None = None,
-                 offline: bool = False, timeout: float = 300.0, policy: DownloadPolicy | None = None):
+                 offline: bool = False, timeout: float = 300.0, policy: DownloadPolicy | None = None,
+                 roots: list[Path] | tuple[Path, ...] = ()):
         self.root = Path(root)
         self.suite_dir = Path(suite_dir) if suite_dir else None
+        # Where files a task names may be read from (see the module doc).
+        self.roots: list[Path] = [self.root, *([self.suite_dir] if self.suite_dir else []), *map(Path, roots)]
         self.offline = offline
         self.policy = policy or DownloadPolicy.from_env(timeout_s=timeout)
         self.manifest = Manifest(self.root)
@@ -80,15 +91,26 @@ class FileCache:
 
     @classmethod
     def with_map_file(cls, root: Path, map_file: str | Path, **kw: object) -> FileCache:
-        return cls(root, load_url_map(map_file), **kw)  # type: ignore[arg-type]
+        """A cache with the URL map in ``map_file``, whose folder becomes one of the roots."""
+        roots = [*kw.pop("roots", ()), Path(map_file).parent]  # type: ignore[misc]
+        return cls(root, load_url_map(map_file), roots=roots, **kw)  # type: ignore[arg-type]
 
     def task_dir(self, task_id: str) -> Path:
-        """``<root>/<task_id>``: where downloads and saved command output go (created)."""
-        if not task_id or "/" in task_id or task_id in (".", ".."):
-            raise ValueError(f"task_id: not a plain name: {task_id!r}")
-        d = self.root / task_id
-        d.mkdir(parents=True, exist_ok=True)
+        """``<root>/<task_id>``: where downloads and saved command output go (created; never a symlink)."""
+        self._check_task_id(task_id)
+        self.root.mkdir(parents=True, exist_ok=True)
+        d = inside(self.root, task_id, "task id")
+        d.mkdir(exist_ok=True)
         return d
+
+    @staticmethod
+    def _check_task_id(task_id: str) -> None:
+        if (why := plain_name_problem(task_id)) is not None:
+            raise TaskPathError(why, "task id")
+
+    def _readable(self, path: Path, url: str) -> Path:
+        """``path`` (an existing file) if it lies inside the roots; TaskPathError otherwise."""
+        return readable_inside(path, self.roots, "file", url)
 
     @staticmethod
     def file_name(url: str, name: str | None = None) -> str:
@@ -99,6 +121,7 @@ class FileCache:
     def fetch(self, url: str, task_id: str, name: str | None = None, offline: bool | None = None) -> Path:
         """Local path of ``url``'s bytes (``name``: the file name used in the cache)."""
         offline = self.offline if offline is None else offline
+        self._check_task_id(task_id)
         fname = self.file_name(url, name)
         looked: list[str] = []
         tdir = self.root / task_id
@@ -108,12 +131,13 @@ class FileCache:
         for cand in [tdir / cache_name(url, n) for n in names] + [tdir / n for n in names]:
             looked.append(str(cand))
             if cand.is_file():
+                self._readable(cand, url)
                 return cand
         if url in self.url_map:
             cand = Path(self.url_map[url])
             looked.append(f"url map -> {cand}")
             if cand.is_file():
-                return cand
+                return self._readable(cand, url)
         else:
             looked.append("url map (no entry)")
         parsed = urlparse(url)
@@ -121,7 +145,7 @@ class FileCache:
             cand = Path(unquote(parsed.path))
             looked.append(str(cand))
             if cand.is_file():
-                return cand
+                return self._readable(cand, url)
             raise AssetMissing(url, looked, "does not exist")
         if parsed.scheme not in ("http", "https"):  # a plain path
             cand = Path(url)
@@ -132,13 +156,16 @@ class FileCache:
                 cand = self.suite_dir / cand
             looked.append(str(cand))
             if cand.is_file():
-                return cand
+                return self._readable(cand, url)
             raise AssetMissing(url, looked, "does not exist")
         if offline:
             raise AssetMissing(url, looked)
         return self._download(url, self.task_dir(task_id) / cache_name(url, fname), looked)
 
     def _download(self, url: str, dest: Path, looked: list[str]) -> Path:
+        # The downloader opens these by name: none of them may be a planted symlink.
+        for side in ("", ".part", ".part.json", ".lock"):
+            inside(dest.parent, dest.name + side, url)
         try:
             got = download_sync(url, dest, self.policy)
         except DownloadError as e:

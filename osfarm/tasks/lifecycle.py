@@ -67,9 +67,14 @@ class CacheLookup:
             return None
 
 
+def task_label(task: Task) -> str:
+    """How errors name the task's file: its path, or its id when it came without one (an API body)."""
+    return str(task.path) if task.path is not None else f"task {task.id}"
+
+
 def run_setup(run: TaskRun) -> list[StepReport]:
     """Run the task's ``config`` steps in order (raises SetupFailed at the first failing one)."""
-    return run.executor().run(run.task.config)
+    return run.executor().run(run.task.config, where=f"{task_label(run.task)}: $.config")
 
 
 def run_postconfig(run: TaskRun) -> list[StepReport]:
@@ -77,7 +82,7 @@ def run_postconfig(run: TaskRun) -> list[StepReport]:
     it activates are the ones the agent left open, not apps still starting."""
     setup = run.executor()
     setup.window_timeout = POSTCONFIG_WINDOW_S
-    return setup.run(run.task.evaluator.postconfig)
+    return setup.run(run.task.evaluator.postconfig, where=f"{task_label(run.task)}: $.evaluator.postconfig")
 
 
 def evaluate(run: TaskRun, last_action: Any) -> float:

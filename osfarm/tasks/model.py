@@ -39,6 +39,8 @@ from pydantic import (
     model_validator,
 )
 
+from osfarm.tasks.task_paths import task_path_problems
+
 # ---- errors -----------------------------------------------------------------------------------
 
 
@@ -285,6 +287,10 @@ def parse_task(data: Any, file: str = "<task>") -> Task:
         task = Task.model_validate(data)
     except ValidationError as e:
         raise TaskError([_issue_from(file, err) for err in e.errors()]) from None
+    # Names the task gives to host files (id, stdout, dest, ...) must stay in their folders.
+    confined = task_path_problems(data)
+    if confined:
+        raise TaskError([Issue(file, msg, path) for path, msg in confined])
     problems = task.evaluator.alignment_issues()
     if problems:
         raise TaskError([Issue(file, msg, path) for path, msg in problems])

@@ -20,7 +20,10 @@ without re-sending steps that may already have run:
 * ``googledrive`` and ``login`` need a Google account and raise :class:`SetupUnsupported`.
 
 A failing step raises :class:`SetupFailed` with the step's index, type and reason; the runner
-records that as an infrastructure error, not as the agent's failure.
+records that as an infrastructure error, not as the agent's failure. A path of the task that would
+leave its folder (:mod:`osfarm.tasks.task_paths`: ``stdout``/``stderr`` names, ``file://`` or
+local files outside the suite and the cache, symlinks) fails its step the same way, naming the
+task file and JSON path, with the :class:`TaskPathError` as ``__cause__``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from typing import Any
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import AssetMissing, FileCache
 from osfarm.tasks.model import ConfigStep
+from osfarm.tasks.task_paths import TaskPathError, write_inside
 
 DEFAULT_PROFILE = "/home/user/.config/google-chrome"
 CDP_PORT = 9222
@@ -226,7 +230,8 @@ class SetupExecutor:
             "login": self._unsupported,
         }
 
-    def run(self, steps: list[ConfigStep | dict]) -> list[StepReport]:
+    def run(self, steps: list[ConfigStep | dict], where: str = "$.config") -> list[StepReport]:
+        """Run ``steps``; ``where`` (``"<task file>: $.config"``) prefixes the JSON path in errors."""
         reports: list[StepReport] = []
         for i, step in enumerate(steps):
             if isinstance(step, ConfigStep):
@@ -245,6 +250,8 @@ class SetupExecutor:
                 detail = handler(params)
             except SetupUnsupported as e:
                 raise SetupUnsupported(i, typ, e.reason) from None
+            except TaskPathError as e:
+                raise SetupFailed(i, typ, f"{where}[{i}].parameters: {e}; refused") from e
             except (_StepError, AssetMissing, GuestError) as e:
                 raise SetupFailed(i, typ, str(e)) from e
             except (KeyError, TypeError, ValueError) as e:
@@ -321,10 +328,12 @@ class SetupExecutor:
         for attempt in range(1, tries + 1):
             result = self.c.execute(command, shell=shell)
             output, error = result.get("output") or "", result.get("error") or ""
+            # OSWorld saves them as os.path.join(cache_dir, name); the name stays inside (no '..',
+            # not absolute, no symlink on the way).
             if p.get("stdout"):
-                (self._outputs() / os.path.basename(p["stdout"])).write_text(output)
+                write_inside(self._outputs(), p["stdout"], output.encode(), "stdout")
             if p.get("stderr"):
-                (self._outputs() / os.path.basename(p["stderr"])).write_text(error)
+                write_inside(self._outputs(), p["stderr"], error.encode(), "stderr")
             if not until:
                 break
             if ("returncode" in until and result.get("returncode") == until["returncode"]) or \

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from osfarm.tasks.model import Issue, Task, TaskError, load_task, read_json
+from osfarm.tasks.task_paths import plain_name_problem
 
 OSWORLD_INDEX = "test_all.json"
 
@@ -88,6 +89,9 @@ def read_index(path: Path) -> dict[str, list[str]]:
     issues: list[Issue] = []
     seen: dict[str, str] = {}
     for domain, ids in data.items():
+        if (why := plain_name_problem(domain)) is not None:  # it names a folder of the suite
+            issues.append(Issue(label, f"domain {why}", f"$.{domain}"))
+            continue
         if not isinstance(ids, list):
             issues.append(Issue(label, "must be a list of task ids", f"$.{domain}"))
             continue
@@ -95,6 +99,8 @@ def read_index(path: Path) -> dict[str, list[str]]:
             where = f"$.{domain}[{i}]"
             if not isinstance(tid, str) or not tid:
                 issues.append(Issue(label, f"task id must be a non-empty string, got {tid!r}", where))
+            elif (why := plain_name_problem(tid)) is not None:
+                issues.append(Issue(label, f"task id {why}", where))
             elif tid in seen:
                 issues.append(Issue(label, f"task id {tid} is listed twice (also in {seen[tid]})", where))
             else:

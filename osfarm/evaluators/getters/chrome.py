@@ -58,17 +58,19 @@ def _prefs(env: EvalEnv) -> dict[str, Any]:
 def _sqlite_rows(env: EvalEnv, names: tuple[str, ...], dest: str, query: str) -> list[tuple] | None:
     """Copy a profile SQLite file (and its ``-wal`` journal, if the browser is running) into the
     cache dir, then run ``query`` on the copy."""
-    found = _chrome_file(env, *names)
-    if found is None:
+    local = None
+    for base in CHROME_DIRS:  # streamed to disk with the byte cap: the agent can grow these files
+        for name in names:
+            path = f"{base}/{name}"
+            local = env.fetch_vm_file(path, dest)
+            if local is not None:
+                break
+        if local is not None:
+            break
+    if local is None:
         return None
-    path, data = found
-    local = env.cache_path(dest)
-    local.write_bytes(data)
-    wal = local.with_name(local.name + "-wal")
-    wal_data = env.controller.get_file(path + "-wal")
-    if wal_data:
-        wal.write_bytes(wal_data)
-    elif wal.exists():
+    wal = env.fetch_vm_file(path + "-wal", dest + "-wal")
+    if wal is not None and not wal.stat().st_size:
         wal.unlink()
     try:
         with sqlite3.connect(local) as conn:

@@ -13,7 +13,8 @@ from typing import Any
 
 import pandas as pd
 
-from osfarm.evaluators.errors import UnsupportedOption
+from osfarm.evaluators.archive_limits import archive_problem
+from osfarm.evaluators.errors import RuleError, UnsupportedOption
 from osfarm.evaluators.getters.env import EvalEnv
 
 log = logging.getLogger(__name__)
@@ -51,20 +52,10 @@ def get_vm_file(env: EvalEnv, config: dict[str, Any]) -> str | None | list[str |
     gives = set(config.get("gives", [0]))
     out: list[str | None] = []
     for i, (p, d) in enumerate(zip(paths, dests)):
-        try:
-            data = env.controller.get_file(p)
-        except Exception as e:  # noqa: BLE001 - the desktop is gone or answered garbage: score 0, do not crash
-            log.warning("vm_file %s: %r", p, e)
-            data = None
-        if data is None:
-            log.info("vm_file: %s not found in the desktop", p)
-            if i in gives:
-                out.append(None)
-            continue
-        local = env.cache_path(d)
-        local.write_bytes(data)
+        # streamed to disk with a byte cap; missing, too large or gone: None, the metric scores 0
+        local = env.fetch_vm_file(p, d)
         if i in gives:
-            out.append(str(local))
+            out.append(None if local is None else str(local))
     return _pick(out)
 
 
@@ -87,7 +78,9 @@ def get_cloud_file(env: EvalEnv, config: dict[str, Any]) -> str | None | list[st
                 if i in gives:
                     out.append(None)
                 continue
-            shutil.copyfile(src, local)
+            shutil.copyfile(src, local, follow_symlinks=False)
+            if (why := archive_problem(local)) is not None:
+                raise RuleError(f"cloud_file {url}: {why}")  # the task's own file: its fault, not the agent's
         if i in gives:
             out.append(str(local))
     return _pick(out)

@@ -10,6 +10,7 @@ import zipfile
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+from osfarm.evaluators.archive_limits import read_member
 from osfarm.evaluators.getters.env import EvalEnv
 from osfarm.evaluators.getters.files import get_vm_file
 
@@ -50,7 +51,11 @@ def _slide_media(env: EvalEnv, zf: zipfile.ZipFile, n: int, pick: Any, dest: str
     member = posixpath.normpath(posixpath.join("ppt/slides", target)) if not target.startswith("/") else target[1:]
     if member not in zf.namelist():
         return None
-    return env.save(dest, zf.read(member))
+    try:
+        return env.save(dest, read_member(zf, member))
+    except ValueError as e:  # a member that would unpack past the limit: the agent's deck is unusable
+        log.warning("%s", e)
+        return None
 
 
 def get_audio_in_slide(env: EvalEnv, config: dict[str, Any]) -> str | None:
