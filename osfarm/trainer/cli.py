@@ -50,11 +50,28 @@ def train_command(
             raise typer.Exit(2)
         from osfarm.trainer.distributed import torchrun_argv
 
-        argv = torchrun_argv(cfg.nproc, sys.argv[1:])
+        argv = torchrun_argv(cfg.nproc, _without_nproc(sys.argv[1:]))  # the ranks read WORLD_SIZE instead
         os.execv(argv[0], argv)
     try:
         summary = train(cfg, err)
     except (TrainError, FileNotFoundError, ValueError) as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
+    if "rank" in summary:  # another learner rank: rank 0 reports
+        return
     err.print(f"[bold green]done[/]: version {summary['version']} in {summary['run_dir']}", highlight=False)
+
+
+def _without_nproc(args: list[str]) -> list[str]:
+    """``args`` less ``--nproc N`` / ``--nproc=N`` (torchrun's own parser would take it for its
+    ``--nproc-per-node``)."""
+    out: list[str] = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out

@@ -130,6 +130,8 @@ class TrainConfig(_Strict):
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     nproc: int = Field(default=1, ge=1, description="learner ranks (torch.distributed; `osfarm train --nproc N`)")
     devices: DeviceMap = Field(default_factory=DeviceMap)
+    pool_from: list[Path] = Field(default_factory=list, description="`osfarm eval` run dirs whose successes "
+                                  "seed the experience pool (DART's pre-collected successes)")
     eval_every: int | None = Field(default=None, ge=1, description="evaluate on eval_suite every this many versions")
     eval_suite: Path | None = Field(default=None, description="held-out task suite for eval_every")
     eval_tasks: list[str] = Field(default_factory=list, description="task ids of eval_suite (default: all)")

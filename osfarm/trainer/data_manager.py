@@ -215,6 +215,11 @@ class Batch:
         """Rollouts this batch consumed (experience-pool replays are not rollouts)."""
         return sum(1 for g in self.groups for e in g.episodes if not e.from_pool)
 
+    @property
+    def size(self) -> int:
+        """Episodes in its groups (what ``batch_size`` counts), pool replays included."""
+        return sum(len(g.episodes) for g in self.groups)
+
 
 # --------------------------------------------------------------------------- record helpers
 
@@ -681,7 +686,7 @@ class DataManager:
 
     def take_planned(self, episodes: int | None = None) -> list[Group]:
         """Groups of the closed planned groups, in closing order, until they hold ``episodes``
-        rollouts (None: all of them)."""
+        episodes (None: all of them)."""
         groups: list[Group] = []
         got = 0
         while self.closed and (episodes is None or got < episodes):
@@ -702,7 +707,7 @@ class DataManager:
             g = self._make_group(p.task_id, chosen, gid)
             if g is not None:
                 groups.append(g)
-                got += sum(1 for e in g.episodes if not e.from_pool)
+                got += len(g.episodes)
         return groups
 
     def _make_group(self, task: str, chosen: list[_Episode], group_id: str) -> Group | None:
@@ -777,21 +782,21 @@ class DataManager:
         return batch
 
     def _take(self, episodes: int) -> list[Group]:
-        """Groups holding up to about ``episodes`` rollouts: closed planned groups first (whole
+        """Groups holding up to about ``episodes`` episodes: closed planned groups first (whole
         groups: the last may overshoot), then per-task groups."""
         groups = self.take_planned(episodes)
-        got = sum(1 for g in groups for e in g.episodes if not e.from_pool)
+        got = sum(len(g.episodes) for g in groups)
         while got < episodes:
             more = self.form_groups(1)
             if not more:
                 break
             groups += more
-            got += sum(1 for e in more[0].episodes if not e.from_pool)
+            got += len(more[0].episodes)
         return groups
 
     async def get_batch(self, episodes: int, *, timeout_s: float | None = None,
                         flush: Callable[[], bool] | None = None, poll_s: float = 0.5) -> Batch:
-        """Wait until whole groups holding at least ``episodes`` rollouts are formed (or
+        """Wait until whole groups holding at least ``episodes`` episodes are formed (or
         ``timeout_s`` passes, or ``flush()`` says nothing more can come: then the groups formed so
         far, possibly none), then build their samples in a worker thread."""
         loop = asyncio.get_running_loop()
@@ -802,7 +807,7 @@ class DataManager:
             self._arrived.clear()
             new = self._take(episodes - got)
             groups += new
-            got += sum(1 for g in new for e in g.episodes if not e.from_pool)
+            got += sum(len(g.episodes) for g in new)
             if got >= episodes or (groups and flush is not None and flush()):
                 break
             left = None if deadline is None else deadline - loop.time()

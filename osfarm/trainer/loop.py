@@ -394,6 +394,12 @@ class Trainer:
             if ckpt is not None:
                 dm.load_state(train_state_dir(ckpt))
                 dm.set_version(learner.version)
+            for src in cfg.pool_from:
+                try:
+                    n = dm.preload_pool(src)
+                except (FileNotFoundError, ValueError, KeyError) as e:
+                    raise TrainError(f"pool_from: {e}") from None
+                self.console.print(f"experience pool: {n} successful episode(s) from {src}", highlight=False)
             self.dm = dm
 
             scheduler: RolloutScheduler[Rollout, EpisodeRecord] = RolloutScheduler(self._run_one_factory(
@@ -673,7 +679,8 @@ class Trainer:
             "samples": len(samples),
             "samples_per_s": len(samples) / wall,
             "batch_reward": sum(s.reward for s in samples) / len(samples),
-            "batch_episodes": batch.episodes,
+            "batch_episodes": batch.size,
+            "batch_rollouts": batch.episodes,
             "pool_samples": sum(1 for s in samples if s.from_pool),
             "staleness_max": max(stale) if stale else 0,
             "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
