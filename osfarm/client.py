@@ -10,6 +10,12 @@ A leased desktop is a small gymnasium-like environment::
 Every farm error raises a :class:`FarmAPIError` subclass carrying the server's status and
 message (``LeaseGoneError`` for 410, ``FarmCapacityError`` for 429/503, ...). The sync client
 wraps one ``httpx.Client`` (no event loop per call); both keep connections alive.
+
+Across a farm restart (or a dropped connection) a client that has reached its farm before
+retries for up to ``retry_s`` (default 60 s), with exponential backoff and jitter: any request
+the farm never received (connection refused or not made), and idempotent requests (GET, HEAD,
+DELETE, heartbeats) whose answer was lost or was 502/503. A step or a lease whose request may
+have reached the farm is never sent twice. A farm never reached fails at once (a wrong URL).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import base64
 import io
 import os
 import threading
+import time
 from typing import Any
 
 import httpx
@@ -28,9 +35,17 @@ from pydantic import BaseModel
 from osfarm.desktop.models import ActionTiming, Observation, ObserveOptions, StepResult
 from osfarm.farm.schemas import LeaseInfo
 from osfarm.http.errors import error_detail
+from osfarm.http.retry import Deadline
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 OWNER_HEADER = "X-Osfarm-Owner"
+RETRY_S = 60.0  # how long a request is retried across a farm restart
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "DELETE", "OPTIONS", "PUT"})
+# The request never left this machine: safe to send again whatever it does.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
+# The answer was lost on the way back: safe to send again only when repeating changes nothing.
+_LOST = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.PoolTimeout)
+_RETRY_STATUSES = (502, 503)  # the farm restarting, or a dropped link to the guest: try again
 
 # ---- errors -----------------------------------------------------------------------------------
 
@@ -107,6 +122,31 @@ def _check(r: httpx.Response) -> httpx.Response:
     if r.status_code >= 400:
         raise _error_for(r)
     return r
+
+
+class _Retries:
+    """When a request to a farm may be sent again, and how long to wait first (module doc)."""
+
+    def __init__(self, retry_s: float):
+        self.retry_s = retry_s
+        self.reached = False  # the farm answered once: a connection error later is a restart, not a typo
+
+    def start(self, method: str, idempotent: bool | None) -> tuple[bool, Deadline | None]:
+        idem = method.upper() in IDEMPOTENT_METHODS if idempotent is None else idempotent
+        return idem, (Deadline(self.retry_s, base_s=0.25, cap_s=5.0) if self.retry_s > 0 else None)
+
+    def after_error(self, e: httpx.TransportError, idem: bool, deadline: Deadline | None) -> float | None:
+        if deadline is None or not self.reached:
+            return None
+        if isinstance(e, _NOT_SENT) or (idem and isinstance(e, _LOST)):
+            return deadline.next_delay()
+        return None
+
+    def after_answer(self, r: httpx.Response, idem: bool, deadline: Deadline | None) -> float | None:
+        self.reached = True
+        if deadline is None or not idem or r.status_code not in _RETRY_STATUSES:
+            return None
+        return deadline.next_delay()
 
 
 # ---- helpers shared by both clients ---------------------------------------------------------
@@ -221,7 +261,7 @@ class AsyncRemoteDesktop:
 
     async def heartbeat(self, ttl_s: float | None = None) -> LeaseInfo:
         body = {"ttl_s": ttl_s} if ttl_s is not None else {}
-        r = await self.farm._request("POST", self._path("/heartbeat"), json=body, headers=self._headers)
+        r = await self.farm._request("POST", self._path("/heartbeat"), json=body, headers=self._headers, idempotent=True)
         self.info = LeaseInfo.model_validate_json(r.content)
         return self.info
 
@@ -281,17 +321,31 @@ class AsyncFarm:
     """Async client of one farm. ``url``/``token`` default to OSFARM_URL / OSFARM_TOKEN."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, retry_s: float = RETRY_S):
         self.url, self.token = _resolve(url, token)  # the token also opens the guest passthrough (TaskEnv)
         self._http = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
                                        timeout=timeout, transport=transport)
+        self._retries = _Retries(retry_s)
 
-    async def _request(self, method: str, path: str, check: bool = True, **kw: Any) -> httpx.Response:
-        try:
-            r = await self._http.request(method, path, **kw)
-        except httpx.TransportError as e:
-            raise FarmUnreachableError(0, f"cannot reach the farm at {self.url}: {e}") from None
-        return _check(r) if check else r
+    async def _request(self, method: str, path: str, check: bool = True, idempotent: bool | None = None,
+                       **kw: Any) -> httpx.Response:
+        """One call; retried across a farm restart as the module doc says (``idempotent``
+        overrides what the method implies, e.g. for heartbeats)."""
+        idem, deadline = self._retries.start(method, idempotent)
+        while True:
+            try:
+                r = await self._http.request(method, path, **kw)
+            except httpx.TransportError as e:
+                delay = self._retries.after_error(e, idem, deadline)
+                if delay is None:
+                    raise FarmUnreachableError(0, f"cannot reach the farm at {self.url}: {e}") from None
+                await asyncio.sleep(delay)
+                continue
+            delay = self._retries.after_answer(r, idem, deadline)
+            if delay is None:
+                return _check(r) if check else r
+            await r.aclose()
+            await asyncio.sleep(delay)
 
     async def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0,
                     heartbeat: bool | float = False) -> AsyncRemoteDesktop:
@@ -380,7 +434,7 @@ class RemoteDesktop:
 
     def heartbeat(self, ttl_s: float | None = None) -> LeaseInfo:
         body = {"ttl_s": ttl_s} if ttl_s is not None else {}
-        r = self.farm._request("POST", self._path("/heartbeat"), json=body, headers=self._headers)
+        r = self.farm._request("POST", self._path("/heartbeat"), json=body, headers=self._headers, idempotent=True)
         self.info = LeaseInfo.model_validate_json(r.content)
         return self.info
 
@@ -439,17 +493,30 @@ class Farm:
     """Blocking client of one farm. ``url``/``token`` default to OSFARM_URL / OSFARM_TOKEN."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
-                 transport: httpx.BaseTransport | None = None):
+                 transport: httpx.BaseTransport | None = None, retry_s: float = RETRY_S):
         self.url, self.token = _resolve(url, token)
         self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
                                   timeout=timeout, transport=transport)
+        self._retries = _Retries(retry_s)
 
-    def _request(self, method: str, path: str, check: bool = True, **kw: Any) -> httpx.Response:
-        try:
-            r = self._http.request(method, path, **kw)
-        except httpx.TransportError as e:
-            raise FarmUnreachableError(0, f"cannot reach the farm at {self.url}: {e}") from None
-        return _check(r) if check else r
+    def _request(self, method: str, path: str, check: bool = True, idempotent: bool | None = None,
+                 **kw: Any) -> httpx.Response:
+        """One call; retried across a farm restart as the module doc says."""
+        idem, deadline = self._retries.start(method, idempotent)
+        while True:
+            try:
+                r = self._http.request(method, path, **kw)
+            except httpx.TransportError as e:
+                delay = self._retries.after_error(e, idem, deadline)
+                if delay is None:
+                    raise FarmUnreachableError(0, f"cannot reach the farm at {self.url}: {e}") from None
+                time.sleep(delay)
+                continue
+            delay = self._retries.after_answer(r, idem, deadline)
+            if delay is None:
+                return _check(r) if check else r
+            r.close()
+            time.sleep(delay)
 
     def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0,
               heartbeat: bool | float = False) -> RemoteDesktop:

@@ -27,6 +27,7 @@ import string
 import time
 from collections import OrderedDict, deque
 from collections.abc import Coroutine
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +36,7 @@ import httpx
 from osfarm.config import FarmSettings
 from osfarm.farm import metrics
 from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, QuotaExceeded, ResetFailed, UnknownDesktop
+from osfarm.farm.registry import FarmRegistry, SavedLease, Snapshot
 from osfarm.http.errors import error_detail
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider
 
@@ -101,6 +103,11 @@ def new_lease_id() -> str:
     return "".join(secrets.choice(_LEASE_ID_ALPHABET) for _ in range(24))
 
 
+def _seq_of(desktop_id: str) -> int:
+    """The number of a desktop id ``d<N>`` (0 for other ids): new ids continue after adopted ones."""
+    return int(desktop_id[1:]) if desktop_id[:1] == "d" and desktop_id[1:].isdigit() else 0
+
+
 @dataclass
 class _Desktop:
     id: str
@@ -128,10 +135,13 @@ async def _close_after(client: httpx.AsyncClient, check: asyncio.Task[Any] | Non
 class LeasePool:
     """Warm pool + leases (see module doc). ``close`` also closes the provider."""
 
-    def __init__(self, provider: Provider, settings: FarmSettings, clock: Clock | None = None):
+    def __init__(self, provider: Provider, settings: FarmSettings, clock: Clock | None = None,
+                 registry: FarmRegistry | None = None):
         self.provider = provider
         self.settings = settings
         self.clock: Clock = clock or SystemClock()
+        # the lease table and desktop registry on disk (farm/registry.py); None: memory only
+        self.registry = registry
         self.spec = DesktopSpec(
             width=settings.width,
             height=settings.height,
@@ -160,9 +170,12 @@ class LeasePool:
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Reap boxes of an earlier farm, start the health loop and begin warming (no wait)."""
+        """Take over the desktops and leases a previous farm of this state dir left (with a
+        registry), reap the boxes nobody takes over, start the health loop and begin warming."""
         if self._started:
             return
+        if self.registry is not None:
+            await self._readopt(await self.registry.open())
         reaped = await self.provider.reap_orphans()
         if reaped:
             log.warning("reaped orphan desktops count=%d provider=%s", reaped, self.provider.name)
@@ -217,13 +230,110 @@ class LeasePool:
                 except Exception:
                     log.exception("stop failed on close desktop=%s", d.id)
             self._desktops.pop(d.id, None)
+            if self.registry is not None:
+                self.registry.drop_desktop(d.id)
         for _, client in self._clients.values():
             with contextlib.suppress(Exception):
                 await client.aclose()
         self._clients.clear()
         self._publish()
+        if self.registry is not None:
+            await self.registry.close()
         await self.provider.close()
         log.info("pool closed")
+
+    # -- restart ----------------------------------------------------------------------------
+
+    def _save_lease(self, lease: Lease, handle: DesktopHandle | None) -> Future[None]:
+        assert self.registry is not None
+        data = {"screen": list(lease.screen), "wait_s": lease.wait_s, "provider": lease.provider, "image": lease.image}
+        return self.registry.put_lease(lease.id, lease.desktop_id, lease.owner, lease.principal, lease.created_at,
+                                       lease.expires_at, lease.ttl_s, data, handle)
+
+    async def _readopt(self, saved: Snapshot) -> None:
+        """Take over what the previous farm of this state dir left (its registry ``saved``).
+
+        A desktop comes back when it was ready, or leased under a live lease, and the provider
+        can ``adopt`` its box (docker: the container still runs; libvirt: the VM still runs) and
+        its guest answers; its lease comes back with a fresh TTL (its holder could not heartbeat
+        a farm that was down). Every other saved lease ends with a 410 saying why; boxes nobody
+        took over are left to ``reap_orphans``. Sandbox boxes die with their farm (bubblewrap's
+        --die-with-parent: no daemon keeps them), so a sandbox farm's restart ends every lease."""
+        assert self.registry is not None
+        for e in saved.ended:
+            self._ended[e.id] = (e.owner, e.message, e.principal)
+        leases = {sl.id: sl for sl in saved.leases}
+        adopt = getattr(self.provider, "adopt", None)
+        kept: set[str] = set()
+        now = self.clock.time()
+        for sd in saved.desktops:
+            self._seq = max(self._seq, _seq_of(sd.id))
+            sl = leases.get(sd.lease_id) if sd.lease_id else None
+            handle: DesktopHandle | None = None
+            why: str | None = None
+            if sd.handle is None or not (sd.state == READY or (sd.state == LEASED and sl is not None)):
+                why = f"it was {sd.state} when the farm stopped"
+            elif sd.handle.provider != self.provider.name:
+                why = f"the farm now runs the {self.provider.name} provider, not {sd.handle.provider}"
+            elif adopt is None:
+                why = f"{self.provider.name} desktops do not outlive their farm"
+            else:
+                try:
+                    handle = await adopt(sd.handle)
+                except Exception as e:  # noqa: BLE001 - any failure: the box is not ours to use
+                    why = f"taking its box over failed: {type(e).__name__}: {e}"
+                if handle is None:
+                    why = why or "its box is gone"
+                else:
+                    why = await self._guest_silent(handle)
+                    if why is not None:
+                        with contextlib.suppress(Exception):
+                            await self.provider.stop(handle)
+                        handle = None
+            if handle is None:
+                self.registry.drop_desktop(sd.id)
+                if sl is not None:
+                    self._end_saved(sl, f"its desktop {sd.id} did not survive the farm's restart ({why})")
+                log.info("not taken over after the restart desktop=%s why=%s", sd.id, why)
+                continue
+            d = _Desktop(id=sd.id, state=LEASED if sl is not None else READY, since=now, handle=handle)
+            self._desktops[d.id] = d
+            if sl is not None:
+                lease = Lease(id=sl.id, desktop_id=d.id, owner=sl.owner, created_at=sl.created_at,
+                              expires_at=now + sl.ttl_s, ttl_s=sl.ttl_s, endpoint=handle.endpoint,
+                              screen=(handle.spec.width, handle.spec.height), wait_s=float(sl.data.get("wait_s", 0.0)),
+                              provider=handle.provider, image=sl.data.get("image"), principal=sl.principal)
+                self._leases[lease.id] = lease
+                d.lease_id = lease.id
+                kept.add(lease.id)
+                self._save_lease(lease, handle)
+            else:
+                self.registry.put_desktop(d.id, READY, None, handle)
+        for sl in saved.leases:
+            if sl.id not in kept and sl.id not in self._ended:
+                self._end_saved(sl, f"its desktop {sl.desktop_id} was not running when the farm restarted")
+        await self.registry.flush()
+        if saved.desktops or saved.leases:
+            log.warning("farm restarted: took over desktops=%d leases=%d; ended leases=%d",
+                        len(self._desktops), len(kept), len(saved.leases) - len(kept))
+        self._publish()
+
+    def _end_saved(self, sl: SavedLease, why: str) -> None:
+        assert self.registry is not None
+        message = f"lease {sl.id} ended: {why}; lease a new desktop"
+        self._ended[sl.id] = (sl.owner, message, sl.principal)
+        self.registry.end_lease(sl.id, sl.owner, sl.principal, message)
+
+    async def _guest_silent(self, handle: DesktopHandle) -> str | None:
+        """None when the box's guest answers its health route, else why not."""
+        client = handle.endpoint.client(timeout=HEALTH_TIMEOUT_S)
+        try:
+            r = await client.get("/v1/health")
+        except httpx.HTTPError as e:
+            return f"its guest does not answer: {e!r}"
+        finally:
+            await client.aclose()
+        return None if r.status_code == 200 else f"its guest's health answered {r.status_code}"
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -285,6 +395,8 @@ class LeasePool:
         )
         d.lease_id = lease.id
         self._leases[lease.id] = lease
+        if self.registry is not None:  # on disk before the client learns the id
+            await asyncio.wrap_future(self._save_lease(lease, d.handle))
         metrics.LEASE_WAIT.observe(lease.wait_s)
         self._replenish()  # keep pool_min ready now that one is leased
         log.info(
@@ -334,12 +446,17 @@ class LeasePool:
         d = self._desktops.get(lease.desktop_id)
         if d is not None and d.state == LEASED:
             self._recycle(d)
+        if self.registry is not None:  # a restart must not bring the lease back
+            await self.registry.flush()
         log.info("lease released lease=%s desktop=%s", lease_id[:8], lease.desktop_id)
 
     async def heartbeat(self, lease_id: str, ttl_s: float | None = None) -> Lease:
         lease = self.get(lease_id)
         if ttl_s:
             lease.ttl_s = float(ttl_s)
+            d = self._desktops.get(lease.desktop_id)
+            if self.registry is not None and d is not None:  # a restart gives it this TTL again
+                self._save_lease(lease, d.handle)
         lease.expires_at = self.clock.time() + lease.ttl_s
         return lease
 
@@ -382,6 +499,8 @@ class LeasePool:
         d.handle, d.misses = handle, 0
         lease.endpoint = handle.endpoint
         lease.screen = (handle.spec.width, handle.spec.height)
+        if self.registry is not None:
+            self._save_lease(lease, handle)
         self._set(d, LEASED)
         self._replenish()
         return lease
@@ -487,6 +606,8 @@ class LeasePool:
     def _end_lease(self, lease: Lease, message: str) -> None:
         self._leases.pop(lease.id, None)
         self._ended[lease.id] = (lease.owner, message, lease.principal)
+        if self.registry is not None:
+            self.registry.end_lease(lease.id, lease.owner, lease.principal, message)
         while len(self._ended) > ENDED_LEASES_KEPT:
             self._ended.popitem(last=False)
         d = self._desktops.get(lease.desktop_id)
@@ -584,6 +705,8 @@ class LeasePool:
     def _recycle(self, d: _Desktop) -> None:
         self._drop_client(d.id)
         self._set(d, RESETTING)
+        if self.registry is not None:  # a restart reaps a box caught in its reset
+            self.registry.put_desktop(d.id, RESETTING, None, d.handle)
         self._spawn(self._reset_box(d), d.id)
 
     async def _reset_box(self, d: _Desktop) -> None:
@@ -608,6 +731,8 @@ class LeasePool:
         d.handle = handle
         d.misses = 0
         self._set(d, READY)
+        if self.registry is not None:
+            self.registry.put_desktop(d.id, READY, None, handle)
         self._dispatch()
 
     def _box_failed(self, d: _Desktop, e: Exception, kind: str) -> None:
@@ -618,6 +743,8 @@ class LeasePool:
         metrics.DESKTOP_FAILURES.labels(kind).inc()
         log.error("desktop %s desktop=%s failures=%d error=%s", kind, d.id, self._fail_count, text.splitlines()[0])
         self._desktops.pop(d.id, None)
+        if self.registry is not None:
+            self.registry.drop_desktop(d.id)
         self._publish()
         if self._fail_count >= MAX_START_FAILURES and not self._coming():
             err = CapacityError(self._failing_message(), status=503, retry_after_s=self._retry_after())
@@ -647,6 +774,8 @@ class LeasePool:
             except Exception:
                 log.exception("stop failed desktop=%s", d.id)
         self._desktops.pop(d.id, None)
+        if self.registry is not None:
+            self.registry.drop_desktop(d.id)
         self._publish()
         self._replenish()
 

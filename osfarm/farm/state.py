@@ -33,6 +33,7 @@ from osfarm.config import FarmSettings
 from osfarm.farm.errors import ApiError, FarmError, describe
 from osfarm.farm.guest_link import GuestLink, GuestReply, GuestTimeout, GuestUnreachable
 from osfarm.farm.pool import Lease, LeasePool
+from osfarm.farm.registry import FarmRegistry
 from osfarm.http.errors import error_detail
 from osfarm.http.principals import Principal
 from osfarm.providers import make_provider
@@ -72,7 +73,7 @@ class FarmState:
         try:
             if self.provider is None:
                 self.provider = make_provider(self.settings)
-            self.pool = LeasePool(self.provider, self.settings)
+            self.pool = LeasePool(self.provider, self.settings, registry=FarmRegistry(self.settings.state_dir))
             await self.pool.start()
         except BaseException as e:
             self.start_error = e
