@@ -5,7 +5,9 @@ so the pool's health checks go over real HTTP to something that can really stop 
 The test steers it: ``hold()`` keeps starts and resets pending (the pool's ``starting`` and
 ``resetting`` states stay observable), ``fail_starts`` makes the next starts fail, ``kill`` makes
 a box dead (``alive`` says why), ``silence`` closes its guest (connection refused), and
-``orphans`` is what ``reap_orphans`` reports.
+``orphans`` is what ``reap_orphans`` reports. Boxes outlive the pool that started them (as docker
+containers and libvirt VMs outlive their farm): ``adopt`` hands a new pool a box that still runs;
+``survives_farm=False`` makes them die with it, as sandbox boxes do.
 """
 
 from __future__ import annotations
@@ -21,6 +23,11 @@ from pathlib import Path
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
 
 HEALTH = json.dumps({"status": "ok"}).encode()
+# GET /v1/observation: a fixed observation (a 4 KiB stand-in screenshot), so the farm's
+# observation route can be driven without a desktop (load and leak measurements)
+OBSERVATION = json.dumps({"screenshot": "A" * 4096, "format": "png", "width": 1024, "height": 768,
+                          "screen": {"width": 1024, "height": 768}, "cursor": [0, 0], "windows": [],
+                          "a11y": None, "t_ms": 0.1}).encode()
 
 
 @dataclass
@@ -47,6 +54,8 @@ class MemoryProvider:
     started: list[str] = field(default_factory=list)  # desktop ids, one entry per start or reset
     stopped: list[str] = field(default_factory=list)
     closed: bool = False
+    survives_farm: bool = True
+    adopted: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="osfm")
@@ -106,6 +115,14 @@ class MemoryProvider:
         self.started.append(desktop_id)
         return handle
 
+    async def adopt(self, handle: DesktopHandle) -> DesktopHandle | None:
+        """The running box a previous pool saved as ``handle`` (None when it is gone or dead)."""
+        box = self.boxes.get(handle.id)
+        if not self.survives_farm or box is None or box.dead or box.handle.endpoint != handle.endpoint:
+            return None
+        self.adopted.append(handle.id)
+        return box.handle
+
     async def stop(self, handle: DesktopHandle) -> None:
         box = self.boxes.get(handle.id)
         if box is not None and box.handle is handle:
@@ -134,12 +151,18 @@ class MemoryProvider:
 
 
 async def _serve_health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """HTTP/1.1 with keep-alive: 200 and a JSON body for /v1/health, 404 for anything else."""
+    """HTTP/1.1 with keep-alive: 200 and a JSON body for /v1/health and /v1/observation, 404 for
+    anything else."""
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
-            target = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
-            status, body = (b"200 OK", HEALTH) if target == b"/v1/health" else (b"404 Not Found", b'{"detail":"no"}')
+            target = (head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b"").split(b"?", 1)[0]
+            if target == b"/v1/health":
+                status, body = b"200 OK", HEALTH
+            elif target == b"/v1/observation":
+                status, body = b"200 OK", OBSERVATION
+            else:
+                status, body = b"404 Not Found", b'{"detail":"no"}'
             writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
                          + str(len(body)).encode() + b"\r\n\r\n" + body)
             await writer.drain()

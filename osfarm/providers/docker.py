@@ -16,8 +16,9 @@ box gets its own X display number (X's abstract sockets live in the network name
 Reset replaces the container: the new one is created and started while the old one is killed
 and removed, so a reset costs one container start plus the session's own start-up.
 
-Containers whose scope is ours but whose farm id is not were left by a farm that died; they are
-removed by ``reap_orphans`` when the next farm starts.
+Containers whose scope is ours but whose farm id is not were left by a farm that died; the next
+farm of the scope takes over those its registry names (``adopt``: still running, same scope and
+desktop, their run dir with the socket and token still there) and ``reap_orphans`` removes the rest.
 """
 
 from __future__ import annotations
@@ -199,12 +200,45 @@ class DockerProvider:
         """Remove containers of our scope made by another (dead) farm, and stale run dirs."""
         flt = {"label": [f"{LABEL_SCOPE}={self.scope}"]}
         found = await asyncio.to_thread(self.client.api.containers, all=True, filters=flt)
-        victims = [c for c in found if c.get("Labels", {}).get(LABEL_FARM) != self.farm_id]
+        adopted = set(self._containers.values())  # taken over from the previous farm (adopt)
+        victims = [c for c in found if c.get("Labels", {}).get(LABEL_FARM) != self.farm_id and c["Id"] not in adopted]
         await asyncio.gather(*(asyncio.to_thread(self._remove, c["Id"]) for c in victims))
         stale = await remove_stale_dirs(self.shared_dir, self._containers)
         if victims or stale:
             log.warning("reaped orphan containers=%d stale_dirs=%d scope=%s", len(victims), stale, self.scope)
         return len(victims)
+
+    async def adopt(self, handle: DesktopHandle) -> DesktopHandle | None:
+        """Take over the container a previous farm of this scope started for ``handle`` (the farm
+        restarted; docker kept the container running). None when it is gone, stopped, or not the
+        one the handle names: the caller ends its lease."""
+        from docker.errors import DockerException, NotFound
+
+        cid = handle.info.get("container")
+        if self._closed or not cid or handle.provider != self.name:
+            return None
+        try:
+            attrs = await asyncio.to_thread(self.client.api.inspect_container, cid)
+        except NotFound:
+            return None
+        except DockerException as e:
+            raise ProviderError(f"docker daemon error while taking over {handle.info.get('name')}: {e}") from e
+        labels = attrs.get("Config", {}).get("Labels") or {}
+        if (labels.get(LABEL_SCOPE) != self.scope or labels.get(LABEL_DESKTOP) != handle.id
+                or attrs.get("State", {}).get("Status") != "running"):
+            return None
+        run = handle.info.get("dir")
+        if not run or not Path(run).is_dir():
+            return None  # its socket and token are gone with the run dir
+        self._containers[handle.id] = attrs["Id"]
+        if handle.info.get("network") == "host":
+            cmd = attrs.get("Config", {}).get("Cmd") or []
+            if "--display" in cmd and cmd.index("--display") + 1 < len(cmd):
+                with contextlib.suppress(ValueError):
+                    self._host_displays[f"{handle.id}/{handle.info.get('gen')}"] = int(cmd[cmd.index("--display") + 1].lstrip(":"))
+        handle.pid = attrs.get("State", {}).get("Pid") or None
+        log.info("docker desktop taken over id=%s container=%s", handle.id, handle.info.get("name"))
+        return handle
 
     async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
         if self._closed:

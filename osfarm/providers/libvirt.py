@@ -16,7 +16,8 @@ Reset (``libvirt_reset``):
   (``loadvm``) and sets the guest clock through the guest agent, since the reverted guest still
   believes it is the time of the snapshot. The token stays the one the VM booted with.
 
-Domains carry a ``<metadata>`` element in our namespace naming the farm's state dir: domains of
+Domains carry a ``<metadata>`` element in our namespace naming the farm's state dir (a restarted
+farm takes over the domains its registry names, ``adopt``): domains of
 this state dir that this provider did not start (a crashed farm's) are destroyed by
 ``reap_orphans``. One farm per state dir (a lock file), as with the sandbox provider.
 
@@ -330,6 +331,29 @@ class LibvirtProvider:
         if victims or stale:
             log.warning("reaped orphan VMs domains=%d stale_dirs=%d state_dir=%s", len(victims), stale, self.state_dir)
         return len(victims)
+
+    async def adopt(self, handle: DesktopHandle) -> DesktopHandle | None:
+        """Take over the VM a previous farm of this state dir booted for ``handle`` (the farm
+        restarted; libvirt kept the transient domain running). None when it is gone or not ours."""
+        name = handle.info.get("domain")
+        if self._closed or not name or handle.provider != self.name:
+            return None
+
+        def ours() -> bool:
+            dom = self._lookup(name)
+            if dom is None or not dom.isActive():
+                return False
+            meta = read_metadata(dom.XMLDesc(0)) or {}
+            return meta.get("state-dir") == str(self.state_dir)
+
+        if not await asyncio.to_thread(ours):
+            return None
+        pid = await asyncio.to_thread(self._qemu_pid, name)
+        self._boxes[handle.id] = _Box(name=name, port=_port_of(handle), token=handle.endpoint.token, qemu_pid=pid,
+                                      snapshot="snapshot_s" in handle.info)
+        handle.pid = pid
+        log.info("vm taken over id=%s domain=%s", handle.id, name)
+        return handle
 
     async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
         if self._closed:
