@@ -19,6 +19,8 @@ from osfarm.tasks.cli import DirArg, IndexOpt, console, fail_with
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.model import TaskError
 from osfarm.tasks.suite import Suite, load_suite
+
+
 def audit_command(
     directory: DirArg,
     index: IndexOpt = None,

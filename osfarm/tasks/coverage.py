@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from osfarm.evaluators.scoring import INFEASIBLE
 from osfarm.evaluators.metrics.ocr import ocr_available
+from osfarm.evaluators.scoring import INFEASIBLE
 from osfarm.tasks.model import Issue, TaskError
 from osfarm.tasks.suite import Suite, load_suite
 
