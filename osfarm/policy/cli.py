@@ -17,6 +17,7 @@ from osfarm.http.hosts import is_loopback_host
 from osfarm.policy.engine import PolicyEngine, resolve_model_path
 from osfarm.policy.sampling import LatencyModel
 from osfarm.policy.tiny import build_tiny_model, tiny_model_dir
+from osfarm.policy.vllm import VllmOptions, compose_command, shell_command
 
 policy_app = typer.Typer(
     help="CPU policy server (OpenAI-compatible chat completions with token ids, log-probs, policy versions).",
@@ -117,6 +118,29 @@ def build_tiny(
     with err.status("building the tiny model ..."):
         path = build_tiny_model(out, seed=seed) if out else tiny_model_dir(seed=seed)
     print(path)
+
+
+@policy_app.command("vllm-command")
+def vllm_command(
+    model: Annotated[str, typer.Option("--model", help="HF model id or dir")] = VllmOptions().model,
+    served_model_name: Annotated[str, typer.Option("--served-model-name")] = "policy",
+    port: Annotated[int, typer.Option("--port")] = 8000,
+    max_loras: Annotated[int, typer.Option("--max-loras", help="adapters at once: η + 2 for the trainer")] = 4,
+    max_lora_rank: Annotated[int, typer.Option("--max-lora-rank", help="at least learner.lora.r")] = 64,
+    max_images: Annotated[int, typer.Option("--max-images", help="at least the agent's history_images")] = 5,
+    device: Annotated[list[str] | None, typer.Option("--device", help="cuda:N of this replica (repeat for "
+                                                     "tensor parallelism); a trainer's devices.policy entry")] = None,
+    compose: Annotated[bool, typer.Option("--compose", help="compose.yaml's command list (${VAR:-default} values)")] = False,
+) -> None:
+    """Print the vLLM command line osfarm's agent and trainer need (the one compose.yaml runs)."""
+    if compose:
+        for arg in compose_command():
+            print(arg)
+        return
+    opts = VllmOptions(model=model, served_model_name=served_model_name, port=port, max_loras=max_loras,
+                       max_lora_rank=max_lora_rank, max_images=max_images,
+                       tensor_parallel_size=max(1, len(device or [])))
+    print(shell_command(opts, device or None))
 
 
 __all__ = ["policy_app"]
