@@ -59,6 +59,9 @@ app.add_typer(stream_app, name="stream")
 from osfarm.images.cli import image_app  # noqa: E402
 
 app.add_typer(image_app, name="image")
+from osfarm.farm.cli import tokens_app  # noqa: E402
+
+app.add_typer(tokens_app, name="tokens")
 from osfarm.policy.cli import policy_app  # noqa: E402
 
 app.add_typer(policy_app, name="policy")
@@ -250,8 +253,26 @@ def serve(
         )
     setup_logging(log_level, log_format)
     settings.ensure_token()
+    if (settings.tls_certfile is None) != (settings.tls_keyfile is None):
+        raise _fail("tls_certfile and tls_keyfile (OSFARM_TLS_CERTFILE, OSFARM_TLS_KEYFILE) go together", 2)
+    for tls_file in (settings.tls_certfile, settings.tls_keyfile):
+        if tls_file is not None and not tls_file.is_file():
+            raise _fail(f"{tls_file}: no such file (TLS certificate or key)", 2)
+    if not is_loopback_host(settings.host) and settings.tls_certfile is None:
+        err.print(Panel.fit(
+            f"[bold]The farm API listens on {settings.host} WITHOUT TLS.[/]\n"
+            "Every token, action, screenshot and task crosses the network in clear text: anyone on the path\n"
+            "can read a token and drive the desktops. Serve HTTPS (OSFARM_TLS_CERTFILE + OSFARM_TLS_KEYFILE),\n"
+            "or put a TLS proxy in front and bind the farm to loopback.",
+            title="[bold red]WARNING: no TLS[/]", border_style="bold red"), highlight=False)
+        logging.getLogger("osfarm.serve").warning("listening on %s without TLS", settings.host)
 
-    from osfarm.farm.api import create_app
+    from osfarm.farm.api import create_app, farm_tokens
+
+    try:  # a bad token file or OSFARM_TOKENS entry stops here, naming it
+        clients = [p for p in farm_tokens(settings).principals() if p.name != "admin" or p.role != "admin"]
+    except ConfigError as e:
+        raise _fail(str(e), 2) from None
     from osfarm.providers import make_provider
     from osfarm.providers.base import ProviderError
 
@@ -262,11 +283,13 @@ def serve(
     sock = _bind(settings.host, settings.port)
     bound_port = sock.getsockname()[1]
     shown_host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    url = f"http://{shown_host}:{bound_port}"
+    url = f"{'https' if settings.tls_certfile else 'http'}://{shown_host}:{bound_port}"
     out.print(
         Panel.fit(
             f"[bold]farm[/]   {url}\n[bold]token[/]  {settings.token}\n[bold]docs[/]   {url}/docs\n\n"
-            f"export OSFARM_URL={url} OSFARM_TOKEN={settings.token}",
+            f"export OSFARM_URL={url} OSFARM_TOKEN={settings.token}"
+            + (f"\n\n{len(clients)} client token(s): {', '.join(f'{p.name} ({p.role})' for p in clients)}"
+               if clients else ""),
             title="osfarm serve",
         ),
         highlight=False,
@@ -276,7 +299,9 @@ def serve(
     fapp = create_app(settings, prov)
     server = uvicorn.Server(
         uvicorn.Config(fapp, log_config=None, log_level=log_level.lower(), lifespan="on", access_log=True,
-                       timeout_graceful_shutdown=10)
+                       timeout_graceful_shutdown=10,
+                       ssl_certfile=str(settings.tls_certfile) if settings.tls_certfile else None,
+                       ssl_keyfile=str(settings.tls_keyfile) if settings.tls_keyfile else None)
     )  # fmt: skip
     # uvicorn re-raises SIGINT/SIGTERM after its graceful shutdown; with these handlers in place
     # that re-raise is a no-op, so a requested stop exits 0 instead of 130/-15.

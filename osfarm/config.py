@@ -51,6 +51,8 @@ class FarmSettings(BaseSettings):
         default=None, description="a suite folder whose files the task routes may upload (relative task paths resolve here)"
     )
     task_offline: bool = Field(default=True, description="the task routes never download: a file not in the cache is a 424")
+    tls_certfile: Path | None = Field(default=None, description="serve HTTPS with this certificate (PEM); with tls_keyfile")
+    tls_keyfile: Path | None = Field(default=None, description="the private key of tls_certfile (PEM)")
     provider: Literal["sandbox", "docker", "libvirt"] = Field(
         default="sandbox", description="how desktops are boxed: sandbox (bubblewrap, no daemon), docker, libvirt"
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -59,7 +60,8 @@ class VLMOptions(BaseModel):
     backoff_s: float = Field(1.0, ge=0)
     backoff_max_s: float = Field(30.0, ge=0)
     capture_logprobs: bool = True
-    api_key: str | None = None
+    api_key: str | None = Field(default_factory=lambda: os.environ.get("OSFARM_POLICY_TOKEN") or None,
+                                description="bearer token of the policy server (default: $OSFARM_POLICY_TOKEN)")
     a11y_max_chars: int = Field(20_000, ge=100)
     # uitars only: the model's coordinate space and its processor's resize budget
     coordinates: Literal["absolute", "relative"] = "absolute"

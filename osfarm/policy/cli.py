@@ -57,6 +57,9 @@ def serve(
     ] = False,
     max_loras: Annotated[int, typer.Option("--max-loras", help="most LoRA adapters loaded at once (--enable-lora)")] = 8,
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow binding a non-loopback address")] = False,
+    token: Annotated[str | None, typer.Option("--token", envvar="OSFARM_POLICY_TOKEN", show_default=False,
+                                              help="bearer token every route but /health needs (vLLM's --api-key); "
+                                                   "the agents and the trainer send OSFARM_POLICY_TOKEN")] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Serve a transformers VLM on the CPU behind /v1/chat/completions (OpenAPI at /docs)."""
@@ -106,7 +109,10 @@ def serve(
     latency = LatencyModel(delay_ms, delay_sigma, delay_seed) if delay_ms > 0 else None
     lora = f", LoRA adapters: up to {max_loras}" if enable_lora else ""
     err.print(f"serving [bold]{name}[/] (version {version}, {path}{lora}) on http://{host}:{port}", highlight=False)
-    uvicorn.run(create_app(engine, latency), host=host, port=port, log_level=log_level.lower())
+    if not token and not is_loopback_host(host):
+        err.print("[bold red]warning:[/] serving on a non-loopback address without --token (OSFARM_POLICY_TOKEN): "
+                  "anyone who reaches it can generate and swap the weights", highlight=False)
+    uvicorn.run(create_app(engine, latency, token=token or None), host=host, port=port, log_level=log_level.lower())
 
 
 @policy_app.command("build-tiny")

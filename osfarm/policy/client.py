@@ -8,6 +8,7 @@ command); ``wait_healthy`` polls its ``GET /health``. Neither needs torch.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Literal
 
@@ -27,7 +28,9 @@ class PolicyServer(BaseModel):
     lora_versioned: bool = Field(default=True, description="vllm_lora: one adapter per version, <lora_name>-v<N> "
                                  "(exact version of every step); false: reload lora_name in place")
     command: str | None = Field(default=None, description="command: template with {path} {version} {url}")
-    api_key: str | None = None
+    api_key: str | None = Field(default_factory=lambda: os.environ.get("OSFARM_POLICY_TOKEN") or None,
+                                description="bearer token of the server (default: $OSFARM_POLICY_TOKEN, as "
+                                "`osfarm policy serve --token` and compose's vLLM read it)")
 
     def headers(self) -> dict[str, str]:
         """The request headers this server wants (its bearer token, if any)."""

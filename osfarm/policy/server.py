@@ -30,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from osfarm.http.auth import BearerAuth
 from osfarm.policy.engine import Choice, Generation, PolicyEngine, Prepared, RequestError
 from osfarm.policy.processing import MessageError
 from osfarm.policy.sampling import LatencyModel, SamplingParams
@@ -113,7 +114,9 @@ def _loc(loc: tuple) -> str:
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
-def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> FastAPI:
+def create_app(engine: PolicyEngine, latency: LatencyModel | None = None, token: str | None = None) -> FastAPI:
+    """The server's app; with ``token`` every route but ``/health`` needs ``Authorization: Bearer
+    <token>`` (vLLM's ``--api-key`` semantics, so the same clients work against both)."""
     gen_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="policy-generate")
 
     @asynccontextmanager
@@ -127,6 +130,8 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None) -> Fas
         description="OpenAI-compatible chat completions (a subset) on a transformers VLM, with policy versions.",
         version="1",
     )
+    if token:
+        app.add_middleware(BearerAuth, token=token, public=("/health",))
     metrics = PolicyMetrics()
     metrics.version.set(engine.current.version)
     app.state.engine = engine
