@@ -68,6 +68,10 @@ app.add_typer(policy_app, name="policy")
 from osfarm.trainer.cli import train_command  # noqa: E402
 
 app.command("train")(train_command)
+from osfarm.dashboard.cli import report_app, ui_command  # noqa: E402
+
+app.command("ui")(ui_command)
+app.add_typer(report_app, name="report")
 
 out = Console()
 err = Console(stderr=True)
@@ -235,6 +239,8 @@ def serve(
     width: Annotated[Optional[int], typer.Option(help="screen width of each desktop", show_default=False)] = None,
     height: Annotated[Optional[int], typer.Option(help="screen height of each desktop", show_default=False)] = None,
     state_dir: Annotated[Optional[Path], typer.Option(help="where desktops keep their files", show_default=False)] = None,
+    runs: Annotated[Optional[Path], typer.Option("--runs", help="folder of run dirs the dashboard (/ui) shows",
+                                                 show_default=False)] = None,
     config: ConfigOpt = None,
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow binding a non-loopback address")] = False,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error")] = "info",
@@ -243,7 +249,7 @@ def serve(
     """Run the farm API with a warm pool of desktops (Ctrl-C stops it and every desktop)."""
     settings = _settings(
         config, provider=provider, pool_min=pool_size, pool_max=pool_max, host=host, port=port, token=token,
-        width=width, height=height, state_dir=state_dir,
+        width=width, height=height, state_dir=state_dir, ui_runs_dir=runs,
     )  # fmt: skip
     if not is_loopback_host(settings.host) and not allow_remote:
         raise _fail(
@@ -251,6 +257,8 @@ def serve(
             "bind a loopback address, or pass --allow-remote if the network is trusted",
             2,
         )
+    if settings.ui_runs_dir is not None and not settings.ui_runs_dir.is_dir():
+        raise _fail(f"ui_runs_dir {settings.ui_runs_dir}: no such directory (the folder of run dirs /ui shows)", 2)
     setup_logging(log_level, log_format)
     settings.ensure_token()
     if (settings.tls_certfile is None) != (settings.tls_keyfile is None):
@@ -267,6 +275,7 @@ def serve(
             title="[bold red]WARNING: no TLS[/]", border_style="bold red"), highlight=False)
         logging.getLogger("osfarm.serve").warning("listening on %s without TLS", settings.host)
 
+    from osfarm.dashboard.app import farm_ui
     from osfarm.farm.api import create_app, farm_tokens
 
     try:  # a bad token file or OSFARM_TOKENS entry stops here, naming it
@@ -286,7 +295,8 @@ def serve(
     url = f"{'https' if settings.tls_certfile else 'http'}://{shown_host}:{bound_port}"
     out.print(
         Panel.fit(
-            f"[bold]farm[/]   {url}\n[bold]token[/]  {settings.token}\n[bold]docs[/]   {url}/docs\n\n"
+            f"[bold]farm[/]   {url}\n[bold]token[/]  {settings.token}\n[bold]docs[/]   {url}/docs\n"
+            f"[bold]ui[/]     {url}/ui/\n\n"
             f"export OSFARM_URL={url} OSFARM_TOKEN={settings.token}"
             + (f"\n\n{len(clients)} client token(s): {', '.join(f'{p.name} ({p.role})' for p in clients)}"
                if clients else ""),
@@ -296,7 +306,7 @@ def serve(
     )
     import uvicorn
 
-    fapp = create_app(settings, prov)
+    fapp = create_app(settings, prov, ui=farm_ui(settings.ui_runs_dir))
     server = uvicorn.Server(
         uvicorn.Config(fapp, log_config=None, log_level=log_level.lower(), lifespan="on", access_log=True,
                        timeout_graceful_shutdown=10,

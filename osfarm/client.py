@@ -192,10 +192,12 @@ def _observe_params(opts: dict[str, Any]) -> dict[str, str]:
     return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in o.items()}
 
 
-def _lease_body(owner: str | None, ttl_s: float | None, wait_s: float) -> dict[str, Any]:
+def _lease_body(owner: str | None, ttl_s: float | None, wait_s: float, task_id: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"wait_s": wait_s}
     if owner is not None:
         body["owner"] = owner
+    if task_id is not None:
+        body["task_id"] = task_id
     if ttl_s is not None:
         body["ttl_s"] = ttl_s
     return body
@@ -348,9 +350,10 @@ class AsyncFarm:
             await asyncio.sleep(delay)
 
     async def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0,
-                    heartbeat: bool | float = False) -> AsyncRemoteDesktop:
-        """Lease a desktop. ``heartbeat=True`` (or an interval in s) keeps it alive in the background."""
-        r = await self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s), timeout=wait_s + 120.0)
+                    heartbeat: bool | float = False, task_id: str | None = None) -> AsyncRemoteDesktop:
+        """Lease a desktop. ``heartbeat=True`` (or an interval in s) keeps it alive in the background;
+        ``task_id`` says what it is for (shown on the farm's dashboard)."""
+        r = await self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s, task_id), timeout=wait_s + 120.0)
         desk = AsyncRemoteDesktop(self, LeaseInfo.model_validate_json(r.content))
         if heartbeat is not False:
             desk.start_heartbeat(None if heartbeat is True else float(heartbeat))
@@ -519,9 +522,10 @@ class Farm:
             time.sleep(delay)
 
     def lease(self, owner: str | None = None, ttl_s: float | None = None, wait_s: float = 30.0,
-              heartbeat: bool | float = False) -> RemoteDesktop:
-        """Lease a desktop. ``heartbeat=True`` (or an interval in s) keeps it alive in the background."""
-        r = self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s), timeout=wait_s + 120.0)
+              heartbeat: bool | float = False, task_id: str | None = None) -> RemoteDesktop:
+        """Lease a desktop. ``heartbeat=True`` (or an interval in s) keeps it alive in the background;
+        ``task_id`` says what it is for (shown on the farm's dashboard)."""
+        r = self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s, task_id), timeout=wait_s + 120.0)
         desk = RemoteDesktop(self, LeaseInfo.model_validate_json(r.content))
         if heartbeat is not False:
             desk.start_heartbeat(None if heartbeat is True else float(heartbeat))

@@ -238,6 +238,9 @@ class TaskEnv:
         self.timings: dict[str, float] = {}
         self.recording: bytes | None = None
         self.recording_error: str | None = None
+        # people who took control of the desktop from the dashboard during this episode (the
+        # lease's control spans, read when the desktop is released): the score had human help
+        self.controlled_by: list[dict[str, Any]] = []
 
     # -- gymnasium surface ---------------------------------------------------------------------
 
@@ -251,6 +254,7 @@ class TaskEnv:
             raise RuntimeError("this TaskEnv is closed")
         task = task if isinstance(task, Task) else parse_task(task, file="task")
         await self._release()
+        self.controlled_by.clear()
         self.task, self.steps, self.last_action, self.last_step = task, 0, None, None
         self.score, self._ended, self._timed_out = None, False, False
         self.timings = {}
@@ -362,7 +366,8 @@ class TaskEnv:
     async def _start(self, task: Task) -> list[StepReport]:
         assert self._clock is not None
         try:
-            desk = await self.farm.lease(ttl_s=self.lease_ttl_s, wait_s=self.lease_wait_s, heartbeat=True)
+            desk = await self.farm.lease(ttl_s=self.lease_ttl_s, wait_s=self.lease_wait_s, heartbeat=True,
+                                         task_id=task.id)
         except FarmAPIError as e:
             raise InfraError(f"lease: {e}", "lease") from e
         self._desk = desk
@@ -445,6 +450,9 @@ class TaskEnv:
         if controller is not None:
             controller.close()
         if desk is not None:
+            with contextlib.suppress(FarmAPIError):
+                info = await desk.heartbeat()  # the lease's latest info: who took control, if anyone
+                self.controlled_by[:] = [c.model_dump() for c in info.control]
             with contextlib.suppress(FarmAPIError):
                 await desk.close()
 

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from osfarm.config import FarmSettings
+from osfarm.farm.api import UiMount
 from osfarm.farm.local import local_farm
 from osfarm.farm.server import FarmServer
 
@@ -32,7 +33,8 @@ def farm_settings(state_dir: str, **overrides: Any) -> FarmSettings:
 
 
 @contextlib.contextmanager
-def running_farm(prefix: str = "osf", start_timeout_s: float = 180.0, **overrides: Any) -> Iterator[FarmServer]:
+def running_farm(prefix: str = "osf", start_timeout_s: float = 180.0, ui: UiMount | None = None,
+                 **overrides: Any) -> Iterator[FarmServer]:
     """A farm on a temporary state dir, stopped with its desktops (and the dir removed) on exit.
 
     The dir is short (guest sockets live under it and sun_path is 108 bytes): under
@@ -42,7 +44,7 @@ def running_farm(prefix: str = "osf", start_timeout_s: float = 180.0, **override
     Path(base).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=prefix, dir=base) as d:
         settings = farm_settings(d, **overrides)
-        with local_farm(settings, extra_wait_s=max(0.0, start_timeout_s - settings.start_timeout_s)) as server:
+        with local_farm(settings, extra_wait_s=max(0.0, start_timeout_s - settings.start_timeout_s), ui=ui) as server:
             yield server
 
 

@@ -5,7 +5,7 @@ on the allow-list.
 The layers, lowest first (a module may import its own layer and any lower one)::
 
     desktop (runs inside the box) -> images -> providers -> tasks, evaluators -> farm -> client
-      -> env -> agents, policy, stream -> runner -> trainer -> osfarm.cli (the command, on top)
+      -> env -> agents, policy, stream -> runner -> trainer -> dashboard -> osfarm.cli (the command)
 
 ``images`` (how desktop images are built) sits under ``providers`` because the libvirt provider
 finds its disk with it. ``tasks``/``evaluators`` (the OSWorld task lifecycle, spoken to a guest
@@ -13,7 +13,11 @@ server) sit under the farm because the farm's reset/evaluate routes run that sam
 they know a desktop only by its guest endpoint. The ``client`` sits on the farm because it speaks
 the farm's wire models (``farm.schemas``). ``stream`` (trajectory records and sinks) imports
 nothing of osfarm; it sits beside ``agents`` and ``policy``, where the runner and the trainer use
-it. A subpackage's own ``cli.py`` belongs to its package's layer.
+it. The ``dashboard`` (web UI) sits on top, under the command only: it reads the farm's pool and
+guest links (live view), the stream's records and the runner's results layout (run pages), so
+nothing below imports it; the farm serves it because whoever builds the farm app hands its
+routers in (``farm.api.create_app(..., ui=dashboard.app.farm_ui(...))``: ``osfarm serve``). A
+subpackage's own ``cli.py`` belongs to its package's layer.
 
 What counts:
 
@@ -55,6 +59,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("osfarm.agents", "osfarm.policy", "osfarm.stream"),
     ("osfarm.runner",),
     ("osfarm.trainer",),
+    ("osfarm.dashboard",),
     ("osfarm.cli",),
 ]
 

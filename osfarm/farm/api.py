@@ -17,11 +17,12 @@ field, a crashed guest with 410, never a bare 500 page.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,7 +32,7 @@ from osfarm.config import FarmSettings
 from osfarm.farm import desktop_routes, passthrough_routes, service_routes, task_routes
 from osfarm.farm.errors import ApiError, CapacityError, FarmError, QuotaExceeded, describe
 from osfarm.farm.state import FarmState
-from osfarm.http.auth import BearerAuth
+from osfarm.http.auth import BearerAuth, BrowserLogin
 from osfarm.http.body_limit import BodyLimit, BodyRule
 from osfarm.http.principals import TokenTable, build_token_table
 from osfarm.providers.base import Provider
@@ -42,9 +43,20 @@ log = logging.getLogger("osfarm.farm.api")
 QUOTA_HEADER = "X-Osfarm-Quota"
 
 
-def create_app(settings: FarmSettings, provider: Provider | None = None) -> FastAPI:
+@dataclass(frozen=True)
+class UiMount:
+    """Pages the farm serves besides its API: the dashboard (``osfarm.dashboard``, which sits
+    above the farm, so whoever builds the app hands it in: ``osfarm serve``). Its routers are
+    included after the farm's own, behind the same auth middleware, which also takes the
+    dashboard's login cookie under ``browser.prefix``."""
+
+    routers: Sequence[APIRouter]
+    browser: BrowserLogin
+
+
+def create_app(settings: FarmSettings, provider: Provider | None = None, ui: UiMount | None = None) -> FastAPI:
     """The farm app. ``provider`` defaults to ``make_provider(settings)`` at startup; either
-    way the app closes it at shutdown."""
+    way the app closes it at shutdown. ``ui``: the dashboard's pages (none by default)."""
     settings.ensure_token()
     tokens = farm_tokens(settings)  # a bad token file fails here, before anything starts
     state = FarmState(settings, provider)
@@ -73,12 +85,16 @@ def create_app(settings: FarmSettings, provider: Provider | None = None) -> Fast
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, setting="max_body_bytes (OSFARM_MAX_BODY_BYTES)",
                        rules=[BodyRule(passthrough_routes.PATH_REGEX, settings.max_upload_bytes,
                                        "max_upload_bytes (OSFARM_MAX_UPLOAD_BYTES)")])
-    app.add_middleware(BearerAuth, tokens=tokens, public=service_routes.PUBLIC_PATHS, basic=True, realm="osfarm")
+    app.state.tokens = tokens  # the dashboard's login form checks tokens against the same table
+    app.add_middleware(BearerAuth, tokens=tokens, public=service_routes.PUBLIC_PATHS, basic=True, realm="osfarm",
+                       browser=ui.browser if ui else None)
     _add_error_handlers(app)
     app.include_router(service_routes.router)
     app.include_router(desktop_routes.router)
     app.include_router(task_routes.router)
     app.include_router(passthrough_routes.router)
+    for router in ui.routers if ui else ():
+        app.include_router(router)
     return app
 
 

@@ -18,7 +18,7 @@ from osfarm.desktop.models import ImageFormat, Observation, ObserveOptions, Step
 from osfarm.farm.errors import ApiError
 from osfarm.farm.metrics import STEP_SECONDS
 from osfarm.farm.pool import Lease
-from osfarm.farm.schemas import DESKTOP_ERRORS, ErrorBody, HeartbeatRequest, LeaseInfo, LeaseRequest
+from osfarm.farm.schemas import DESKTOP_ERRORS, ControlInfo, ErrorBody, HeartbeatRequest, LeaseInfo, LeaseRequest
 from osfarm.farm.state import Leaser, LeaseOf, Pool, State
 from osfarm.http.principals import Principal
 
@@ -40,6 +40,7 @@ def lease_info(lease: Lease) -> LeaseInfo:
         provider=lease.provider,
         image=lease.image,
         client=lease.principal,
+        control=[ControlInfo(by=c.by, started_at=c.started_at, ended_at=c.ended_at) for c in lease.control],
     )
 
 
@@ -66,8 +67,10 @@ async def lease_desktop(pool: Pool, state: State, principal: Leaser,
                         req: Annotated[LeaseRequest | None, Body()] = None) -> LeaseInfo:
     req = req or LeaseRequest()
     ttl = allowed_ttl(principal, req.ttl_s, state.settings.lease_ttl_s)
-    return lease_info(await pool.lease(owner=req.owner, ttl_s=ttl, wait_s=req.wait_s, principal=principal.name,
-                                       max_leases=principal.max_leases))
+    lease = await pool.lease(owner=req.owner, ttl_s=ttl, wait_s=req.wait_s, principal=principal.name,
+                             max_leases=principal.max_leases)
+    lease.task_id = req.task_id
+    return lease_info(lease)
 
 
 @router.get("/v1/desktops/{lease_id}", response_model=LeaseInfo, summary="Lease details", responses=DESKTOP_ERRORS)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from osfarm.config import FarmSettings, load_settings
+from osfarm.farm.api import UiMount
 from osfarm.farm.server import FarmServer
 from osfarm.providers import make_provider
 
@@ -27,20 +28,20 @@ def local_farm_settings(envs: int, spares: int = 1, config: Path | None = None, 
     return load_settings(config, **{"port": 0, **overrides, "pool_min": n, "pool_max": n})
 
 
-def start_local_farm(settings: FarmSettings, extra_wait_s: float = 30.0) -> FarmServer:
+def start_local_farm(settings: FarmSettings, extra_wait_s: float = 30.0, ui: UiMount | None = None) -> FarmServer:
     """Start the farm and wait for its warm pool (``start_timeout_s + extra_wait_s`` at most);
     the caller stops it. The provider is made first, so a missing bwrap/Xvfb/docker raises its
     ProviderError (naming the fix) before anything starts; a farm that does not come up raises
     RuntimeError."""
-    server = FarmServer(settings, make_provider(settings))
+    server = FarmServer(settings, make_provider(settings), ui=ui)
     server.start(timeout=settings.start_timeout_s + extra_wait_s)
     return server
 
 
 @contextlib.contextmanager
-def local_farm(settings: FarmSettings, extra_wait_s: float = 30.0) -> Iterator[FarmServer]:
+def local_farm(settings: FarmSettings, extra_wait_s: float = 30.0, ui: UiMount | None = None) -> Iterator[FarmServer]:
     """:func:`start_local_farm` as a context manager: the farm and its desktops stop on exit."""
-    server = start_local_farm(settings, extra_wait_s)
+    server = start_local_farm(settings, extra_wait_s, ui)
     try:
         yield server
     finally:

@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
@@ -89,6 +89,33 @@ class Lease:
     provider: str = "sandbox"
     image: str | None = None
     principal: str | None = None  # the client (token) holding it; only it and admins see the lease
+    task_id: str | None = None  # the task of the last reset to a task (shown on the dashboard)
+    control: list[ControlSpan] = field(default_factory=list)  # people who took control (dashboard)
+
+
+@dataclass
+class ControlSpan:
+    """Someone drove a leased desktop by hand (the dashboard's take-over): the lease holder sees
+    it in the lease info and the runner records it in the episode (``controlled_by``)."""
+
+    by: str
+    started_at: float
+    ended_at: float | None = None
+
+
+@dataclass(frozen=True)
+class DesktopView:
+    """One desktop as the dashboard shows it (a snapshot, see :meth:`LeasePool.desktops`)."""
+
+    id: str
+    state: str
+    since: float
+    created_at: float
+    resets: int
+    provider: str | None
+    endpoint: GuestEndpoint | None
+    screen: tuple[int, int] | None
+    lease: Lease | None
 
 
 _LEASE_ID_ALPHABET = string.ascii_letters + string.digits
@@ -116,6 +143,12 @@ class _Desktop:
     handle: DesktopHandle | None = None
     lease_id: str | None = None
     misses: int = 0  # guest health failures in a row
+    resets: int = 0
+    created_at: float = -1.0  # when it was first started (default: ``since`` at creation)
+
+    def __post_init__(self) -> None:
+        if self.created_at < 0:
+            self.created_at = self.since
 
 
 async def _close_after(client: httpx.AsyncClient, check: asyncio.Task[Any] | None) -> None:
@@ -491,6 +524,7 @@ class LeasePool:
                 raise
             raise ResetFailed(f"desktop reset failed ({why}); the lease has ended, lease a new desktop") from None
         metrics.RESET_SECONDS.observe(self.clock.monotonic() - t0)
+        d.resets += 1
         log.info("leased desktop reset desktop=%s reset_s=%.3f", d.id, self.clock.monotonic() - t0)
         if lease.id not in self._leases or d.lease_id != lease.id:
             self._box_ready(d, handle)  # released or expired meanwhile: back to the pool
@@ -552,6 +586,23 @@ class LeasePool:
             "start_failures": self._fail_count,
             "last_error": self._last_error or None,
         }
+
+    def desktops(self) -> list[DesktopView]:
+        """Every desktop with its lease (the dashboard's pool page)."""
+        return [self._view(d) for d in self._desktops.values()]
+
+    def desktop(self, desktop_id: str) -> DesktopView | None:
+        d = self._desktops.get(desktop_id)
+        return self._view(d) if d is not None else None
+
+    def _view(self, d: _Desktop) -> DesktopView:
+        h = d.handle
+        return DesktopView(
+            id=d.id, state=d.state, since=d.since, created_at=d.created_at, resets=d.resets,
+            provider=h.provider if h else None, endpoint=h.endpoint if h else None,
+            screen=(h.spec.width, h.spec.height) if h else None,
+            lease=self._leases.get(d.lease_id) if d.lease_id else None,
+        )  # fmt: skip
 
     # -- bookkeeping ------------------------------------------------------------------------
 
@@ -721,6 +772,7 @@ class LeasePool:
             return
         dt = self.clock.monotonic() - t0
         metrics.RESET_SECONDS.observe(dt)
+        d.resets += 1
         log.info("desktop reset desktop=%s reset_s=%.3f", d.id, dt)
         self._box_ready(d, handle)
 

@@ -29,10 +29,18 @@ class LeaseRequest(_Strict):
     wait_s: float = Field(
         default=30.0, ge=0, le=600, description="how long to wait for a free desktop before answering 429"
     )
+    task_id: str | None = Field(default=None, max_length=200, description="the task the lease is for "
+                                "(shown on the dashboard's pool page; a reset to a task sets it too)")
 
 
 class HeartbeatRequest(_Strict):
     ttl_s: float | None = Field(default=None, gt=0, le=86400, description="new TTL from now; default: the lease's")
+
+
+class ControlInfo(BaseModel):
+    by: str = Field(description="who took control (the dashboard user's name)")
+    started_at: float = Field(description="unix time control was taken")
+    ended_at: float | None = Field(default=None, description="unix time it was handed back; null: still in control")
 
 
 class LeaseInfo(BaseModel):
@@ -48,6 +56,11 @@ class LeaseInfo(BaseModel):
     provider: str = Field(default="sandbox", description="the box: sandbox, docker or libvirt")
     image: str | None = Field(default=None, description="the desktop image (docker, libvirt); none for sandbox")
     client: str | None = Field(default=None, description="name of the token (client) holding the lease")
+    control: list[ControlInfo] = Field(
+        default_factory=list,
+        description="people who took control of this desktop from the dashboard (/ui), oldest first: the "
+        "episode ran with human help while any span overlaps it",
+    )
 
 
 class DesktopStatus(BaseModel):

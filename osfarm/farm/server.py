@@ -11,7 +11,7 @@ import time
 import uvicorn
 
 from osfarm.config import FarmSettings
-from osfarm.farm.api import create_app
+from osfarm.farm.api import UiMount, create_app
 from osfarm.farm.state import FarmState
 from osfarm.providers.base import Provider
 
@@ -25,9 +25,9 @@ class FarmServer:
     """
 
     def __init__(self, settings: FarmSettings, provider: Provider | None = None, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning"):
+                 log_level: str = "warning", ui: UiMount | None = None):
         self.settings = settings.ensure_token()
-        self.app = create_app(settings, provider)
+        self.app = create_app(settings, provider, ui)
         self.state: FarmState = self.app.state.farm
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

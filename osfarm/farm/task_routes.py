@@ -164,6 +164,7 @@ async def reset_task(req: ResetRequest, lease: LeaseOf, state: State) -> ResetRe
     t0 = time.perf_counter()
     await state.drop_guest(lease.desktop_id)  # its connections go to the old box
     lease = await state.require_pool().reset_lease(lease.id)
+    lease.task_id = task.id  # shown on the dashboard's pool page
     cache = farm_cache(state.settings)
     work = await asyncio.to_thread(state.episode_dir, lease.id, True)  # a fresh episode: nothing kept
     controller = GuestController.from_endpoint(lease.endpoint)

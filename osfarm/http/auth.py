@@ -22,7 +22,9 @@ import binascii
 import json
 import secrets
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote, unquote
 
 from osfarm.http.principals import ADMIN_NAME, Principal, TokenTable
 
@@ -64,14 +66,45 @@ def check_authorization(header: str | None, token: str, basic: bool = False) -> 
     return None
 
 
-class BearerAuth:
-    """Answers 401 (JSON ``{"detail": ...}``) to every HTTP request without a known token.
+@dataclass(frozen=True)
+class BrowserLogin:
+    """Browser sessions under ``prefix`` (the farm's dashboard, ``/ui/``): there the token may
+    also come from the HttpOnly cookie ``cookie`` (its value percent-encoded; the dashboard's login
+    form sets it, scoped to that path) when no ``Authorization`` header is sent; ``public`` paths
+    are served without a token (an entry ending in ``/`` is a prefix); and a browser asking for a
+    page without a valid token is sent to ``login_path`` instead of getting a 401. The cookie is
+    never a credential outside ``prefix``: the API takes headers only, so a page of another site
+    cannot drive it with the browser's cookie."""
 
-    ``token``: the one token (guest server); ``tokens``: a table of per-client tokens (farm).
+    cookie: str
+    prefix: str
+    public: tuple[str, ...] = ()
+    login_path: str | None = None
+
+    def is_public(self, path: str) -> bool:
+        return any(path.startswith(p) if p.endswith("/") else path == p for p in self.public)
+
+
+def _cookie(headers: Iterable[tuple[bytes, bytes]], name: str) -> str | None:
+    for k, v in headers:
+        if k == b"cookie":
+            for part in v.decode("latin-1").split(";"):
+                key, sep, value = part.strip().partition("=")
+                if sep and key == name:
+                    return unquote(value.strip().strip('"'))
+    return None
+
+
+class BearerAuth:
+    """Answers 401 (JSON ``{"detail": ...}``) to every HTTP request and WebSocket handshake
+    without a known token (a refused WebSocket is closed with code 4401 before it is accepted).
+
+    ``token``: the one token (guest server); ``tokens``: a table of per-client tokens (farm);
+    ``browser``: cookie sessions of the dashboard (:class:`BrowserLogin`).
     """
 
     def __init__(self, app: ASGIApp, token: str | None = None, public: Iterable[str] = (), basic: bool = False,
-                 realm: str | None = None, tokens: TokenTable | None = None):
+                 realm: str | None = None, tokens: TokenTable | None = None, browser: BrowserLogin | None = None):
         if tokens is None:
             if not token:
                 raise ValueError("the token must not be empty")
@@ -83,6 +116,7 @@ class BearerAuth:
         self.tokens = tokens
         self.public = frozenset(public)
         self.basic = basic
+        self.browser = browser
         param = f' realm="{realm}"' if realm else ""
         # Bearer for API clients; Basic makes browsers prompt (any user, token as password).
         self.challenges = [(b"www-authenticate", f"Bearer{param}".encode())]
@@ -90,7 +124,9 @@ class BearerAuth:
             self.challenges.append((b"www-authenticate", f"Basic{param}".encode()))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in self.public:
+        path = scope.get("path", "")
+        browser = self.browser
+        if scope["type"] not in ("http", "websocket") or path in self.public or (browser and browser.is_public(path)):
             await self.app(scope, receive, send)
             return
         header = None
@@ -98,7 +134,12 @@ class BearerAuth:
             if k == b"authorization":
                 header = v.decode("latin-1")
                 break
-        given, problem = presented_token(header, self.basic)
+        in_browser_area = browser is not None and path.startswith(browser.prefix)
+        if header is None and browser is not None and in_browser_area:
+            given = _cookie(scope.get("headers", ()), browser.cookie)
+            problem = None if given else "not logged in: log in at " + (browser.login_path or browser.prefix)
+        else:
+            given, problem = presented_token(header, self.basic)
         if given is not None:
             principal = self.tokens.resolve(given)
             if principal is not None:
@@ -106,6 +147,18 @@ class BearerAuth:
                 await self.app(scope, receive, send)
                 return
             problem = "invalid token"
+        if scope["type"] == "websocket":
+            await receive()  # the handshake's websocket.connect; closing now refuses it (HTTP 403)
+            await send({"type": "websocket.close", "code": 4401, "reason": problem or "unauthorized"})
+            return
+        if in_browser_area and browser is not None and browser.login_path and _wants_page(scope):
+            query = scope.get("query_string", b"").decode("latin-1")
+            target = quote(path + (f"?{query}" if query else ""), safe="")
+            await send({"type": "http.response.start", "status": 303,
+                        "headers": [(b"location", f"{browser.login_path}?next={target}".encode()),
+                                    (b"content-length", b"0"), (b"cache-control", b"no-store")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
         body = json.dumps({"detail": problem}).encode()
         await send({
             "type": "http.response.start",
@@ -114,3 +167,13 @@ class BearerAuth:
                         *self.challenges],
         })  # fmt: skip
         await send({"type": "http.response.body", "body": body})
+
+
+def _wants_page(scope: Scope) -> bool:
+    """A browser navigating (GET of an HTML page), rather than a script or a sub-request."""
+    if scope.get("method") != "GET":
+        return False
+    for k, v in scope.get("headers", ()):
+        if k == b"accept":
+            return b"text/html" in v
+    return False

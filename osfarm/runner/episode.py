@@ -89,6 +89,7 @@ class EpisodeResult:
     timings: dict[str, float] = field(default_factory=dict)
     recording_error: str | None = None  # a failed recording is noted, never the episode's failure
     action_timing: ActionTiming = "osworld"  # how the actions were paced (EpisodeConfig.action_timing)
+    controlled_by: list[dict[str, Any]] = field(default_factory=list)  # dashboard take-overs (TaskEnv.controlled_by)
 
 
 def episode_id(run_id: str, task_id: str) -> str:
@@ -113,6 +114,7 @@ async def _attempt(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, 
                   work_dir=cfg.work_dir / res.episode_id, offline=cfg.offline, a11y=agent.wants_a11y,
                   settle_s=agent.settle_s, record=cfg.record, lease_ttl_s=cfg.lease_ttl_s,
                   lease_wait_s=cfg.lease_wait_s, code_timeout_s=cfg.code_timeout_s, action_timing=cfg.action_timing)
+    res.controlled_by = env.controlled_by  # the same list: the env fills it when it releases the desktop
     async with env:
         try:
             obs, _ = await env.reset(task)

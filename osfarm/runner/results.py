@@ -105,6 +105,8 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "started_at": _iso(res.started_at),
         "finished_at": _iso(res.finished_at),
         "steps": steps,
+        # someone took control of the desktop from the dashboard: the outcome had human help
+        **({"controlled_by": res.controlled_by} if res.controlled_by else {}),
     }
 
 
@@ -153,6 +155,8 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
         row["timings"] = res.timings
     if res.recording_error:
         row["recording_error"] = res.recording_error
+    if res.controlled_by:
+        row["controlled_by"] = [c.get("by") for c in res.controlled_by]
     (d / "episode.json").write_text(json.dumps(row, indent=2))
     rec = episode_record(res, run_id, blobs)
     if emit is not None:
