@@ -53,6 +53,9 @@ class FarmSettings(BaseSettings):
     task_offline: bool = Field(default=True, description="the task routes never download: a file not in the cache is a 424")
     tls_certfile: Path | None = Field(default=None, description="serve HTTPS with this certificate (PEM); with tls_keyfile")
     tls_keyfile: Path | None = Field(default=None, description="the private key of tls_certfile (PEM)")
+    ui_runs_dir: Path | None = Field(
+        default=None, description="a folder of eval/training run dirs the dashboard (/ui) shows; none: live desktops only"
+    )
     provider: Literal["sandbox", "docker", "libvirt"] = Field(
         default="sandbox", description="how desktops are boxed: sandbox (bubblewrap, no daemon), docker, libvirt"
     )
