@@ -2,7 +2,8 @@
 
 A middleware (rather than a FastAPI dependency) also covers ``/docs``, ``/openapi.json``,
 ``/metrics`` and unknown routes, so nothing is served before the token is checked, except the
-paths in ``public``. Tokens are compared in constant time.
+paths in ``public``. Tokens are never compared as such: the presented token's SHA-256 is looked
+up (:class:`~osfarm.http.principals.TokenTable`), so timing reveals nothing about a token.
 
 With a :class:`~osfarm.http.principals.TokenTable` (the farm), each token names a
 :class:`~osfarm.http.principals.Principal`, put in ``scope["state"]["principal"]`` (FastAPI:
