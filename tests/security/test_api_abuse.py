@@ -5,6 +5,7 @@ probe must be refused with a clear status and message, and the farm must keep se
 
 from __future__ import annotations
 
+import os
 import socket
 import tempfile
 import threading
@@ -279,3 +280,42 @@ def test_a_file_url_outside_the_task_cache_is_refused(farm: FarmServer, alice_le
         assert r.status_code == 422 and "file:///etc/passwd" in detail(r) and "outside" in detail(r), r.text
         assert "$.config[0].parameters" in detail(r)
     still_serving(farm)
+
+
+def test_tokens_cli_keeps_only_digests(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from osfarm.cli import app
+    from osfarm.farm.api import farm_tokens
+
+    file = tmp_path / "tokens.yaml"
+    r = CliRunner().invoke(app, ["tokens", "add", "carol", "--file", str(file), "--max-leases", "2", "--max-ttl", "900"])
+    assert r.exit_code == 0, r.output
+    token = r.stdout.strip().splitlines()[-1]
+    assert len(token) >= 40 and token not in file.read_text() and token_digest(token) in file.read_text()
+    assert file.stat().st_mode & 0o077 == 0  # 0600
+    carol = farm_tokens(FarmSettings(token=ADMIN, tokens_file=file, state_dir=tmp_path)).resolve(token)
+    assert carol is not None and (carol.name, carol.role, carol.max_leases, carol.max_ttl_s) == ("carol", "client", 2, 900)
+    r = CliRunner().invoke(app, ["tokens", "add", "carol", "--file", str(file)])
+    assert r.exit_code == 2 and "exists" in r.output
+    r = CliRunner().invoke(app, ["tokens", "hash"], input=token + "\n")
+    assert r.stdout.strip() == f"sha256:{token_digest(token)}"
+    r = CliRunner().invoke(app, ["tokens", "remove", "carol", "--file", str(file)])
+    assert r.exit_code == 0 and "carol" not in file.read_text()
+
+
+def test_serve_off_loopback_without_tls_warns_and_a_bad_token_file_stops_it(tmp_path: Path) -> None:
+    """Runs `osfarm serve` far enough to see both: the warning comes first, then the token file
+    (an unknown role) stops it before any desktop or socket exists."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "tokens.yaml"
+    bad.write_text("clients:\n  - name: x\n    role: root\n    sha256: " + "0" * 64 + "\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("OSFARM_")},
+           "OSFARM_STATE_DIR": str(tmp_path / "s"), "OSFARM_TOKENS_FILE": str(bad), "COLUMNS": "200"}
+    r = subprocess.run([sys.executable, "-m", "osfarm.cli", "serve", "--host", "0.0.0.0", "--allow-remote",
+                        "--port", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "WITHOUT TLS" in r.stderr and "clear text" in r.stderr, r.stderr
+    assert f"{bad}:3: clients.0.role" in r.stderr and "Traceback" not in r.stderr, r.stderr
