@@ -319,3 +319,36 @@ def test_serve_off_loopback_without_tls_warns_and_a_bad_token_file_stops_it(tmp_
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "WITHOUT TLS" in r.stderr and "clear text" in r.stderr, r.stderr
     assert f"{bad}:3: clients.0.role" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+async def _asgi_status(asgi: Any, method: str, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+    """One request to an ASGI app whose body never comes (receive would block): status and body."""
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        raise AssertionError("the body was read")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await asgi({"type": "http", "method": method, "path": path, "headers": headers, "query_string": b""},
+               receive, send)
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_the_guest_server_limits_bodies_too(tmp_path: Path) -> None:
+    import asyncio
+
+    from osfarm.desktop.guest import MAX_BODY_BYTES, MAX_UPLOAD_BYTES
+    from osfarm.desktop.guest import create_app as guest_app
+
+    app = guest_app("guest-token-0123456789", ":0", home=str(tmp_path), work_dir=str(tmp_path / "w"),
+                    warm_code_runner=False)
+    auth = (b"authorization", b"Bearer guest-token-0123456789")
+    for path, size in (("/setup/execute", MAX_BODY_BYTES + 1), ("/v1/step", MAX_BODY_BYTES + 1),
+                       ("/setup/upload", MAX_UPLOAD_BYTES + 1), ("/setup/upload", 100 << 30)):
+        status, body = asyncio.run(_asgi_status(app, "POST", path, [auth, (b"content-length", str(size).encode())]))
+        assert status == 413 and b"limit" in body, (path, status, body)
+    # the token first: a stranger learns nothing, not even the limit
+    status, _ = asyncio.run(_asgi_status(app, "POST", "/setup/upload", [(b"content-length", str(100 << 30).encode())]))
+    assert status == 401
