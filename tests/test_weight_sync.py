@@ -5,6 +5,10 @@
   with vLLM runs for real here: one adapter per version, the route an episode takes, unloading
   what no episode uses, the in-place mode; then a short ``osfarm train`` run on it whose every
   step carries the version of the adapter that produced it.
+* a trainer that restarts while its vLLM keeps running finds the adapters already loaded: it
+  takes them over and goes on (before, "already loaded" failed the sync and the run stalled);
+* interruptible rollouts: an episode moves to the newest adapter at its next step, each step
+  tagged with the version that answered it; a non-interruptible one keeps its first adapter.
 * ``command``: a restart script that stops the server and starts it on the new checkpoint (the
   vLLM restart path), followed by the health check.
 * failures: a server that does not answer, a command that fails or hangs, a junk checkpoint —
@@ -15,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -300,6 +305,70 @@ def test_train_on_vllm_lora_tags_every_step(tiny: Path, tmp_path: Path, monkeypa
     assert {s["model"]["policy_version"] for s in steps} >= {0, 1}  # the base, then adapter v1
     # what stays loaded: the base, the current adapter and any an episode still ran on at the last prune
     assert {"policy", "policy-v2"} <= served <= {"policy", "policy-v1", "policy-v2"}
+
+
+def test_resume_against_a_server_that_kept_its_adapters(tiny: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer dies, its vLLM keeps running with policy-v1 loaded; the resumed trainer must
+    not fail on "already loaded", route to base-model v0 and stall: it takes policy-v1 over and
+    its next episodes run on it (then on v2)."""
+    from osfarm.trainer.config import load_train_config
+    from osfarm.trainer.loop import train
+
+    monkeypatch.setenv("OSFARM_STATE_DIR", str(tmp_path / "state"))
+    proc = _start(tiny, tmp_path / "server.log", "--enable-lora")
+    try:
+        cfg_file = tmp_path / "train.yaml"
+        cfg_file.write_text(TRAIN.format(run=tmp_path / "run", url=proc.url, cpus="").replace("updates: 2", "updates: 1"))
+        assert train(load_train_config(cfg_file))["version"] == 1
+        assert "policy-v1" in _served(proc.url)
+        first = {e["episode_id"] for e in _episodes(tmp_path / "run")}
+        summary = train(load_train_config(cfg_file, updates=2))  # a new trainer process would do the same
+        served = _served(proc.url)
+    finally:
+        proc.stop()
+    assert summary["start_version"] == 1 and summary["version"] == 2
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2] and all(r["sync_ok"] for r in rows)
+    resumed = [s for e in _episodes(tmp_path / "run") if e["episode_id"] not in first for s in e["steps"]]
+    assert resumed and {s["model"]["policy_version"] for s in resumed} <= {1, 2}  # never the base model's 0
+    assert "policy-v2" in served
+
+
+def _episodes(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (run / "episodes.jsonl").read_text().splitlines()]
+
+
+def test_interruptible_rollouts_move_to_the_new_adapter(lora_server: PolicyProcess,
+                                                        checkpoints: dict[int, Path]) -> None:
+    from osfarm.agents import make_agent
+    from osfarm.trainer.routing import RoutedAgent
+
+    async def episode(interruptible: bool, name: str) -> tuple[list[int | None], list[str]]:
+        sync = WeightSync([PolicyServer(url=lora_server.url, kind="vllm_lora", lora_name=name)])
+        server = sync.servers[0]
+        assert all(r.ok for r in await sync.sync(checkpoints[1], 1))
+        agent = RoutedAgent(make_agent("choice", base_url=lora_server.url, model="policy", choices=["a", "b"],
+                                       temperature=1.0, seed=1), lambda: sync.route(server), interruptible=interruptible)
+        agent.reset(None)
+        models = []
+        try:
+            for step in range(2):
+                await agent.apredict("Pick one.", {})
+                models.append(agent.agent.client.model)
+                if step == 0:  # a weight sync lands while the episode runs
+                    assert all(r.ok for r in await sync.sync(checkpoints[2], 2))
+        finally:
+            await agent.aclose()
+            for v in (1, 2):
+                with contextlib.suppress(Exception):
+                    await sync.prune(set())
+        return agent.step_versions, models
+
+    got = asyncio.run(episode(True, "intr"))
+    assert got == ([1, 2], ["intr-v1", "intr-v2"])  # AReaL: the next step runs on the new weights
+    got = asyncio.run(episode(False, "keep"))
+    assert got == ([1, 1], ["keep-v1", "keep-v1"])  # the episode keeps the adapter it started with
 
 
 def test_vllm_lora_config_needs_learner_lora(tmp_path: Path) -> None:

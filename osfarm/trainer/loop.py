@@ -201,6 +201,7 @@ class Trainer:
         self.in_flight: dict[int, float] = {}  # running episodes: id(rollout) -> monotonic start
         self.in_flight_versions: dict[int, int] = {}  # running episodes: id -> version of the model they request
         self.running: dict[int, tuple[Rollout, asyncio.Task[Any]]] = {}  # cancellable episodes by id(rollout)
+        self.episodes: set[asyncio.Task[Any]] = set()  # every episode task until it has cleaned up
         self.farm: AsyncFarm | None = None  # opened by the first rollout, on the event loop
         self.stop = asyncio.Event()
         self.learner_pool: ThreadPoolExecutor | None = None  # None: asyncio's default executor
@@ -448,6 +449,8 @@ class Trainer:
                 self.cancel(lambda r: True)
                 consumer.cancel()
                 await scheduler.aclose()
+                if self.episodes:  # cancelled episodes release their leases before the farm client closes
+                    await asyncio.wait(set(self.episodes), timeout=60)
                 if self.farm is not None:
                     farm, self.farm = self.farm, None
                     with contextlib.suppress(Exception):
@@ -491,7 +494,8 @@ class Trainer:
         """Cancel the running episodes ``which`` selects; they end as ``aborted``."""
         n = 0
         for item, task in list(self.running.values()):
-            if which(item) and not task.done():
+            # once only: a second cancel would cut the episode's own cleanup (its lease release) short
+            if which(item) and not task.done() and not task.cancelling():
                 task.cancel()
                 n += 1
         return n
@@ -535,11 +539,17 @@ class Trainer:
             episode = asyncio.ensure_future(run_episode(farm, task, agent, (eval_cache or cache) if evaluating else cache,
                                                         cfg, self.run_id))
             self.running[key] = (item, episode)
+            self.episodes.add(episode)
+            episode.add_done_callback(self.episodes.discard)
             try:
-                res = await episode
+                # shielded: a scheduler being stopped does not tear the episode down halfway (the
+                # shutdown cancels it through self.cancel and waits for its cleanup)
+                res = await asyncio.shield(episode)
             except asyncio.CancelledError:
                 current = asyncio.current_task()
                 if current is not None and current.cancelling():
+                    if not episode.cancelling():
+                        episode.cancel()
                     raise  # the scheduler itself is being stopped
                 raise Aborted(f"rollout {item.seq} of {item.group_id or item.task_id} cancelled") from None
             finally:
