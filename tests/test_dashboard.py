@@ -293,3 +293,19 @@ def test_report_export_command(tmp_path: Path) -> None:
     missing = CliRunner().invoke(app, ["report", "export", str(tmp_path / "nope")])
     assert missing.exit_code == 2 and "no such directory" in missing.output
     shutil.rmtree(tmp_path / "site")
+
+
+def test_take_over_input_is_mouse_and_keyboard_only() -> None:
+    from osfarm.dashboard.control import control_actions
+    from osfarm.desktop.actions import ActionError
+
+    ok = control_actions([{"action_type": "MOVE_TO", "parameters": {"x": 5, "y": 6}},
+                          {"action_type": "TYPING", "parameters": {"text": "hi"}},
+                          {"action_type": "HOTKEY", "parameters": {"keys": ["ctrl", "c"]}}], (100, 100))
+    assert [a["action_type"] for a in ok] == ["MOVE_TO", "TYPING", "HOTKEY"]
+    for bad in (["import os; os.system('id')"], [{"code": "print(1)"}], [{"action_type": "DONE"}],
+                [{"action_type": "CLICK", "parameters": {"x": 500, "y": 5}}],  # off the 100x100 screen
+                [{"action_type": "PRESS", "parameters": {"key": "nosuchkey"}}], [], "MOVE_TO",
+                [{"action_type": "MOVE_TO", "parameters": {"x": 1, "y": 1}}] * 201):
+        with pytest.raises(ActionError):
+            control_actions(bad, (100, 100))

@@ -27,7 +27,8 @@ import pytest
 from farms import TOKEN, running_farm
 from rich.console import Console
 
-from osfarm.dashboard.app import farm_ui
+from osfarm.dashboard.app import mount
+from osfarm.dashboard.context import Dashboard
 from osfarm.env import SyncTaskEnv
 from osfarm.farm.server import FarmServer
 from osfarm.tasks.filecache import suite_cache
@@ -77,8 +78,13 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def ui_farm(runs_dir: Path) -> Iterator[FarmServer]:
-    with running_farm("osfui", ui=farm_ui(runs_dir), pool_min=1, pool_max=2,
+def dash(runs_dir: Path) -> Dashboard:
+    return Dashboard.for_runs(runs_dir)
+
+
+@pytest.fixture(scope="module")
+def ui_farm(dash: Dashboard) -> Iterator[FarmServer]:
+    with running_farm("osfui", ui=mount(dash), pool_min=1, pool_max=2,
                       tokens=f"watcher:viewer:{VIEWER_TOKEN}") as server:
         yield server
 
@@ -135,7 +141,8 @@ def frames(page: Any) -> int:
     return int(page.get_attribute("#screen", "data-frames") or 0)
 
 
-def test_live_view_take_control_and_viewer(ui_farm: FarmServer, browser: Any, shots: Path, tmp_path: Path) -> None:
+def test_live_view_take_control_and_viewer(ui_farm: FarmServer, dash: Dashboard, browser: Any, shots: Path,
+                                           tmp_path: Path) -> None:
     suite = load_suite(MINI)
     api = httpx.Client(base_url=ui_farm.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
     page = login(browser, ui_farm.url, TOKEN)
@@ -149,7 +156,7 @@ def test_live_view_take_control_and_viewer(ui_farm: FarmServer, browser: Any, sh
         page.wait_for_url(f"**/ui/desktops/{desktop}")
         wait_for(lambda: frames(page) > 0, what="a first frame")
         before = canvas_picture(page)
-        env.step([{"action_type": "TYPING", "parameters": {"text": "clear"}},
+        env.step([{"action_type": "TYPING", "parameters": {"text": "echo step-seen-live"}},
                   {"action_type": "PRESS", "parameters": {"key": "enter"}}])
         wait_for(lambda: canvas_picture(page) != before, what="the live view to change after a step")
 
@@ -184,6 +191,7 @@ def test_live_view_take_control_and_viewer(ui_farm: FarmServer, browser: Any, sh
             return "hello osfarm" in r.json().get("output", "")
 
         wait_for(typed, what="the typed line to run in the desktop's terminal")
+        time.sleep(0.5)  # the next frames reach the page
         page.screenshot(path=str(shots / "02-desktop-control.png"))
         page.click("#take-control")  # hand it back
         page.wait_for_selector("#take-control:text('Take control')")
@@ -191,9 +199,12 @@ def test_live_view_take_control_and_viewer(ui_farm: FarmServer, browser: Any, sh
         assert env.evaluate() == 1.0
     assert [c["by"] for c in env.controlled_by] == ["admin"]
     assert env.controlled_by[0]["ended_at"] >= env.controlled_by[0]["started_at"]
-    page.goto("/ui/pool")
-    page.wait_for_selector(".desk")
+    assert dash.hub is not None and dash.hub.capturing()  # the pool page is open: its thumbnails
     page.context.close()
+    wait_for(lambda: not dash.hub.capturing(), what="capture to stop once nobody watches")
+    before = dash.hub.captured
+    time.sleep(2)
+    assert dash.hub.captured == before  # nothing is captured while nobody watches
     api.close()
 
 
