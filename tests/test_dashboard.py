@@ -254,6 +254,7 @@ def test_ui_needs_a_login_and_sets_a_strict_cookie(ui: tuple[str, str, Path]) ->
     # the cookie is accepted under /ui only: not as a credential elsewhere
     with httpx.Client(base_url=url, cookies={"osfarm_ui": token}) as c:
         assert c.get("/ui/runs").status_code == 200
+        assert c.get("/v1/pool").status_code == 401 and c.get("/docs").status_code == 401
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as c:
         assert c.get("/ui/run", params={"r": "r1"}).status_code == 200  # scripts use the header
 
@@ -309,3 +310,25 @@ def test_take_over_input_is_mouse_and_keyboard_only() -> None:
                 [{"action_type": "MOVE_TO", "parameters": {"x": 1, "y": 1}}] * 201):
         with pytest.raises(ActionError):
             control_actions(bad, (100, 100))
+
+
+def test_websockets_need_a_token_too(ui: tuple[str, str, Path]) -> None:
+    """The auth middleware refuses a WebSocket handshake without a token (before any route)."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import InvalidStatus
+
+    url, _token, _ = ui
+
+    async def handshake(headers: dict[str, str]) -> int:
+        try:
+            async with connect(url.replace("http", "ws") + "/ui/desktops/d1/live", additional_headers=headers):
+                return 101
+        except InvalidStatus as e:
+            return e.response.status_code
+
+    assert asyncio.run(handshake({})) == 403
+    assert asyncio.run(handshake({"Cookie": "osfarm_ui=wrong"})) == 403
+    assert asyncio.run(handshake({"Authorization": "Bearer wrong"})) == 403
+    # (an accepted handshake with a token is covered on a real farm: test_dashboard_browser.py)
