@@ -74,6 +74,16 @@ class FarmSettings(BaseSettings):
         "clashes between desktops; turn off for tasks that need the network",
     )
     state_dir: Path = Field(default_factory=default_state_dir)
+    # --- sandbox provider: limits per desktop (docs/security.md) ---
+    sandbox_memory: str = Field(default="3g", description="memory limit per sandbox desktop (cgroup); its tmpfs "
+                                "(home, /tmp) counts too")
+    sandbox_pids: int = Field(default=2048, ge=64, description="most processes and threads per sandbox desktop")
+    sandbox_cpu_weight: int = Field(default=100, ge=1, le=10000, description="CPU weight per sandbox desktop "
+                                    "(cgroup v2 scale: 100 = an equal share)")
+    sandbox_home_size: str = Field(default="1g", description="size cap of a sandbox desktop's /home (a tmpfs)")
+    sandbox_tmp_size: str = Field(default="512m", description="size cap of a sandbox desktop's /tmp and /var/tmp")
+    sandbox_uid_base: int = Field(default=0x70000000, ge=65536, le=0x7FFE0000,
+                                  description="first host uid of the sandboxes' uid slots (131072 ids per desktop)")
     health_interval_s: float = Field(default=2.0, gt=0)
     start_timeout_s: float = Field(default=60.0, gt=0)
     # --- docker provider ---
