@@ -332,3 +332,28 @@ def test_websockets_need_a_token_too(ui: tuple[str, str, Path]) -> None:
     assert asyncio.run(handshake({"Cookie": "osfarm_ui=wrong"})) == 403
     assert asyncio.run(handshake({"Authorization": "Bearer wrong"})) == 403
     # (an accepted handshake with a token is covered on a real farm: test_dashboard_browser.py)
+
+
+def test_control_is_of_one_lease() -> None:
+    """Control taken over lease A ends with A: when the desktop serves lease B, nobody controls
+    it, another admin may take it, and A's span is closed."""
+    from osfarm.dashboard.control import ControlRefused, ControlRegistry
+    from osfarm.farm.pool import Lease
+    from osfarm.providers.base import GuestEndpoint
+
+    def lease(lid: str) -> Lease:
+        return Lease(id=lid, desktop_id="d1", owner=None, created_at=0, expires_at=1e12, ttl_s=60,
+                     endpoint=GuestEndpoint(base_url="http://x", token="t"), screen=(100, 100), wait_s=0)
+
+    reg, alice, bob = ControlRegistry(), object(), object()
+    a, b = lease("A"), lease("B")
+    with pytest.raises(ControlRefused, match="leased"):
+        reg.take("d1", None, "alice", alice)
+    reg.take("d1", a, "alice", alice)
+    with pytest.raises(ControlRefused, match="alice controls"):
+        reg.take("d1", a, "bob", bob)
+    assert reg.lease_of("d1") == "A" and a.control[0].ended_at is None
+    reg.take("d1", b, "bob", bob)  # A ended, the desktop now serves B
+    assert a.control[0].ended_at is not None and reg.holder("d1") == "bob" and reg.lease_of("d1") == "B"
+    assert not reg.held_by("d1", alice) and not reg.release("d1", alice)
+    assert reg.release("d1", bob) and b.control[0].ended_at is not None and reg.holder("d1") is None

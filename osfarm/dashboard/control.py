@@ -55,6 +55,7 @@ class _Holder:
     by: str
     span: ControlSpan
     token: object
+    lease_id: str  # control is of this lease: a new lease on the desktop is not controlled
 
 
 @dataclass
@@ -72,13 +73,18 @@ class ControlRegistry:
         if lease is None:
             raise ControlRefused("only a leased desktop can be controlled (a free one is someone's next clean desktop)")
         h = self.holders.get(desktop_id)
+        if h is not None and h.lease_id != lease.id:  # control of a lease that has ended
+            if h.span.ended_at is None:
+                h.span.ended_at = time.time()
+            del self.holders[desktop_id]
+            h = None
         if h is not None and h.token is not token:
             raise ControlRefused(f"{h.by} controls this desktop now")
         if h is not None:
             return h.span
         span = ControlSpan(by=by, started_at=time.time())
         lease.control.append(span)
-        self.holders[desktop_id] = _Holder(by, span, token)
+        self.holders[desktop_id] = _Holder(by, span, token, lease.id)
         return span
 
     def release(self, desktop_id: str, token: object) -> bool:
@@ -92,6 +98,11 @@ class ControlRegistry:
     def held_by(self, desktop_id: str, token: object) -> bool:
         h = self.holders.get(desktop_id)
         return h is not None and h.token is token
+
+    def lease_of(self, desktop_id: str) -> str | None:
+        """The lease the current control is of."""
+        h = self.holders.get(desktop_id)
+        return h.lease_id if h else None
 
     def listen(self, desktop_id: str, notify: Notify) -> None:
         self.listeners.setdefault(desktop_id, set()).add(notify)

@@ -68,7 +68,8 @@ def _desktop_json(dash: Dashboard, v: DesktopView, now: float) -> dict[str, Any]
     return {
         "id": v.id, "state": v.state, "provider": v.provider, "lease": lease is not None,
         "owner": (lease.principal or lease.owner) if lease else None, "task_id": lease.task_id if lease else None,
-        "age_s": round(now - v.created_at, 1), "resets": v.resets, "controlled_by": dash.control.holder(v.id),
+        "age_s": round(now - v.created_at, 1), "resets": v.resets,
+        "controlled_by": dash.control.holder(v.id) if lease and dash.control.lease_of(v.id) == lease.id else None,
     }  # fmt: skip
 
 
@@ -258,8 +259,9 @@ async def _on_message(dash: Dashboard, ws: WebSocket, state: FarmState, desktop_
             await send_json({"type": "error", "detail": "take control first"})
             return
         view = state.pool.desktop(desktop_id) if state.pool is not None else None
-        if view is None or view.lease is None or view.screen is None:
-            await send_json({"type": "error", "detail": "the desktop's lease ended"})
+        if view is None or view.lease is None or view.screen is None or view.lease.id != dash.control.lease_of(desktop_id):
+            # the lease taken over ended (the desktop may already serve another lease): control ends
+            await send_json({"type": "error", "detail": "the lease you controlled ended; control is handed back"})
             dash.control.release(desktop_id, me)
             await dash.control.announce(desktop_id)
             return
