@@ -24,7 +24,7 @@ def box_processes(state_dir: Path) -> list[psutil.Process]:
         if p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
         try:
-            if p.info["name"] == "bwrap" and any(a.startswith(prefix) for a in p.info["cmdline"] or ()):
+            if any(a.startswith(prefix) for a in p.info["cmdline"] or ()):  # unshare, the box's init
                 found.append(p)
             elif p.environ().get(SANDBOX_ENV, "").startswith(prefix):
                 found.append(p)

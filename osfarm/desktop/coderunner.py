@@ -32,6 +32,7 @@ import json
 import os
 import select
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -41,6 +42,7 @@ import time
 import weakref
 from typing import get_args
 
+from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.models import ActionTiming, CodeResult
 
 _STARTUP_TIMEOUT_S = 60.0
@@ -182,7 +184,7 @@ _send({"ready": True, "error": _boot_error})
 def _run(run_id, code):
     name = "<code-%d>" % run_id
     path = os.path.join(_outdir, "%d.out" % run_id)
-    out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # the guest reads it
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(1), os.dup(2)
@@ -242,16 +244,19 @@ class CodeRunner:
 
     ``env`` is merged over ``os.environ`` for the interpreter (typically ``{"DISPLAY": ":5"}``);
     ``python`` defaults to ``sys.executable``; ``timing`` sets pyautogui's pause (``"fast"``: 0;
-    ``"osworld"``: its default 0.1 s, as in :func:`run_fresh`).
+    ``"osworld"``: its default 0.1 s, as in :func:`run_fresh`). With ``agent`` the interpreter
+    runs as the agent's user in its world (:mod:`osfarm.desktop.agent_world`): the code is the
+    agent's, and everything it sends back (replies, output files) is read as untrusted.
     """
 
     def __init__(self, env: dict[str, str] | None = None, python: str | None = None,
-                 timing: ActionTiming = "fast"):
+                 timing: ActionTiming = "fast", agent: AgentWorld | None = None):
         if timing not in TIMINGS:
             raise ValueError(f"timing must be one of {TIMINGS}, not {timing!r}")
         self._env = dict(env or {})
         self._timing = timing
         self._python = python or sys.executable
+        self._agent = agent
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
         self._req_w = -1
@@ -267,15 +272,24 @@ class CodeRunner:
         self._outdir = tempfile.mkdtemp(prefix="osfarm-code-")
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
-        env = {**os.environ, **self._env, "OSFARM_KERNEL_IO": f"{req_r},{resp_w},{self._outdir}",
-               "OSFARM_KERNEL_TIMING": self._timing}
+        env = {**os.environ, **self._env}
+        if self._agent is not None:
+            # The agent's interpreter writes its output files here and reads the kernel; it may
+            # not list the dir or remove the guest's files (sticky).
+            os.chmod(self._outdir, 0o1733)
+            env = self._agent.env(env)
+        env.update(OSFARM_KERNEL_IO=f"{req_r},{resp_w},{self._outdir}", OSFARM_KERNEL_TIMING=self._timing)
         # The program goes in a file rather than `-c`, so `ps` shows a short command line.
         kernel_path = os.path.join(self._outdir, "osfarm_kernel.py")
         with open(kernel_path, "w", encoding="utf-8") as f:
             f.write(_KERNEL)
+        os.chmod(kernel_path, 0o644)
+        argv = [self._python, "-u", kernel_path]
+        if self._agent is not None:
+            argv = self._agent.command(argv, self._agent.home)
         try:
             proc = subprocess.Popen(
-                [self._python, "-u", kernel_path],
+                argv,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 pass_fds=(req_r, resp_w), env=env, close_fds=True,
             )
@@ -340,7 +354,14 @@ class CodeRunner:
     def _take_output(self, run_id: int) -> str:
         path = os.path.join(self._outdir, f"{run_id}.out")
         try:
-            with open(path, "rb") as f:
+            # Written by the interpreter, which may be the agent's: never follow a link, never
+            # block on a FIFO, read only the tail of a huge (or sparse) file.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                os.unlink(path)
+                return ""
+            with os.fdopen(fd, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 size = f.tell()
                 f.seek(max(0, size - _MAX_OUTPUT))
@@ -413,11 +434,11 @@ class CodeRunner:
 
 
 def run_fresh(code: str, timeout: float = 30.0, env: dict[str, str] | None = None,
-              python: str | None = None) -> CodeResult:
+              python: str | None = None, agent: AgentWorld | None = None) -> CodeResult:
     """OSWorld's path for one action: a new interpreter for this code alone (its start-up counts,
     as OSWorld's ``python -c`` does), pyautogui's default ``PAUSE``, nothing kept afterwards;
     processes the code launched live on. ``t_ms`` includes the start-up."""
-    runner = CodeRunner(env, python, timing="osworld")
+    runner = CodeRunner(env, python, timing="osworld", agent=agent)
     try:
         return runner.run(code, timeout)
     finally:

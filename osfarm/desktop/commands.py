@@ -8,11 +8,14 @@ session launcher made the desktop's (DISPLAY, D-Bus, accessibility switches).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import threading
 from dataclasses import dataclass
 from typing import IO
+
+from osfarm.desktop.agent_world import AgentWorld
 
 # A program and its arguments, or one shell command line (with shell=True).
 Command = list[str] | str
@@ -28,18 +31,32 @@ class RunResult:
     timed_out: bool
 
 
+def as_agent(command: Command, shell: bool, cwd: str | None, agent: AgentWorld | None
+             ) -> tuple[list[str] | str, bool, str | None, dict[str, str] | None]:
+    """(argv, shell, cwd, env) for Popen: ``command`` itself, or, with an agent world, the
+    same command run as the agent's user in its namespaces (``nsenter`` opens ``cwd``)."""
+    if agent is None:
+        return command, shell, cwd, None
+    argv = ["/bin/sh", "-c", command] if shell else ([command] if isinstance(command, str) else list(command))
+    return agent.command(argv, cwd), False, None, agent.env(dict(os.environ))
+
+
 def run_command(command: Command, shell: bool, timeout: float, cwd: str | None,
-                merge_stderr: bool = False) -> RunResult:
-    """Run a command to completion (blocking) with the desktop's environment.
+                merge_stderr: bool = False, agent: AgentWorld | None = None) -> RunResult:
+    """Run a command to completion (blocking) with the desktop's environment (as the agent's
+    user when ``agent`` is given).
 
     Unlike ``subprocess.run`` this returns once the command itself exits even when a background
     child it started keeps the output pipes open (``app &``): readers get a short grace period,
     then the partial output is returned. On timeout the whole process group is killed.
     Raises FileNotFoundError / PermissionError when the program cannot be started.
     """
+    if agent is not None:
+        check_program(command, shell, agent)
+    argv, shell, cwd, env = as_agent(command, shell, cwd, agent)
     proc = subprocess.Popen(
-        command, shell=shell, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, start_new_session=True,
+        argv, shell=shell, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, start_new_session=True, env=env,
     )
     chunks: dict[str, list[bytes]] = {"out": [], "err": []}
 
@@ -85,7 +102,29 @@ def run_command(command: Command, shell: bool, timeout: float, cwd: str | None,
     return RunResult(text("out"), text("err"), -1 if timed_out else proc.returncode, timed_out)
 
 
-def spawn_detached(command: Command, shell: bool, cwd: str | None) -> subprocess.Popen[bytes]:
+def spawn_detached(command: Command, shell: bool, cwd: str | None,
+                   agent: AgentWorld | None = None) -> subprocess.Popen[bytes]:
     """Start an app and return at once; it stays a descendant of the session (subreaper)."""
-    return subprocess.Popen(command, shell=shell, cwd=cwd, stdin=subprocess.DEVNULL,
+    if agent is not None:
+        check_program(command, shell, agent)
+    argv, shell, cwd, env = as_agent(command, shell, cwd, agent)
+    return subprocess.Popen(argv, shell=shell, cwd=cwd, stdin=subprocess.DEVNULL, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def check_program(command: Command, shell: bool, agent: AgentWorld) -> None:
+    """Raise FileNotFoundError / PermissionError, as Popen would, when the program of a command
+    run as the agent is missing: ``nsenter`` would only say so in an exit status. Looked up on
+    the agent's PATH as this process sees the box (the same system dirs); a program the guest
+    cannot see (in the agent's home) is left for the agent's side to find."""
+    if shell:
+        return
+    prog = command if isinstance(command, str) else command[0]
+    if "/" in prog:
+        if os.path.isdir(prog):
+            raise PermissionError(13, "Permission denied", prog)
+        return
+    path = agent.env(dict(os.environ))["PATH"]
+    if shutil.which(prog, path=path) is None and not any(
+            os.path.lexists(os.path.join(d, prog)) for d in path.split(":") if d):
+        raise FileNotFoundError(2, "No such file or directory", prog)

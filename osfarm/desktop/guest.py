@@ -37,6 +37,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from osfarm.desktop import native_routes, osworld_routes
+from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.guest_state import Desktop
 from osfarm.http.auth import BearerAuth
 from osfarm.http.body_limit import BodyLimit, BodyRule
@@ -55,6 +56,7 @@ def create_app(
     alive: Callable[[], bool] | None = None,
     work_dir: str | None = None,
     warm_code_runner: bool = True,
+    agent: AgentWorld | None = None,
 ) -> FastAPI:
     """The guest app for X display ``display``.
 
@@ -66,7 +68,7 @@ def create_app(
     home = home or os.environ.get("HOME") or str(Path.home())
     wdir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="osfarm-guest-"))
     wdir.mkdir(parents=True, exist_ok=True)
-    desk = Desktop(display, home, wdir, alive)
+    desk = Desktop(display, home, wdir, alive, agent=agent)
 
     def warm() -> None:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -16,8 +17,11 @@ import psutil
 from fastapi import Depends, Request
 
 from osfarm.desktop.a11y_bus import a11y_bus_ok
+from osfarm.desktop.agent_files import AGENT_PYTHON, AgentFileError, AgentFiles
+from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.capture import ScreenCapture
-from osfarm.desktop.coderunner import CodeRunner
+from osfarm.desktop.coderunner import CodeRunner, run_fresh
+from osfarm.desktop.models import CodeResult
 from osfarm.desktop.models import Window
 from osfarm.desktop.recording import Recorder
 from osfarm.desktop.settle import total_cpu_seconds
@@ -58,16 +62,29 @@ class _OnFirstUse(Generic[T]):
 class Desktop:
     """Per-display helpers shared by all requests (each is thread-safe)."""
 
-    def __init__(self, display: str, home: str, work_dir: Path, alive: Callable[[], bool] | None):
+    def __init__(self, display: str, home: str, work_dir: Path, alive: Callable[[], bool] | None,
+                 agent: AgentWorld | None = None):
         self.display = display
         self.home = home
         self.work_dir = work_dir
+        # In a box, what is done for the agent runs as the agent (osfarm.desktop.agent_world):
+        # its code, commands, apps and file operations; ``files`` does the file routes' work.
+        self.agent = agent
+        self.code_python = AGENT_PYTHON if agent is not None else None
+        self.exchange_dir = ""
+        self.files: AgentFiles | None = None
+        if agent is not None:
+            # Scripts the guest hands to the agent's side (readable, not listable, sticky).
+            self.exchange_dir = tempfile.mkdtemp(prefix="osfarm-guest-")
+            os.chmod(self.exchange_dir, 0o1733)
+            self.files = AgentFiles(agent, agent.env(dict(os.environ)), self.exchange_dir)
         self._alive = alive
         self.started = time.time()
         self._lock = threading.RLock()  # recorder creation asks for the screen size
         self._capture = _OnFirstUse(lambda: ScreenCapture(self.display), self._lock)
         self._input = _OnFirstUse(lambda: InputController(self.display), self._lock)
-        self._runner = _OnFirstUse(lambda: CodeRunner(env=self.env()), self._lock)
+        self._runner = _OnFirstUse(
+            lambda: CodeRunner(env=self.env(), python=self.code_python, agent=self.agent), self._lock)
         self._recorder = _OnFirstUse(
             lambda: Recorder(self.display, self.screen_size(), self.work_dir, env=self.env()), self._lock)
         self.step_lock = threading.Lock()
@@ -97,6 +114,41 @@ class Desktop:
         the apps): this process's descendants. The guest itself is left out, screen grabs and
         all; processes that exited meanwhile drop out, which only makes the desktop look idler."""
         return total_cpu_seconds(psutil.Process().children(recursive=True))
+
+    def script_path(self, name: str, text: str) -> Path:
+        """A script the routes run (``/run_python``, ``/run_bash_script``), where whoever runs
+        it can read it: the exchange dir in a box, else the work dir."""
+        path = Path(self.exchange_dir or self.work_dir) / name
+        path.write_text(text)
+        path.chmod(0o644)
+        return path
+
+    def _stat(self, path: str) -> dict[str, object] | None:
+        """What the agent's side sees at ``path`` (None: nothing it can reach)."""
+        assert self.files is not None
+        try:
+            return self.files.stat(path)
+        except AgentFileError:
+            return None
+
+    def exists(self, path: str) -> bool:
+        return self._stat(path) is not None if self.files is not None else os.path.exists(path)
+
+    def is_dir(self, path: str) -> bool:
+        if self.files is None:
+            return os.path.isdir(path)
+        st = self._stat(path)
+        return bool(st and st.get("dir"))
+
+    def is_file(self, path: str) -> bool:
+        if self.files is None:
+            return os.path.isfile(path)
+        st = self._stat(path)
+        return bool(st and st.get("file"))
+
+    def run_fresh(self, code: str, timeout: float) -> CodeResult:
+        """OSWorld's one-interpreter-per-action path (:func:`osfarm.desktop.coderunner.run_fresh`)."""
+        return run_fresh(code, timeout, env=self.env(), python=self.code_python, agent=self.agent)
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)

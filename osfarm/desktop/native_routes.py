@@ -19,7 +19,6 @@ from osfarm.desktop.a11y import accessibility_tree
 from osfarm.desktop.actions import Action, ActionError, CodeAction, is_terminal, parse_actions
 from osfarm.desktop.capture import encode_frame
 from osfarm.desktop.guest_state import Desktop, DesktopDep
-from osfarm.desktop.coderunner import run_fresh
 from osfarm.desktop.models import (
     ActionResult,
     ActionTiming,
@@ -85,7 +84,7 @@ def observe(desk: Desktop, opts: ObserveOptions) -> Observation:
 def run_code(desk: Desktop, code: str, timeout: float, timing: ActionTiming) -> CodeResult:
     """Agent code: OSWorld's fresh interpreter per action, or the kept one (``fast``)."""
     if timing == "osworld":
-        return run_fresh(code, timeout, env=desk.env())
+        return desk.run_fresh(code, timeout)
     return desk.runner.run(code, timeout=timeout)
 
 

@@ -4,6 +4,7 @@ server (see ``reference/osworld-guest-api.md``), with its known bugs fixed (modu
 
 from __future__ import annotations
 
+import io
 import os
 import platform
 import shutil
@@ -13,13 +14,15 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, HTTPException, Request
-from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from osfarm.desktop import windows
 from osfarm.desktop.a11y import accessibility_tree, terminal_text
+from osfarm.desktop.agent_files import MAX_READ_BYTES, AgentFileError
 from osfarm.desktop.capture import encode_image
 from osfarm.desktop.commands import CANNOT_START, Command, run_command, spawn_detached
 from osfarm.desktop.guest_state import DesktopDep
@@ -43,7 +46,11 @@ from osfarm.http.download import DownloadError, DownloadPolicy, DownloadRefused,
 EXECUTE_TIMEOUT_S = 120.0  # OSWorld's subprocess.run timeout for /execute
 RUN_PYTHON_TIMEOUT_S = 30.0
 DOWNLOAD_TIMEOUT_S = 900.0  # OSWorld: 3 tries of up to 300 s each
-OPEN_FILE_TIMEOUT_S = 120.0  # OSWorld waits up to 1800 s; callers may pass timeout_seconds
+OPEN_FILE_TIMEOUT_S = 120.0
+# A file the guest sends (``/file``): over this it answers 413 before sending a byte (a sparse
+# 100 GB "result" would otherwise stream for hours).
+MAX_FILE_BYTES = MAX_READ_BYTES
+WALLPAPER_MAX_BYTES = 64 << 20  # OSWorld waits up to 1800 s; callers may pass timeout_seconds
 
 router = APIRouter()
 
@@ -88,7 +95,7 @@ async def execute(request: Request, desk: DesktopDep) -> JSONResponse:
     command, shell = get_command(data)
     timeout = get_num(data, "timeout", EXECUTE_TIMEOUT_S)
     try:
-        r = await run_in_threadpool(run_command, command, shell, timeout, desk.home)
+        r = await run_in_threadpool(lambda: run_command(command, shell, timeout, desk.home, agent=desk.agent))
     except CANNOT_START as e:
         raise cannot_start(command, e) from None
     reply: dict[str, Any] = {"status": "success", "output": r.stdout, "error": r.stderr, "returncode": r.returncode}
@@ -112,7 +119,7 @@ async def execute_with_verification(request: Request, desk: DesktopDep) -> JSONR
     interval = get_num(data, "check_interval", 1.0, hi=60.0)
 
     def work() -> tuple[dict[str, Any], int]:
-        r = run_command(command, shell, EXECUTE_TIMEOUT_S, desk.home)
+        r = run_command(command, shell, EXECUTE_TIMEOUT_S, desk.home, agent=desk.agent)
         base = {"output": r.stdout, "error": r.stderr, "returncode": r.returncode}
         if r.timed_out:
             return {"status": "error", "message": "command timed out", **base}, 200
@@ -125,7 +132,7 @@ async def execute_with_verification(request: Request, desk: DesktopDep) -> JSONR
                 titles = [w.title.lower() for w in desk.windows()]
                 ok = any(window_exists.lower() in t for t in titles)
             if ok and command_success:
-                ok = run_command(command_success, True, 5.0, desk.home).returncode == 0
+                ok = run_command(command_success, True, 5.0, desk.home, agent=desk.agent).returncode == 0
             waited = time.monotonic() - t0
             if ok:
                 return {"status": "success", **base, "verification": "passed", "wait_time": waited}, 200
@@ -146,7 +153,7 @@ async def launch(request: Request, desk: DesktopDep) -> PlainTextResponse:
     data = await json_object(request)
     command, shell = get_command(data)
     try:
-        await run_in_threadpool(spawn_detached, command, shell, desk.home)
+        await run_in_threadpool(lambda: spawn_detached(command, shell, desk.home, agent=desk.agent))
     except CANNOT_START as e:
         raise cannot_start(command, e, "launch") from None
     return PlainTextResponse(f"{describe_command(command)} launched successfully")
@@ -156,11 +163,10 @@ async def launch(request: Request, desk: DesktopDep) -> PlainTextResponse:
 async def run_python(request: Request, desk: DesktopDep) -> JSONResponse:
     data = await json_object(request)
     code = require_str(data, "code")
-    script = desk.work_dir / f"python_exec_{os.getpid()}_{time.monotonic_ns()}.py"
-    script.write_text(code)
+    script = desk.script_path(f"python_exec_{os.getpid()}_{time.monotonic_ns()}.py", code)
     try:
-        r = await run_in_threadpool(run_command, [sys.executable, str(script)], False,
-                                    RUN_PYTHON_TIMEOUT_S, desk.home)
+        r = await run_in_threadpool(lambda: run_command([desk.code_python or sys.executable, str(script)], False,
+                                                        RUN_PYTHON_TIMEOUT_S, desk.home, agent=desk.agent))
     finally:
         script.unlink(missing_ok=True)
     if r.timed_out:
@@ -183,14 +189,14 @@ async def run_bash_script(request: Request, desk: DesktopDep) -> JSONResponse:
     timeout = get_num(data, "timeout", 100.0)
     wd = optional_str(data, "working_dir")
     cwd = expand(wd) if wd else desk.home
-    if not os.path.isdir(cwd):
+    if not await run_in_threadpool(desk.is_dir, cwd):
         raise bad("working_dir", f"not a directory: {cwd}")
     if "#!/bin/bash" not in script:
         script = "#!/bin/bash\n\n" + script
-    path = desk.work_dir / f"bash_{os.getpid()}_{time.monotonic_ns()}.sh"
-    path.write_text(script)
+    path = desk.script_path(f"bash_{os.getpid()}_{time.monotonic_ns()}.sh", script)
     try:
-        r = await run_in_threadpool(run_command, ["/bin/bash", str(path)], False, timeout, cwd, True)
+        r = await run_in_threadpool(lambda: run_command(["/bin/bash", str(path)], False, timeout, cwd, True,
+                                                        agent=desk.agent))
     finally:
         path.unlink(missing_ok=True)
     if r.timed_out:
@@ -263,19 +269,36 @@ async def desktop_path(desk: DesktopDep) -> JSONResponse:
 @router.post("/wallpaper")
 async def wallpaper(desk: DesktopDep) -> Response:
     path = desk.wallpaper
-    if not path or not os.path.isfile(path):
+    if not path or not await run_in_threadpool(desk.is_file, path):
         return JSONResponse({"detail": "wallpaper: no wallpaper set"}, 404)
-    return FileResponse(path, media_type="image/png")
+    if desk.files is None:
+        return FileResponse(path, media_type="image/png")
+    try:
+        data = await run_in_threadpool(desk.files.read_bytes, path, WALLPAPER_MAX_BYTES)
+    except AgentFileError as e:
+        return JSONResponse({"detail": f"wallpaper: cannot read {path}: {e.message}"}, 404)
+    return Response(data, media_type="image/png")
 
 
 @router.post("/setup/change_wallpaper")
 async def change_wallpaper(request: Request, desk: DesktopDep) -> PlainTextResponse:
     data = await json_object(request)
     path = Path(expand(require_str(data, "path")))
-    if not path.is_file():
+    if not await run_in_threadpool(desk.is_file, str(path)):
         raise bad("path", f"file not found: {path}", 404)
+
+    def paint() -> None:
+        if desk.files is None:
+            paint_root(desk.display, str(path))
+            return
+        try:
+            image = io.BytesIO(desk.files.read_bytes(str(path), WALLPAPER_MAX_BYTES))
+        except AgentFileError as e:
+            raise OSError(e.message) from None
+        paint_root(desk.display, image)
+
     try:
-        await run_in_threadpool(paint_root, desk.display, str(path))
+        await run_in_threadpool(paint)
     except OSError as e:  # PIL cannot read it
         raise bad("path", f"not an image: {e}") from None
     desk.wallpaper = str(path)
@@ -286,17 +309,40 @@ async def change_wallpaper(request: Request, desk: DesktopDep) -> PlainTextRespo
 
 
 @router.post("/list_directory")
-async def list_directory(request: Request) -> JSONResponse:
+async def list_directory(request: Request, desk: DesktopDep) -> JSONResponse:
     data = await json_object(request)
     path = expand(require_str(data, "path"))
+    if desk.files is not None:
+        try:
+            return JSONResponse({"directory_tree": await run_in_threadpool(desk.files.list_tree, path)})
+        except AgentFileError as e:
+            raise bad("path", f"not a directory: {path}" if e.kind in ("notdir", "notfound") else
+                      f"cannot list {path}: {e.message}") from None
     if not os.path.isdir(path):
         raise bad("path", f"not a directory: {path}")
     return JSONResponse({"directory_tree": await run_in_threadpool(directory_tree, path)})
 
 
 @router.post("/file")
-async def get_file(request: Request) -> Response:
+async def get_file(request: Request, desk: DesktopDep) -> Response:
     path = expand(form_str(await request.form(), "file_path"))
+    if desk.files is not None:
+        files = desk.files
+        try:
+            size, chunks = await run_in_threadpool(files.open_read, path, MAX_FILE_BYTES)
+        except AgentFileError as e:
+            if e.kind == "isdir":
+                raise bad("file_path", f"is a directory: {path}") from None
+            if e.kind == "toolarge":
+                raise bad("file_path", f"{path} is {e.size} bytes, over the guest's limit of {MAX_FILE_BYTES} "
+                          "bytes (MAX_FILE_BYTES)", 413) from None
+            if e.kind in ("notfound", "notfile"):
+                return JSONResponse({"error": "File not found", "detail": f"file_path: file not found: {path}"}, 404)
+            raise bad("file_path", f"cannot read {path}: {e.message}") from None
+        name = os.path.basename(path)
+        return StreamingResponse(chunks, media_type="application/octet-stream", headers={
+            "content-length": str(size),
+            "content-disposition": f"attachment; filename*=utf-8''{quote(name)}"})
     if os.path.isdir(path):
         raise bad("file_path", f"is a directory: {path}")
     if not os.path.isfile(path):
@@ -305,10 +351,16 @@ async def get_file(request: Request) -> Response:
 
 
 @router.post("/setup/upload")
-async def upload(request: Request) -> PlainTextResponse:
+async def upload(request: Request, desk: DesktopDep) -> PlainTextResponse:
     form = await request.form()
     path = expand(form_str(form, "file_path"))
     up = form_file(form, "file_data")
+    if desk.files is not None:
+        try:
+            size = await run_in_threadpool(desk.files.write, path, up.file)
+        except AgentFileError as e:
+            raise bad("file_path", f"cannot write {path}: {e.message}") from None
+        return PlainTextResponse(f"File Uploaded: {size} bytes")
 
     def save() -> int:
         parent = os.path.dirname(path)
@@ -332,7 +384,7 @@ async def upload(request: Request) -> PlainTextResponse:
 
 
 @router.post("/setup/download_file")
-async def download_file(request: Request) -> PlainTextResponse:
+async def download_file(request: Request, desk: DesktopDep) -> PlainTextResponse:
     """OSWorld's ``{url, path}``: the desktop itself downloads ``url`` to ``path``. Its limits
     are :mod:`osfarm.http.download`'s (http(s) only, no redirect off http(s), no private
     addresses unless on ``$OSFARM_DOWNLOAD_ALLOW_HOSTS``, size and time caps, a truncated body
@@ -341,9 +393,32 @@ async def download_file(request: Request) -> PlainTextResponse:
     data = await json_object(request)
     url = require_str(data, "url")
     path = expand(require_str(data, "path"))
-    if os.path.isdir(path):
+    if await run_in_threadpool(desk.is_dir, path):
         raise bad("path", f"is a directory: {path}")
     policy = DownloadPolicy.from_env(timeout_s=DOWNLOAD_TIMEOUT_S)
+    if desk.files is not None:
+        # Fetched into the guest's own dir, then written as the agent (see agent_files).
+        staged = str(desk.work_dir / f"download_{os.getpid()}_{time.monotonic_ns()}")
+        try:
+            try:
+                got = await download(url, staged, policy, lock=False)
+            except DownloadRefused as e:
+                raise bad("url", e.reason) from None
+            except DownloadError as e:
+                return PlainTextResponse(f"Failed to download {url}. No retries left. Error: {e.reason}", 500)
+
+            def place() -> int:
+                with open(staged, "rb") as f:
+                    return desk.files.write(path, f)  # type: ignore[union-attr]
+
+            try:
+                size = await run_in_threadpool(place)
+            except AgentFileError as e:
+                raise bad("path", f"cannot write {path}: {e.message}") from None
+            return PlainTextResponse(f"File downloaded successfully: {size} bytes")
+        finally:
+            for leftover in (staged, staged + ".part", staged + ".part.json"):
+                Path(leftover).unlink(missing_ok=True)
     try:
         got = await download(url, path, policy, lock=False)
     except DownloadRefused as e:
@@ -367,7 +442,7 @@ async def open_file(request: Request, desk: DesktopDep) -> PlainTextResponse:
     window_name = optional_str(data, "window_name")
     timeout = get_num(data, "timeout_seconds", OPEN_FILE_TIMEOUT_S, hi=1800.0)
     path = Path(expand(raw))
-    if path.exists():
+    if await run_in_threadpool(desk.exists, str(path)):
         opener = "xdg-open"
         if shutil.which(opener) is None:
             raise HTTPException(503, "path: xdg-open is not installed in this desktop")
@@ -384,7 +459,7 @@ async def open_file(request: Request, desk: DesktopDep) -> PlainTextResponse:
     candidates = [c for c in candidates if c]
 
     def work() -> str | None:
-        spawn_detached(command, False, desk.home)
+        spawn_detached(command, False, desk.home, agent=desk.agent)
         deadline = time.monotonic() + timeout
         while True:
             for w in desk.windows():

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
+from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.process_tree import kill_tree
 from osfarm.desktop.xserver import Xvfb
 
@@ -142,6 +143,9 @@ class Session:
         self.exit_code = 0
         self.timings: dict[str, float] = {}
         self.stopping = False
+        # Set by a box's init (osfarm.desktop.box_init): the agent's processes (apps, the buses
+        # they use) run there, as the agent's user; None on a plain workstation.
+        self.agent = AgentWorld.from_env()
 
     # ---- startup
 
@@ -201,27 +205,50 @@ class Session:
         env["XDG_SESSION_TYPE"] = "x11"
         # OSWorld's names for our apps (google-chrome -> chromium) come first on PATH.
         env["PATH"] = f"{ASSETS / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
-        env["OSFARM_PYTHON"] = sys.executable  # for assets/bin/osfarm-settle
+        # For assets/bin/osfarm-settle (a box may name a wrapper that finds osfarm's packages).
+        env["OSFARM_PYTHON"] = os.environ.get("OSFARM_PYTHON") or sys.executable
         self.env = env
         # The guest runs its subprocesses with os.environ, so make this process's env the
         # desktop env too.
         os.environ.clear()
         os.environ.update(env)
 
-    def _spawn(self, name: str, cmd: list[str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes] | None:
+    def _spawn(self, name: str, cmd: list[str], pass_fds: tuple[int, ...] = (),
+               as_agent: bool = False) -> subprocess.Popen[bytes] | None:
+        """Start one of the desktop's processes: the guest's own, or (``as_agent``, in a box)
+        one of the agent's session (its buses: they run the services its apps activate)."""
         exe = shutil.which(cmd[0], path=self.env.get("PATH"))
         if exe is None:
             log.warning("%s not found; %s not started", cmd[0], name)
             return None
-        proc = subprocess.Popen([exe, *cmd[1:]], env=self.env, pass_fds=pass_fds,
+        argv, env = [exe, *cmd[1:]], self.env
+        if as_agent and self.agent is not None:
+            argv, env = self.agent.command(argv, self.agent.home), self.agent.env(self.env)
+            if name == "atspi":
+                # The AT-SPI bus listens in <XDG_RUNTIME_DIR>/at-spi/, and the guest must reach it:
+                # the agent's runtime dir exists only in the agent's mounts (and is 0700), so the
+                # launcher gets a dir in /tmp whose at-spi/ the guest made beforehand, sticky and
+                # open to all (at-spi-bus-launcher keeps an existing dir as it is).
+                env = {**env, "XDG_RUNTIME_DIR": self._a11y_runtime_dir()}
+        proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         self.procs[name] = proc
         return proc
 
+    def _a11y_runtime_dir(self) -> str:
+        base = Path(tempfile.mkdtemp(prefix="osfarm-a11y-"))
+        base.chmod(0o1777)  # the launcher's dconf writes here too
+        (base / "at-spi").mkdir(mode=0o1777)
+        (base / "at-spi").chmod(0o1777)
+        return str(base)
+
     def start_dbus(self, timeout: float = 5.0) -> None:
         rfd, wfd = os.pipe()
-        proc = self._spawn("dbus", ["dbus-daemon", "--session", "--nofork", "--nopidfile",
-                                    f"--print-address={wfd}"], pass_fds=(wfd,))
+        # In a box the bus is the agent's and the guest reaches it from another uid: our config
+        # lets it in (ANONYMOUS); on a workstation the standard session bus.
+        config = f"--config-file={ASSETS / 'dbus' / 'session.conf'}" if self.agent else "--session"
+        proc = self._spawn("dbus", ["dbus-daemon", config, "--nofork", "--nopidfile",
+                                    f"--print-address={wfd}"], pass_fds=(wfd,), as_agent=True)
         os.close(wfd)
         if proc is None:
             os.close(rfd)
@@ -257,7 +284,7 @@ class Session:
         if self.dbus_address:
             launcher = self.config.atspi_launcher
             if os.path.exists(launcher):
-                self._spawn("atspi", [launcher, "--launch-immediately", "--a11y=1"])
+                self._spawn("atspi", [launcher, "--launch-immediately", "--a11y=1"], as_agent=True)
                 threading.Thread(target=self._enable_a11y, daemon=True, name="a11y-enable").start()
             else:
                 log.warning("%s not found; no accessibility tree", launcher)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from typing import IO
+
 from PIL import Image
 from Xlib import X, Xatom
 from Xlib import display as xdisplay
 
 
-def paint_root(display: str, path: str) -> None:
+def paint_root(display: str, path: str | IO[bytes]) -> None:
     """Scale an image over the root window (what feh/hsetroot do), so screenshots show it.
 
     The pixmap is kept after our connection closes (RetainPermanent) and published in
-    _XROOTPMAP_ID like other setters, so compositing apps and panels pick it up. Raises OSError
-    when the file is not an image PIL can read.
+    _XROOTPMAP_ID like other setters, so compositing apps and panels pick it up. ``path`` may be
+    an open binary file. Raises OSError when the file is not an image PIL can read.
     """
     d = xdisplay.Display(display)
     try:

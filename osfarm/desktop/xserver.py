@@ -139,7 +139,9 @@ class Xvfb:
         cmd = [
             self.exe, f":{num}", "-displayfd", str(wfd),
             "-screen", "0", f"{self.width}x{self.height}x{self.depth}",
-            "-nolisten", "tcp", "-noreset", "-dpi", "96",
+            # No abstract socket: it lives in the network namespace, so boxes sharing the host's
+            # network would reach each other's displays; the socket file in the box's /tmp is all.
+            "-nolisten", "tcp", "-nolisten", "local", "-noreset", "-dpi", "96",
             "+extension", "RANDR",
         ]
         try:

@@ -10,8 +10,10 @@ import fcntl
 import os
 import shutil
 import socket
+import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -41,6 +43,7 @@ async def wait_guest_ready(
     box_log: Callable[[], Awaitable[str]],
     check_box_every_s: float = 0.0,
     poll_s: float = HEALTH_POLL_S,
+    claim: SocketClaim | None = None,
 ) -> None:
     """Return once the box's guest server answers ``GET /v1/health`` with 200.
 
@@ -49,6 +52,9 @@ async def wait_guest_ready(
     the tail of the box's log, for the error. A unix-socket guest is only asked once its
     socket file exists. Raises ProviderError at ``deadline`` (``time.monotonic()``) or when the
     box dies first, naming the last answer and the log.
+
+    With ``claim``, the guest's socket is first moved out of the box-writable run dir to the
+    endpoint's path (:func:`claim_guest_socket`), and only that path is ever connected to.
     """
     last = "guest not answering yet"
     next_check = 0.0
@@ -63,6 +69,11 @@ async def wait_guest_ready(
                     raise ProviderError(f"desktop {handle.id}: {gone} before it was ready; {await box_log()}")
             if now > deadline:
                 raise ProviderError(f"desktop {handle.id} not ready after {timeout_s:g}s (last: {last}); {await box_log()}")
+            if claim is not None and not os.path.lexists(claim.dest):
+                if not claim_guest_socket(claim):
+                    last = "guest socket not created yet"
+                    await asyncio.sleep(poll_s)
+                    continue
             if sock is None or os.path.exists(sock):
                 try:
                     r = await client.get("/v1/health")
@@ -90,15 +101,72 @@ async def discarded_on_failure(desktop_id: str, discard: Callable[[], Awaitable[
 
 
 def log_tail(path: str, lines: int = 30, what: str = "log") -> str:
-    """The last ``lines`` lines of a box's log (read from its last 8 KiB), for error messages."""
+    """The last ``lines`` lines of a box's log (read from its last 8 KiB), for error messages.
+    Never through a symlink, never blocking on a FIFO."""
     try:
-        with open(path, "rb") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return f"(no {what}: not a file)"
+        with os.fdopen(fd, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 8192))
             text = f.read().decode(errors="replace")
     except OSError:
         return f"(no {what})"
     return "\n".join(text.splitlines()[-lines:]) or f"(empty {what})"
+
+
+# -- paths a box can write ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SocketClaim:
+    """Where the guest makes its socket (``source``, in the box's run dir) and where the farm
+    takes it (``dest``, a dir no box can write), with the uid that must own it."""
+
+    source: Path
+    dest: Path
+    owner_uid: int | None
+    ready: Path | None = None  # claim only once this exists (the guest's state file: it is listening)
+
+
+def claim_guest_socket(claim: SocketClaim) -> bool:
+    """Move the guest's socket from the run dir (which the box can write) to ``dest`` (which it
+    cannot) by rename, which moves the directory entry itself and follows nothing; then check
+    what was moved. Returns False while there is no socket yet; raises ProviderError when the
+    entry is not a socket, or not the guest's: a symlink to another socket (the Docker daemon's)
+    would otherwise hand that socket to every caller of the guest's routes.
+
+    Once moved, the path cannot change under the farm, so every later connect is to the
+    guest's own listening socket."""
+    if claim.ready is not None and not os.path.lexists(claim.ready):
+        return False  # the server may still be setting its socket up (uvicorn chmods it)
+    try:
+        os.rename(claim.source, claim.dest)
+    except FileNotFoundError:
+        return False
+    st = os.lstat(claim.dest)
+    owner_ok = claim.owner_uid is None or st.st_uid == claim.owner_uid
+    if not stat.S_ISSOCK(st.st_mode) or not owner_ok:
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a socket" if not stat.S_ISSOCK(st.st_mode) \
+            else f"owned by uid {st.st_uid}, not the guest's {claim.owner_uid}"
+        with contextlib.suppress(OSError):
+            os.unlink(claim.dest)
+        raise ProviderError(f"the box's guest socket {claim.source} is {what}: refused (the farm never "
+                            "follows a path the box can write)")
+    return True
+
+
+def read_box_file(path: Path, owner_uid: int | None, limit: int = 1 << 20) -> bytes:
+    """A small file the box wrote (e.g. its state file): a regular file owned by ``owner_uid``,
+    opened without following a symlink, at most ``limit`` bytes. Raises OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or (owner_uid is not None and st.st_uid != owner_uid):
+            raise OSError(f"{path}: not a regular file of uid {owner_uid}")
+        return f.read(limit)
 
 
 # -- reaping ----------------------------------------------------------------------------------------

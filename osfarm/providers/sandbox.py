@@ -1,25 +1,37 @@
-"""The embedded default provider: one bubblewrap sandbox per desktop.
+"""The embedded default provider: one sandbox box per desktop, made with Linux namespaces.
 
-Each desktop is ``bwrap`` with its own PID, IPC and UTS namespaces (and, optionally, an empty
-network namespace) running the session launcher ``python -m osfarm.desktop.launcher``. The host
-filesystem is visible read-only; the box gets private ``/tmp``, ``/var/tmp``, ``/run``,
-``/dev/shm`` and two host directories bound in:
+A box is new mount, PID, IPC and UTS namespaces (and, by default, an empty network namespace)
+whose PID 1 is :mod:`osfarm.desktop.box_init`: it joins the desktop's cgroups, builds the box's
+file system (:mod:`osfarm.providers.sandbox_layout`: only what a desktop needs, read-only, with
+size-capped tmpfs for the home and /tmp), makes the agent's world
+(:mod:`osfarm.desktop.agent_world`) and becomes the session launcher as the box's guest uid. The
+agent's processes run as ``user`` in their own user namespace, where ``sudo`` with OSWorld's
+password gives them a root that is not the host's.
 
-* ``<state_dir>/sandbox/<id>/run``  -> ``/run/osfarm``: token, guest socket, state file, log
-* ``<state_dir>/sandbox/<id>/home`` -> ``/home/user``: a fresh copy of the template home
+Host side, per desktop (``<state_dir>/sandbox/<id>/``, the farm's; none of it is in the box but
+``run``):
 
-Reset is kill + fresh home + start: killing the box's PID-namespace init makes the kernel kill
-every process in the box at once, so nothing survives and nothing needs a graceful shutdown.
+* ``run/``      -> the box's ``/run/osfarm``: the token, the guest's socket, the state file
+                   (the guest's uid, 0700)
+* ``guest.sock`` the guest's socket once the farm has claimed it (moved out of ``run/``)
+* ``session.log`` the box's output; ``box.json`` the plan; ``etc-guest/``; ``root/``
 
-Threading: every method must be called from the event loop thread. Boxes are spawned with
-``--die-with-parent``, which is PR_SET_PDEATHSIG, and that fires when the *thread* that spawned
-bwrap exits, so spawning from a worker thread would kill the box when that thread ends.
+Limits (cgroups, :mod:`osfarm.providers.cgroups`): ``sandbox_memory``, ``sandbox_pids``,
+``sandbox_cpu_weight``; hitting one ends the desktop: :meth:`SandboxProvider.alive` names the limit,
+and the pool replaces the desktop. Disk: ``sandbox_home_size``, ``sandbox_tmp_size`` (tmpfs, so
+their pages count against the memory limit too).
+
+Reset is kill + start: SIGKILL to the box's PID 1 makes the kernel kill every process in it.
+The sandbox needs root (user namespaces with many ids, cgroups, mounts); CI and our machines
+run the farm as root. Every method must be called from the event loop thread: boxes get a
+parent-death signal, which fires when the *thread* that spawned them exits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -32,12 +44,12 @@ from pathlib import Path
 
 import psutil
 
-import osfarm
 from osfarm.config import FarmSettings
+from osfarm.desktop.box_init import BoxPlan
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
 from osfarm.providers.boxes import (
     SOCKET_PATH_MAX,
-    abstract_x_displays,
+    SocketClaim,
     check_desktop_id,
     discarded_on_failure,
     log_tail,
@@ -46,6 +58,9 @@ from osfarm.providers.boxes import (
     wait_guest_ready,
     wait_pids_gone,
 )
+from osfarm.providers.cgroups import CgroupRoot, DesktopCgroup, Limits, parse_size
+from osfarm.providers.sandbox_layout import BOX_PYTHON, BOX_RUN, Templates, box_plan
+from osfarm.providers.slots import Slot, SlotPool
 
 log = logging.getLogger("osfarm.providers.sandbox")
 
@@ -64,10 +79,6 @@ TEMPLATE_DIRS = (
     ".config",
     ".local/share",
 )
-USER_ARGS = ("--unshare-user", "--uid", "1000", "--gid", "1000")
-# /etc/passwd and /etc/group inside a box: the host's accounts stay hidden, "user" resolves.
-PASSWD = "root:x:0:0:root:/root:/bin/sh\nuser:x:1000:1000:user:/home/user:/bin/bash\n"
-GROUP = "root:x:0:\nuser:x:1000:\n"
 USER_DIRS = """\
 XDG_DESKTOP_DIR="$HOME/Desktop"
 XDG_DOCUMENTS_DIR="$HOME/Documents"
@@ -80,52 +91,47 @@ XDG_VIDEOS_DIR="$HOME/Videos"
 """
 
 STOP_WAIT_S = 3.0
-# Host environment variables passed into the box; everything else (farm token, API keys) stays out.
-PASSED_ENV = ("PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "VIRTUAL_ENV")
+SHM_SIZE = "256m"
+# Host environment passed to the box's init and its guest; everything else (the farm's token,
+# API keys) stays out.
+PASSED_ENV = ("LANG", "LC_ALL", "TZ")
 SANDBOX_ENV = "OSFARM_SANDBOX_DIR"
-HIDDEN_DIRS = ("/home", "/root")
-HIDDEN_ARGS = [a for d in HIDDEN_DIRS for a in ("--tmpfs", d)]
-# Paths replaced inside the box: the host's versions are invisible there.
-PRIVATE_DIRS = ("/tmp", "/var/tmp", "/run", "/dev", *HIDDEN_DIRS)
-
-
-def _needed_host_paths(state_dir: Path) -> list[str]:
-    """Directories of this Python (prefix, venv, sys.path) that the box's tmpfs mounts would
-    hide; they are bound back read-only so the launcher can run."""
-    wanted = {sys.prefix, sys.base_prefix, str(Path(sys.executable).resolve().parent)}
-    wanted.add(str(Path(osfarm.__file__).resolve().parent.parent))
-    wanted.update(p for p in sys.path if p and os.path.isabs(p))
-    hidden = [*PRIVATE_DIRS, str(state_dir)]
-    out: list[str] = []
-    for p in sorted({os.path.realpath(w) for w in wanted}):
-        if not os.path.isdir(p) or not any(p.startswith(h.rstrip("/") + "/") for h in hidden):
-            continue  # visible anyway, or a private dir itself (binding /tmp back would unshare nothing)
-        if any(p.startswith(o.rstrip("/") + "/") for o in out):
-            continue  # already inside a bound parent
-        out.append(p)
-    return out
+BOX_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TOOLS = ("unshare", "setpriv", "nsenter", "Xvfb")
 
 
 class SandboxProvider:
-    """Provider protocol implementation with bubblewrap (see module doc).
+    """Provider protocol implementation with namespaces and cgroups (see module doc).
 
-    ``launcher`` replaces the command run inside the box (default: the osfarm session launcher
-    with this interpreter); it receives the session arguments appended.
+    ``launcher`` replaces the command run as the guest in the box (default: the osfarm session
+    launcher with osfarm's interpreter in the box); it receives the session arguments appended.
     """
 
     name = "sandbox"
 
     def __init__(self, settings: FarmSettings, launcher: list[str] | None = None):
         self.settings = settings
-        self.bwrap = shutil.which("bwrap")
-        if not self.bwrap:
-            raise ProviderError("bubblewrap is not installed: apt-get install bubblewrap")
-        if not shutil.which("Xvfb"):
-            raise ProviderError("Xvfb is not installed: apt-get install xvfb")
+        if os.geteuid() != 0:
+            raise ProviderError(
+                "the sandbox provider needs root: it gives each desktop a user namespace with its own "
+                "range of ids, cgroup limits and mounts. Run the farm as root, or use --provider docker"
+            )
+        self.tools = {t: shutil.which(t) for t in TOOLS}
+        missing = [t for t, path in self.tools.items() if path is None]
+        if missing:
+            pkg = {"Xvfb": "xvfb"}
+            raise ProviderError(f"missing {', '.join(missing)}: apt-get install "
+                                f"{' '.join(sorted({pkg.get(m, 'util-linux') for m in missing}))}")
+        try:
+            self.limits = Limits(parse_size(settings.sandbox_memory), settings.sandbox_pids, settings.sandbox_cpu_weight)
+            self.home_size = parse_size(settings.sandbox_home_size)
+            self.tmp_size = parse_size(settings.sandbox_tmp_size)
+        except ValueError as e:
+            raise ProviderError(f"sandbox settings: {e}") from None
         self.state_dir = Path(settings.state_dir).expanduser().absolute()
         self.root = self.state_dir / "sandbox"
         self.template = self.state_dir / "templates" / f"home-v{TEMPLATE_VERSION}"
-        self.launcher = launcher or [sys.executable, "-m", "osfarm.desktop.launcher"]
+        self.launcher = launcher or [BOX_PYTHON, "-m", "osfarm.desktop.launcher"]
         longest = self.root / ("x" * 12) / "run" / "guest.sock"
         if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
             raise ProviderError(
@@ -133,16 +139,22 @@ class SandboxProvider:
                 f"({len(os.fsencode(longest))} > {SOCKET_PATH_MAX} bytes): set a shorter OSFARM_STATE_DIR"
             )
         self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o711)
         self._lock_fd = self._take_lock()
         try:
-            self._probe_bwrap()
+            self.cgroups = CgroupRoot.detect()
+            self.slots = SlotPool(settings.sandbox_uid_base)
+            self._probe()
             self._build_template()
+            self.templates = Templates(self.state_dir / "templates", self.template)
         except BaseException:
             os.close(self._lock_fd)  # a failed construction must not keep the state_dir locked
             raise
-        self._host_paths = _needed_host_paths(self.state_dir)
+        if self.templates.agent_python_note:
+            log.warning("%s", self.templates.agent_python_note)
         self._procs: dict[str, asyncio.subprocess.Process] = {}
-        self._displays: dict[str, int] = {}
+        self._slots: dict[str, Slot] = {}
+        self._cgroups: dict[str, DesktopCgroup] = {}
         self._xvfb: dict[str, psutil.Process] = {}  # found once per start: alive() stays cheap
         self._closed = False
 
@@ -152,25 +164,21 @@ class SandboxProvider:
         return take_farm_lock(self.state_dir / "sandbox.lock", f"state_dir {self.state_dir}",
                               "stop it or set a different OSFARM_STATE_DIR")
 
-    def _probe_bwrap(self) -> None:
+    def _probe(self) -> None:
         """Fail at construction, with the reason, when namespaces cannot be made here."""
         proc = subprocess.run(
-            [self.bwrap, *USER_ARGS, "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--ro-bind", "/", "/",
-             "--dev", "/dev", "--proc", "/proc", "--", "true"],
+            [self.tools["unshare"], "--mount", "--pid", "--ipc", "--uts", "--net", "--fork", "--", "true"],
             capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        )
         if proc.returncode != 0:
             raise ProviderError(
-                f"bubblewrap cannot create a sandbox here: {proc.stderr.strip() or proc.returncode} "
-                "(needs user namespaces, or run as root; in a container allow unshare/mount)"
+                f"cannot create namespaces here: {proc.stderr.strip() or proc.returncode} "
+                "(in a container, allow unshare and mount: e.g. --privileged)"
             )
 
     def _build_template(self) -> None:
-        """Build the template home once (a rename makes it appear atomically), and the
-        passwd/group files every box sees."""
+        """Build the template home once (a rename makes it appear atomically)."""
         self.template.parent.mkdir(parents=True, exist_ok=True)
-        (self.template.parent / "passwd").write_text(PASSWD)
-        (self.template.parent / "group").write_text(GROUP)
         if self.template.is_dir():
             return
         tmp = self.template.with_name(f".{self.template.name}.{os.getpid()}")
@@ -189,109 +197,76 @@ class SandboxProvider:
     def desktop_dir(self, desktop_id: str) -> Path:
         return self.root / desktop_id
 
-    def _fresh_dirs(self, ddir: Path) -> None:
-        """New empty run dir and a fresh home copied from the template (old ones moved aside)."""
-        ddir.mkdir(parents=True, exist_ok=True)
-        for sub in ("run", "home"):
-            old = ddir / sub
-            if old.exists():
-                # Rename first (instant) so a big home left by a task never delays the restart.
-                trash = ddir / f".trash-{sub}-{secrets.token_hex(4)}"
-                old.rename(trash)
-                asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, trash, True)
-        (ddir / "run").mkdir(mode=0o700)
-        shutil.copytree(self.template, ddir / "home", symlinks=True)
-
-    def _pick_display(self, desktop_id: str, spec: DesktopSpec) -> int:
-        """The X display number for a box.
-
-        X clients try the abstract socket "@/tmp/.X11-unix/X<n>" before the socket file, and
-        abstract names live in the network namespace. With a private network every box owns its
-        namespace, so :0 is safe. Without one, all boxes and the host share the names: each box
-        gets a number no X server on this host holds (Xvfb binds the abstract name too, so other
-        servers started later skip it).
-        """
-        if spec.private_network:
-            return 0
-        taken = set(abstract_x_displays())
-        taken.update(n for d, n in self._displays.items() if d != desktop_id)
-        return next(n for n in range(100, 10000) if n not in taken)
+    def _fresh_dirs(self, ddir: Path, slot: Slot, token: str) -> None:
+        """An empty host dir for the desktop: ``run`` (the guest's, with its token) and ``root``
+        (the box's mount point); whatever an earlier box left is moved aside and deleted."""
+        if ddir.exists():
+            trash = ddir.with_name(f".trash-{ddir.name}-{secrets.token_hex(4)}")
+            ddir.rename(trash)
+            asyncio.get_running_loop().run_in_executor(None, shutil.rmtree, trash, True)
+        ddir.mkdir(mode=0o700)
+        (ddir / "root").mkdir(mode=0o755)
+        run = ddir / "run"
+        run.mkdir(mode=0o700)
+        fd = os.open(run / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
+        with os.fdopen(fd, "w") as f:
+            f.write(token)
+        os.chown(run / "token", slot.guest_uid, slot.guest_uid)
+        os.chown(run, slot.guest_uid, slot.guest_uid)
+        # The box's init (root, after joining the box's namespaces) must reach run/ and root/;
+        # nobody else on the host needs to.
+        os.chmod(ddir, 0o711)
 
     # -- protocol ---------------------------------------------------------------------------
 
-    def bwrap_argv(self, desktop_id: str, spec: DesktopSpec) -> list[str]:
-        ddir = self.desktop_dir(desktop_id)
-        argv = [
-            self.bwrap,
-            "--die-with-parent",
-            # The desktop's processes run as OSWorld's user (uid 1000, "user") in their own user
-            # namespace; on the host they stay the farm's uid. Apps that refuse root (VLC) run.
-            *USER_ARGS,
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts",
-            "--hostname", f"osfarm-{desktop_id}",
-        ]  # fmt: skip
+    def box_argv(self, desktop_id: str, spec: DesktopSpec) -> list[str]:
+        """The host command of a box: namespaces by ``unshare`` (its child is the box's PID 1),
+        a parent-death signal so that a box never outlives its farm."""
+        plan_file = self.desktop_dir(desktop_id) / "box.json"
+        argv = [self.tools["setpriv"], "--pdeathsig", "KILL", "--", self.tools["unshare"],
+                "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child=SIGKILL"]
         if spec.private_network:
-            argv.append("--unshare-net")
-        argv += [
-            # Root here has every capability; the box needs none (its / is read-only anyway)
-            # and must not be able to remount or reach the host through them.
-            "--cap-drop", "ALL",
-            "--ro-bind", "/", "/",
-            "--dev", "/dev",
-            "--proc", "/proc",
-            "--perms", "1777", "--tmpfs", "/dev/shm",
-            "--perms", "1777", "--tmpfs", "/tmp",
-            "--perms", "1777", "--tmpfs", "/var/tmp",
-            "--tmpfs", "/run",
-            # Hide other users' homes, root's secrets and the farm's state (other desktops'
-            # tokens and homes) from the box ...
-            *HIDDEN_ARGS,
-            "--tmpfs", str(self.state_dir),
-        ]  # fmt: skip
-        # ... but keep the Python that runs the launcher (a venv or source tree may live there).
-        for path in self._host_paths:
-            argv += ["--ro-bind", path, path]
-        argv += [
-            "--bind", str(ddir / "run"), "/run/osfarm",
-            "--bind", str(ddir / "home"), "/home/user",
-            "--ro-bind", str(self.template.parent / "passwd"), "/etc/passwd",
-            "--ro-bind", str(self.template.parent / "group"), "/etc/group",
-            "--clearenv",
-        ]  # fmt: skip
+            argv.append("--net")
+        return [*argv, "--", sys.executable, "-m", "osfarm.desktop.box_init", str(plan_file)]
+
+    def _plan(self, desktop_id: str, spec: DesktopSpec, slot: Slot, cgroup: DesktopCgroup) -> BoxPlan:
+        ddir = self.desktop_dir(desktop_id)
+        hostname = f"osfarm-{desktop_id}"
         env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
-        env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
-        # Tasks run `python3 -c "import pyautogui ..."`: the farm's interpreter has it.
-        env["PATH"] = f"{Path(sys.executable).parent}:{env['PATH']}"
         env.setdefault("LANG", "C.UTF-8")
         env.update(
-            HOME="/home/user",
-            USER="user",
-            LOGNAME="user",
-            PYTHONUNBUFFERED="1",
+            PATH=BOX_PATH, HOME="/home/user", USER="osfarm-guest", PYTHONUNBUFFERED="1",
+            OSFARM_PYTHON=BOX_PYTHON,
+            # The guest's own caches and settings (gi, fontconfig): not in the agent's home.
+            XDG_CACHE_HOME=f"{BOX_RUN}/cache", XDG_CONFIG_HOME=f"{BOX_RUN}/config",
             **{SANDBOX_ENV: str(ddir)},
-        )
+        )  # fmt: skip
         env.update(spec.extra_env)
-        for k, v in env.items():
-            argv += ["--setenv", k, v]
-        argv += ["--chdir", "/home/user", "--"]
-        argv += self.launcher + [
-            "--width", str(spec.width),
-            "--height", str(spec.height),
-            "--depth", str(spec.depth),
-            "--display", f":{self._displays.get(desktop_id, 0)}",
-            "--socket", "/run/osfarm/guest.sock",
-            "--token-file", "/run/osfarm/token",
-            "--state-file", "/run/osfarm/state.json",
+        args = [
+            "--width", str(spec.width), "--height", str(spec.height), "--depth", str(spec.depth),
+            "--display", ":0", "--home", "/home/user",
+            "--socket", f"{BOX_RUN}/guest.sock", "--token-file", f"{BOX_RUN}/token",
+            "--state-file", f"{BOX_RUN}/state.json",
         ]  # fmt: skip
-        return argv
+        plan = box_plan(
+            ddir=ddir, slot=slot, templates=self.templates,
+            guest_etc=self.templates.guest_etc(ddir / "etc-guest", slot, hostname), hostname=hostname,
+            launcher_args=args, env=env, cgroup_procs=cgroup.procs_files,
+            home_size=str(self.home_size), tmp_size=str(self.tmp_size), shm_size=SHM_SIZE,
+        )  # fmt: skip
+        if spec.private_network:
+            plan = dataclasses.replace(plan, loopback_up=True)
+        if self.launcher[:3] != [BOX_PYTHON, "-m", "osfarm.desktop.launcher"]:
+            plan = dataclasses.replace(plan, launcher=[*self.launcher, *args])
+        return plan
 
     async def reap_orphans(self) -> int:
         """Kill boxes left by an earlier farm with this state_dir and delete their dirs.
 
-        Boxes die with their farm (--die-with-parent), so this matters only when that failed
-        (e.g. the farm spawned from a thread that lived on). Matches bwrap processes whose
-        command line names our sandbox dir and any process whose environment carries
-        OSFARM_SANDBOX_DIR under it (a process that escaped the box's process tree).
+        Boxes die with their farm (parent-death signal), so this matters only when that failed.
+        Matches processes whose command line names our sandbox dir (the box's ``unshare`` and
+        init) and any process whose environment carries OSFARM_SANDBOX_DIR under it (a guest
+        process that escaped the box's process tree).
         """
         ours = {p.pid for p in self._procs.values()}
         for pid in list(ours):
@@ -302,7 +277,7 @@ class SandboxProvider:
             if p.pid in ours or p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
                 continue
             cmd = p.info["cmdline"] or []
-            hit = next((a for a in cmd if a.startswith(prefix)), None) if p.info["name"] == "bwrap" else None
+            hit = next((a for a in cmd if a.startswith(prefix)), None)
             if hit is None:
                 with contextlib.suppress(psutil.Error):
                     env_dir = p.environ().get(SANDBOX_ENV, "")
@@ -332,35 +307,43 @@ class SandboxProvider:
             raise ProviderError(f"desktop {desktop_id} is already running")
         await self._kill(desktop_id, old)  # a crashed box: forget it
         t0 = time.monotonic()
+        slot = self._slots.get(desktop_id) or self.slots.acquire()
+        self._slots[desktop_id] = slot
         ddir = self.desktop_dir(desktop_id)
-        self._fresh_dirs(ddir)
-        run = ddir / "run"
         token = secrets.token_urlsafe(24)
-        fd = os.open(run / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self._fresh_dirs(ddir, slot, token)
+        cgroup = await asyncio.to_thread(self.cgroups.make, f"osfarm-slot-{slot.index}", self.limits)
+        self._cgroups[desktop_id] = cgroup
+        plan = self._plan(desktop_id, spec, slot, cgroup)
+        fd = os.open(ddir / "box.json", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write(token)
-        self._displays[desktop_id] = self._pick_display(desktop_id, spec)
-        log_path = run / "session.log"
+            f.write(plan.to_json())
+        log_path = ddir / "session.log"
+        env = {k: os.environ[k] for k in (*PASSED_ENV, "PATH", "PYTHONPATH") if k in os.environ}
         with open(log_path, "wb") as logf:
             proc = await asyncio.create_subprocess_exec(
-                *self.bwrap_argv(desktop_id, spec),
+                *self.box_argv(desktop_id, spec),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                env=env,
             )
         self._procs[desktop_id] = proc
-        endpoint = GuestEndpoint(base_url="http://guest", token=token, uds=str(run / "guest.sock"))
+        endpoint = GuestEndpoint(base_url="http://guest", token=token, uds=str(ddir / "guest.sock"))
         handle = DesktopHandle(
             id=desktop_id,
             provider=self.name,
             spec=spec,
             endpoint=endpoint,
             pid=proc.pid,
-            info={"dir": str(ddir), "log": str(log_path)},
+            info={"dir": str(ddir), "log": str(log_path), "slot": str(slot.index),
+                  "guest_uid": str(slot.guest_uid), "agent_uid": str(slot.agent_id(1000))},
         )
+        claim = SocketClaim(ddir / "run" / "guest.sock", ddir / "guest.sock", slot.guest_uid,
+                            ready=ddir / "run" / "state.json")
         async with discarded_on_failure(desktop_id, lambda: self._kill(desktop_id, proc)):
-            await self._wait_ready(handle, proc, t0)
+            await self._wait_ready(handle, proc, t0, claim)
         handle.info["start_s"] = f"{time.monotonic() - t0:.3f}"
         for pid in _descendants(proc.pid):
             with contextlib.suppress(psutil.Error):
@@ -370,59 +353,70 @@ class SandboxProvider:
         log.info("sandbox ready id=%s pid=%d start_s=%s", desktop_id, proc.pid, handle.info["start_s"])
         return handle
 
-    async def _wait_ready(self, handle: DesktopHandle, proc: asyncio.subprocess.Process, t0: float) -> None:
+    async def _wait_ready(self, handle: DesktopHandle, proc: asyncio.subprocess.Process, t0: float,
+                          claim: SocketClaim) -> None:
+        cgroup = self._cgroups.get(handle.id)
+
         async def launcher_exited() -> str | None:
-            return None if proc.returncode is None else f"session launcher exited with code {proc.returncode}"
+            hit = cgroup.limit_hit() if cgroup is not None else None
+            if hit is not None:
+                return hit
+            return None if proc.returncode is None else f"the box exited with code {proc.returncode}"
 
         async def session_log() -> str:
             return f"log {handle.info['log']}:\n{log_tail(handle.info['log'])}"
 
         await wait_guest_ready(handle, t0 + self.settings.start_timeout_s, self.settings.start_timeout_s,
-                               box_gone=launcher_exited, box_log=session_log)
+                               box_gone=launcher_exited, box_log=session_log, claim=claim)
 
     async def _kill(self, desktop_id: str, proc: asyncio.subprocess.Process | None) -> None:
-        """Kill the box: SIGKILL its PID-namespace init so the kernel kills every process in it.
+        """Kill the box: SIGKILL its PID 1 so the kernel kills every process in it.
 
         The launcher's own SIGTERM cleanup buys nothing here (home and /tmp are thrown away)
-        and costs time on every reset. Killing init first also keeps the outer bwrap alive to
-        reap it, so no zombie is left to the host's init.
+        and costs time on every reset. Killing PID 1 first keeps ``unshare`` alive to reap it,
+        so no zombie is left to the host's init. The cgroup is emptied too.
         """
         self._procs.pop(desktop_id, None)
         self._xvfb.pop(desktop_id, None)
-        self._displays.pop(desktop_id, None)
-        if proc is None or proc.returncode is not None:
-            return
-        pids = [proc.pid, *_descendants(proc.pid)]
-        with contextlib.suppress(psutil.Error):
-            for child in psutil.Process(proc.pid).children():  # the box's pid 1 (inner bwrap)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(child.pid, signal.SIGKILL)
-        try:
-            await asyncio.wait_for(proc.wait(), STOP_WAIT_S)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(asyncio.TimeoutError):
+        cgroup = self._cgroups.pop(desktop_id, None)
+        if proc is not None and proc.returncode is None:
+            pids = [proc.pid, *_descendants(proc.pid)]
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(proc.pid).children():  # the box's PID 1
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGKILL)
+            try:
                 await asyncio.wait_for(proc.wait(), STOP_WAIT_S)
-        left = await wait_pids_gone(pids, STOP_WAIT_S)
-        if left:
-            for pid in left:
+            except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            log.error("sandbox processes survived stop id=%s pids=%s", desktop_id, left)
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(proc.wait(), STOP_WAIT_S)
+            left = await wait_pids_gone(pids, STOP_WAIT_S)
+            if left:
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                log.error("sandbox processes survived stop id=%s pids=%s", desktop_id, left)
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.remove)
 
     async def stop(self, handle: DesktopHandle) -> None:
         proc = self._procs.get(handle.id)
         if proc is not None and proc.pid == handle.pid:
             await self._kill(handle.id, proc)
         elif proc is None and handle.pid and _is_our_box(handle.pid, self.root):
-            # A handle from before a provider restart: kill by pid (checked to be our bwrap).
+            # A handle from before a provider restart: kill by pid (checked to be our box).
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(handle.pid, signal.SIGKILL)
             await wait_pids_gone([handle.pid], STOP_WAIT_S)
         ddir = self.desktop_dir(handle.id)
-        if ddir.exists() and handle.id not in self._procs:
-            await asyncio.to_thread(shutil.rmtree, ddir, True)
+        if handle.id not in self._procs:
+            if ddir.exists():
+                await asyncio.to_thread(shutil.rmtree, ddir, True)
+            slot = self._slots.pop(handle.id, None)
+            if slot is not None:
+                SlotPool.release(slot)
         log.info("sandbox stopped id=%s", handle.id)
 
     async def reset(self, handle: DesktopHandle) -> DesktopHandle:
@@ -433,6 +427,10 @@ class SandboxProvider:
         proc = self._procs.get(handle.id)
         if proc is None or proc.pid != handle.pid:
             return "sandbox is not running (stopped or owned by another provider)"
+        cgroup = self._cgroups.get(handle.id)
+        hit = cgroup.limit_hit() if cgroup is not None else None
+        if hit is not None:
+            return f"sandbox {hit}"
         if proc.returncode is not None:
             return f"sandbox exited with code {proc.returncode}: {log_tail(handle.info.get('log', ''), 3)}"
         xvfb = self._xvfb.get(handle.id)
@@ -451,10 +449,12 @@ class SandboxProvider:
         for desktop_id, proc in list(self._procs.items()):
             await self._kill(desktop_id, proc)
             await asyncio.to_thread(shutil.rmtree, self.desktop_dir(desktop_id), True)
+        for desktop_id in list(self._slots):
+            SlotPool.release(self._slots.pop(desktop_id))
 
     async def close(self) -> None:
         """Release the state_dir lock. Boxes still running are not stopped (the pool does
-        that), but they die with this process anyway (--die-with-parent)."""
+        that), but they die with this process anyway (parent-death signal)."""
         if self._closed:
             return
         self._closed = True
@@ -480,6 +480,6 @@ def _running(p: psutil.Process) -> bool:
 def _is_our_box(pid: int, root: Path) -> bool:
     try:
         p = psutil.Process(pid)
-        return p.name() == "bwrap" and any(a.startswith(f"{root}/") for a in p.cmdline())
+        return any(a.startswith(f"{root}/") for a in p.cmdline())
     except psutil.Error:
         return False
