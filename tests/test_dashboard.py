@@ -357,3 +357,21 @@ def test_control_is_of_one_lease() -> None:
     assert a.control[0].ended_at is not None and reg.holder("d1") == "bob" and reg.lease_of("d1") == "B"
     assert not reg.held_by("d1", alice) and not reg.release("d1", alice)
     assert reg.release("d1", bob) and b.control[0].ended_at is not None and reg.holder("d1") is None
+
+
+def test_a_take_over_is_in_the_episode_record(tmp_path: Path) -> None:
+    """What TaskEnv read from the lease at release reaches the record and the results row."""
+    from osfarm.runner.episode import EpisodeResult
+    from osfarm.runner.results import write_task
+    from osfarm.stream.blobs import LocalBlobStore
+    from osfarm.stream.record import check_record
+    from osfarm.tasks.model import parse_task
+
+    task = parse_task({"id": "t1", "instruction": "x", "config": [], "evaluator": {"func": "infeasible"}}, file="t")
+    spans = [{"by": "admin", "started_at": 10.0, "ended_at": 25.0}]
+    res = EpisodeResult(task=task, status="success", score=1.0, error=None, episode_id="e1", attempt=1,
+                        infra_retries=0, steps=[], started_at=1.0, finished_at=30.0, agent="replay", controlled_by=spans)
+    records: list[dict[str, Any]] = []
+    row = write_task(tmp_path, res, "run", LocalBlobStore(tmp_path), emit=records.append)
+    assert check_record(records[0])["controlled_by"] == spans and row["controlled_by"] == ["admin"]
+    assert pages.takeovers(records[0]) == [("admin", "15 s")]
