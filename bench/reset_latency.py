@@ -1,7 +1,7 @@
 """Reset-to-ready, warm lease and idle memory per provider, side by side in one run.
 
 * reset-to-ready: ``provider.reset(handle)`` on a running desktop until the fresh box's guest
-  answers /v1/health (sandbox: kill + new bwrap box; docker: a new container from the image,
+  answers /v1/health (sandbox: kill + new namespace box; docker: a new container from the image,
   started while the old one is removed). What the farm pays between two episodes.
 * warm lease: ``POST /v1/desktops`` on a real `osfarm serve --provider X` with ready desktops.
 * idle memory: PSS of every process of one idle desktop (shared pages shared out).

@@ -285,7 +285,7 @@ def serve(
     from osfarm.providers import make_provider
     from osfarm.providers.base import ProviderError
 
-    try:  # checks bwrap/Xvfb and the state dir now, with a fix in the message
+    try:  # checks the box tools, Xvfb and the state dir now, with a fix in the message
         prov = make_provider(settings)
     except ProviderError as e:
         raise _fail(str(e)) from None
@@ -520,7 +520,7 @@ def demo(
                     from osfarm.farm.local import start_local_farm
                     from osfarm.providers.base import ProviderError
 
-                    try:  # a missing bwrap/Xvfb is one clear line, not a traceback
+                    try:  # a missing box tool or Xvfb is one clear line, not a traceback
                         server = start_local_farm(settings)
                     except (ProviderError, RuntimeError) as e:
                         raise _fail(str(e)) from None

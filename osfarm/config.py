@@ -57,7 +57,7 @@ class FarmSettings(BaseSettings):
         default=None, description="a folder of eval/training run dirs the dashboard (/ui) shows; none: live desktops only"
     )
     provider: Literal["sandbox", "docker", "libvirt"] = Field(
-        default="sandbox", description="how desktops are boxed: sandbox (bubblewrap, no daemon), docker, libvirt"
+        default="sandbox", description="how desktops are boxed: sandbox (namespaces + cgroups, no daemon; needs root), docker, libvirt"
     )
     pool_min: int = Field(default=1, ge=0, description="desktops kept warm (ready, unleased)")
     pool_max: int = Field(default=4, ge=1, description="most desktops alive at once")

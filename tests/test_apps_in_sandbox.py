@@ -1,7 +1,7 @@
 """Real apps inside a real sandbox desktop, seen through the guest's OSWorld routes.
 
 This is the path every agent takes: LibreOffice Calc and Chromium are launched by /setup/launch
-in a bubblewrap box, and /accessibility must show their widgets (the session launcher sets up
+in a sandbox box, and /accessibility must show their widgets (the session launcher sets up
 the AT-SPI bus and the toolkit variables; nothing here does it by hand).
 """
 

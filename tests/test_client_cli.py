@@ -257,11 +257,11 @@ def test_serve_refuses_remote_host_and_bad_env(tmp_path: Path) -> None:
     assert r.returncode == 2 and "pool_max" in r.stderr and "OSFARM_POOL_MAX" in r.stderr
 
 
-def test_serve_without_bwrap_says_how_to_fix(tmp_path: Path) -> None:
+def test_serve_without_box_tools_says_how_to_fix(tmp_path: Path) -> None:
     env = cli_env(None, PATH=str(tmp_path), OSFARM_STATE_DIR=str(tmp_path / "s"))
     r = osfarm("serve", "--port", "0", env=env, timeout=60)
     assert r.returncode == 1, (r.stdout, r.stderr)
-    assert "bubblewrap is not installed" in r.stderr and "apt-get install" in r.stderr
+    assert "missing unshare" in r.stderr and "apt-get install util-linux xvfb" in r.stderr
     assert "Traceback" not in r.stderr
 
 

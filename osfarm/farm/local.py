@@ -30,7 +30,7 @@ def local_farm_settings(envs: int, spares: int = 1, config: Path | None = None, 
 
 def start_local_farm(settings: FarmSettings, extra_wait_s: float = 30.0, ui: UiMount | None = None) -> FarmServer:
     """Start the farm and wait for its warm pool (``start_timeout_s + extra_wait_s`` at most);
-    the caller stops it. The provider is made first, so a missing bwrap/Xvfb/docker raises its
+    the caller stops it. The provider is made first, so a missing box tool/Xvfb/docker raises its
     ProviderError (naming the fix) before anything starts; a farm that does not come up raises
     RuntimeError."""
     server = FarmServer(settings, make_provider(settings), ui=ui)

@@ -17,7 +17,7 @@ __all__ = ["DesktopHandle", "DesktopSpec", "GuestEndpoint", "Provider", "Provide
 def make_provider(settings: FarmSettings) -> Provider:
     """The provider named by ``settings.provider``; raises ProviderError saying what is missing."""
     if settings.provider == "sandbox":
-        # Imported here so that importing osfarm.providers never needs bwrap/psutil.
+        # Imported here so that importing osfarm.providers never needs psutil or the box tools.
         from osfarm.providers.sandbox import SandboxProvider
 
         return SandboxProvider(settings)

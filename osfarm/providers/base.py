@@ -1,7 +1,7 @@
 """The provider protocol: how a desktop box is made, reset and destroyed.
 
 A provider starts the same desktop runtime (``osfarm desktop run``) inside some box (a
-bubblewrap sandbox, a Docker container, a libvirt VM) and tells the farm how to reach the guest
+namespace sandbox, a Docker container, a libvirt VM) and tells the farm how to reach the guest
 server inside. The farm's pool owns the lifecycle; a provider only does box work.
 """
 
