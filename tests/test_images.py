@@ -64,7 +64,7 @@ def test_recipes_chain_parent_hashes() -> None:
 
 def test_desktop_packages_cover_the_host_desktop_packages() -> None:
     """The image has what the sandbox desktops get from scripts/system-packages.txt."""
-    host_only = {"make", "python3-dev", "python3-venv", "util-linux"}
+    host_only = {"make", "openssl", "python3-dev", "python3-venv", "util-linux"}
     text = (ROOT / "scripts" / "system-packages.txt").read_text()
     # The desktop part: everything before the first section appended for another part.
     lines = text.split("\n# apps and helpers OSWorld tasks expect", 1)[0].splitlines()

@@ -53,13 +53,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import osfarm
 from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import BoxPlan, Mount
 from osfarm.desktop.session import ASSETS, HOME_FILES
+from osfarm.providers.base import ProviderError
 from osfarm.providers.slots import Slot
 
 BOX_RUN = "/run/osfarm"
@@ -308,18 +308,13 @@ def box_plan(
 
 
 def password_hash(password: str) -> str:
-    """A SHA-512 crypt(3) hash, as /etc/shadow holds it (Python's crypt module while it exists,
-    else openssl)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        try:
-            import crypt  # noqa: PLC0415 - deprecated module, gone in Python 3.13
-
-            return crypt.crypt(password, crypt.mksalt(crypt.METHOD_SHA512))
-        except ImportError:
-            pass
-    out = subprocess.run(["openssl", "passwd", "-6", "-stdin"], input=password, capture_output=True, text=True,
-                         check=True)
+    """A SHA-512 crypt(3) hash, as /etc/shadow holds it (by openssl: Python's crypt module is
+    deprecated and gone in 3.13)."""
+    try:
+        out = subprocess.run(["openssl", "passwd", "-6", "-stdin"], input=password, capture_output=True,
+                             text=True, check=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise ProviderError(f"cannot hash the agent's password with openssl ({e}): apt-get install openssl") from None
     return out.stdout.strip()
 
 
