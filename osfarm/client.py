@@ -15,7 +15,8 @@ Across a farm restart (or a dropped connection) a client that has reached its fa
 retries for up to ``retry_s`` (default 60 s), with exponential backoff and jitter: any request
 the farm never received (connection refused or not made), and idempotent requests (GET, HEAD,
 DELETE, heartbeats) whose answer was lost or was 502/503. A step or a lease whose request may
-have reached the farm is never sent twice. A farm never reached fails at once (a wrong URL).
+have reached the farm is never sent twice. A farm never reached fails at once (a wrong URL), unless
+the client is told it exists (``expect_up``: a worker bound to its farm).
 """
 
 from __future__ import annotations
@@ -127,9 +128,10 @@ def _check(r: httpx.Response) -> httpx.Response:
 class _Retries:
     """When a request to a farm may be sent again, and how long to wait first (module doc)."""
 
-    def __init__(self, retry_s: float):
+    def __init__(self, retry_s: float, expect_up: bool = False):
         self.retry_s = retry_s
-        self.reached = False  # the farm answered once: a connection error later is a restart, not a typo
+        # the farm answered once (or is known to exist): a connection error is a restart, not a typo
+        self.reached = expect_up
 
     def start(self, method: str, idempotent: bool | None) -> tuple[bool, Deadline | None]:
         idem = method.upper() in IDEMPOTENT_METHODS if idempotent is None else idempotent
@@ -323,11 +325,14 @@ class AsyncFarm:
     """Async client of one farm. ``url``/``token`` default to OSFARM_URL / OSFARM_TOKEN."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
-                 transport: httpx.AsyncBaseTransport | None = None, retry_s: float = RETRY_S):
+                 transport: httpx.AsyncBaseTransport | None = None, retry_s: float = RETRY_S,
+                 expect_up: bool = False):
+        """``expect_up``: the farm is known to exist (a worker bound to it), so connection errors
+        are retried from the first request on; otherwise only once it has answered."""
         self.url, self.token = _resolve(url, token)  # the token also opens the guest passthrough (TaskEnv)
         self._http = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
                                        timeout=timeout, transport=transport)
-        self._retries = _Retries(retry_s)
+        self._retries = _Retries(retry_s, expect_up)
 
     async def _request(self, method: str, path: str, check: bool = True, idempotent: bool | None = None,
                        **kw: Any) -> httpx.Response:
@@ -496,11 +501,11 @@ class Farm:
     """Blocking client of one farm. ``url``/``token`` default to OSFARM_URL / OSFARM_TOKEN."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
-                 transport: httpx.BaseTransport | None = None, retry_s: float = RETRY_S):
+                 transport: httpx.BaseTransport | None = None, retry_s: float = RETRY_S, expect_up: bool = False):
         self.url, self.token = _resolve(url, token)
         self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
                                   timeout=timeout, transport=transport)
-        self._retries = _Retries(retry_s)
+        self._retries = _Retries(retry_s, expect_up)
 
     def _request(self, method: str, path: str, check: bool = True, idempotent: bool | None = None,
                  **kw: Any) -> httpx.Response:

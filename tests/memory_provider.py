@@ -156,7 +156,9 @@ async def _serve_health(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
-            target = (head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b"").split(b"?", 1)[0]
+            method, _, rest = head.partition(b" ")
+            target = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+            await _skip_body(reader, head)
             if target == b"/v1/health":
                 status, body = b"200 OK", HEALTH
             elif target == b"/v1/observation":
@@ -164,9 +166,24 @@ async def _serve_health(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
             else:
                 status, body = b"404 Not Found", b'{"detail":"no"}'
             writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+                         + str(len(body)).encode() + b"\r\n\r\n" + (b"" if method == b"HEAD" else body))
             await writer.drain()
     except (asyncio.IncompleteReadError, ConnectionError):
         pass
     finally:
         writer.close()
+
+
+async def _skip_body(reader: asyncio.StreamReader, head: bytes) -> None:
+    """Read the request's body (Content-Length or chunked) so the next request starts clean."""
+    headers = {k.strip().lower(): v.strip() for k, _, v in
+               (line.partition(b":") for line in head.split(b"\r\n")[1:] if b":" in line)}
+    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip() or b"0", 16)
+            await reader.readexactly(size + 2)
+            if size == 0:
+                return
+    n = int(headers.get(b"content-length", b"0") or 0)
+    if n:
+        await reader.readexactly(n)

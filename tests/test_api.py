@@ -271,7 +271,9 @@ def test_osworld_controller_through_passthrough(farm: FarmServer, lease: dict[st
 
 BAD_LEASE_BODIES = [
     (b"{not json", 400, "malformed JSON"),
-    (b'{"ttl_s": -1}', 422, "body.ttl_s: Input should be greater than 0"),
+    (b'{"ttl_s": -1}', 422, "body.ttl_s: Input should be greater than or equal to 1"),
+    (b'{"ttl_s": 5e-324}', 422, "body.ttl_s: Input should be greater than or equal to 1"),  # born expired
+    (b'{"wait_s": "5"}', 422, "body.wait_s: Input should be a valid number"),  # what the schema says, strictly
     (b'{"ttl_s": "soon"}', 422, "body.ttl_s"),
     (b'{"wait_s": 1e9}', 422, "body.wait_s"),
     (b'{"owner": 5}', 422, "body.owner"),
@@ -382,7 +384,7 @@ def test_released_lease_is_410_everywhere(api: httpx.Client) -> None:
 
 
 def test_lease_expires_without_heartbeat(api: httpx.Client) -> None:
-    lid = api.post("/v1/desktops", json={"ttl_s": 0.5}).json()["id"]
+    lid = api.post("/v1/desktops", json={"ttl_s": 1}).json()["id"]  # the shortest lease (ttl_s >= 1)
     deadline = time.monotonic() + 10
     while (r := api.get(f"/v1/desktops/{lid}")).status_code == 200:
         assert time.monotonic() < deadline, "lease never expired"

@@ -29,11 +29,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import osfarm
 from osfarm.config import FarmSettings
-from osfarm.farm import desktop_routes, passthrough_routes, service_routes, task_routes
+from osfarm.farm import desktop_routes, openapi, passthrough_routes, service_routes, task_routes
 from osfarm.farm.errors import ApiError, CapacityError, FarmError, QuotaExceeded, describe
 from osfarm.farm.state import FarmState
 from osfarm.http.auth import BearerAuth, BrowserLogin
 from osfarm.http.body_limit import BodyLimit, BodyRule
+from osfarm.http.openapi import allowed_methods
 from osfarm.http.principals import TokenTable, build_token_table
 from osfarm.providers.base import Provider
 
@@ -89,6 +90,7 @@ def create_app(settings: FarmSettings, provider: Provider | None = None, ui: UiM
     app.add_middleware(BearerAuth, tokens=tokens, public=service_routes.PUBLIC_PATHS, basic=True, realm="osfarm",
                        browser=ui.browser if ui else None)
     _add_error_handlers(app)
+    openapi.install(app, service_routes.PUBLIC_PATHS)
     app.include_router(service_routes.router)
     app.include_router(desktop_routes.router)
     app.include_router(task_routes.router)
@@ -130,9 +132,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         detail = exc.detail
         if exc.status_code == 404 and detail == "Not Found":
             detail = f"no route {request.method} {request.url.path}; see /docs"
-        elif exc.status_code == 405:
-            detail = f"method {request.method} not allowed on {request.url.path}; see /docs"
-        return JSONResponse({"detail": str(detail)}, status_code=exc.status_code, headers=exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:
+            allowed = allowed_methods(request.app, request.url.path)
+            detail = f"method {request.method} not allowed on {request.url.path} (allowed: {', '.join(allowed)}); see /docs"
+            headers = {**(headers or {}), "Allow": ", ".join(allowed)}  # every route's methods, not the first's
+        return JSONResponse({"detail": str(detail)}, status_code=exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

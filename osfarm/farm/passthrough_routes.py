@@ -52,11 +52,16 @@ async def guest_passthrough(path: str, request: Request, lease: LeaseOf, state: 
     return StreamingResponse(r.aiter_raw(), status_code=r.status_code, headers=out, background=BackgroundTask(r.aclose))
 
 
+# The guest's answer passes through as it is: any status, any body. The OpenAPI document says so
+# (a "default" response) next to the farm's own errors, for every method the route serves.
+_RESPONSES = {**DESKTOP_ERRORS, "default": {"description": "the guest's own answer (status, headers and body as "
+                                                           "its OSWorld-compatible route gave them)"}}
+
 # One route per method so each gets its own OpenAPI operation id.
 for _method in ("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"):
     router.add_api_route(
         "/v1/desktops/{lease_id}/guest/{path:path}", guest_passthrough, methods=[_method],
         operation_id=f"guest_passthrough_{_method.lower()}",
         summary=f"{_method} to the guest's OSWorld-compatible route `/{{path}}`",
-        response_class=Response, responses=DESKTOP_ERRORS, include_in_schema=_method in ("GET", "POST"),
+        response_class=Response, responses=_RESPONSES,
     )  # fmt: skip

@@ -26,7 +26,7 @@ import secrets
 import string
 import time
 from collections import OrderedDict, deque
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -175,6 +175,8 @@ class LeasePool:
         self.clock: Clock = clock or SystemClock()
         # the lease table and desktop registry on disk (farm/registry.py); None: memory only
         self.registry = registry
+        # called (on the loop) with every lease that ends, however: released, expired, crashed
+        self.lease_ended: list[Callable[[Lease], None]] = []
         self.spec = DesktopSpec(
             width=settings.width,
             height=settings.height,
@@ -657,6 +659,8 @@ class LeasePool:
     def _end_lease(self, lease: Lease, message: str) -> None:
         self._leases.pop(lease.id, None)
         self._ended[lease.id] = (lease.owner, message, lease.principal)
+        for listener in self.lease_ended:
+            listener(lease)
         if self.registry is not None:
             self.registry.end_lease(lease.id, lease.owner, lease.principal, message)
         while len(self._ended) > ENDED_LEASES_KEPT:

@@ -12,8 +12,14 @@ from osfarm.desktop.models import ScreenSize
 
 
 class _Strict(BaseModel):
-    # Unknown keys are rejected so a typo ("ttl": 5) gets a 422 instead of being ignored.
-    model_config = ConfigDict(extra="forbid")
+    # Unknown keys are rejected so a typo ("ttl": 5) gets a 422 instead of being ignored, and values
+    # must have the type the schema says ("5" is not a number): what OpenAPI documents is what passes.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+# A lease shorter than a second cannot be used (a client's first call would find it expired);
+# 5e-324 passed ``gt=0`` and made a lease that was born expired.
+MIN_TTL_S = 1.0
 
 
 class LeaseRequest(_Strict):
@@ -24,7 +30,7 @@ class LeaseRequest(_Strict):
         "against using someone else's desktop",
     )
     ttl_s: float | None = Field(
-        default=None, gt=0, le=86400, description="lease expires this long after its last heartbeat"
+        default=None, ge=MIN_TTL_S, le=86400, description="lease expires this long after its last heartbeat"
     )
     wait_s: float = Field(
         default=30.0, ge=0, le=600, description="how long to wait for a free desktop before answering 429"
@@ -34,7 +40,7 @@ class LeaseRequest(_Strict):
 
 
 class HeartbeatRequest(_Strict):
-    ttl_s: float | None = Field(default=None, gt=0, le=86400, description="new TTL from now; default: the lease's")
+    ttl_s: float | None = Field(default=None, ge=MIN_TTL_S, le=86400, description="new TTL from now; default: the lease's")
 
 
 class ControlInfo(BaseModel):

@@ -67,6 +67,7 @@ class FarmState:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.start_error: BaseException | None = None
         self._guests: dict[str, _GuestConn] = {}
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -74,6 +75,7 @@ class FarmState:
             if self.provider is None:
                 self.provider = make_provider(self.settings)
             self.pool = LeasePool(self.provider, self.settings, registry=FarmRegistry(self.settings.state_dir))
+            self.pool.lease_ended.append(self._lease_ended)
             await self.pool.start()
         except BaseException as e:
             self.start_error = e
@@ -138,6 +140,21 @@ class FarmState:
         self._guests[lease.desktop_id] = conn
         return conn
 
+    def _lease_ended(self, lease: Lease) -> None:
+        """A lease ended (released, expired, its desktop crashed): its guest connections go too,
+        unless the desktop already has newer ones (another endpoint, after its reset)."""
+        conn = self._guests.get(lease.desktop_id)
+        if conn is not None and conn.endpoint == lease.endpoint:
+            del self._guests[lease.desktop_id]
+            task = asyncio.get_running_loop().create_task(self._close(conn))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close(conn: _GuestConn) -> None:
+        await conn.client.aclose()
+        await conn.link.aclose()
+
     async def drop_guest(self, desktop_id: str) -> None:
         conn = self._guests.pop(desktop_id, None)
         if conn is not None:
@@ -188,7 +205,7 @@ class FarmState:
 
 def guest_error(r: httpx.Response | GuestReply) -> ApiError:
     """Map a guest's error reply to ours: its 4xx stay (bad input), anything else is 502."""
-    detail = error_detail(r.content, fallback=r.reason_phrase, keys=("detail", "message", "error"))
+    detail = error_detail(r.content, fallback=r.reason_phrase)  # detail, message or error
     if 400 <= r.status_code < 500 and r.status_code not in (401, 403):
         return ApiError(r.status_code, detail)
     return ApiError(502, f"guest server error {r.status_code}: {detail}")

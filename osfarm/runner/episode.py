@@ -191,7 +191,11 @@ async def _run_attempts(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCa
             # the env keeps the limit too; this one also cuts an agent that hangs in predict
             await asyncio.wait_for(_attempt(farm, task, agent, cache, cfg, res), cfg.time_limit_s)
         except TimeoutError:  # EpisodeTimeout included
-            res.status, res.score, res.error = TIMEOUT, 0.0, _timed_out(cfg)
+            if res.steps:
+                res.status, res.score, res.error = TIMEOUT, 0.0, _timed_out(cfg)
+            else:  # the time ran out in the harness (lease, setup: a farm restarting), not in the agent's turn
+                res.status, res.score = INFRA_ERROR, 0.0
+                res.error = f"{_timed_out(cfg)} before the agent's first step (lease or setup did not finish)"
         except InfraError as e:
             res.status, res.score, res.error = INFRA_ERROR, 0.0, str(e)
         except Exception as e:  # noqa: BLE001 - a harness bug: still a listed infra error, never a crash

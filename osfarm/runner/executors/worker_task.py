@@ -236,7 +236,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     agent = make_agent(job["agent"], **job.get("agent_options", {}))
 
     async def go() -> EpisodeResult:
-        async with AsyncFarm(farm_url, token) as farm:
+        async with AsyncFarm(farm_url, token, expect_up=True) as farm:  # the worker's farm: ride out its restarts
             return await run_episode(farm, task, agent, cache, cfg, job["run_id"])
 
     res = asyncio.run(go())
