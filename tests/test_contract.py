@@ -115,3 +115,31 @@ async def test_the_farm_drops_the_guest_connections_of_leases_that_ended(tmp_pat
             assert [(await c.get(f"/v1/desktops/{lid}")).status_code for lid in ids] == [410, 410, 410]
     finally:
         await asyncio.to_thread(server.stop)
+
+
+# -- the policy server -----------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+def test_the_policy_server_does_what_its_openapi_says() -> None:
+    pytest.importorskip("transformers")
+    from osfarm.policy.process import PolicyProcess
+    from osfarm.policy.tiny import tiny_model_dir
+
+    log = Path(os.environ.get("TMPDIR", "/tmp")) / f"contract-policy-{os.getpid()}.log"
+    # a short context keeps CPU generations short; longer requests are refused (400, documented)
+    server = PolicyProcess(tiny_model_dir(), 0, "policy", log, extra_args=["--max-model-len", "40"])
+    try:
+        asyncio.run(server.wait_ready(240))
+        report = schemathesis(f"{server.url}/openapi.json", CONTRACT / "policy.toml", examples=5)
+        print(report[-800:])
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            r = c.request("PUT", "/v1/chat/completions")
+            assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == 405
+            r = c.post("/v1/chat/completions", content=b"\xff\xfe", headers={"content-type": "application/json"})
+            assert r.status_code == 400 and "error" in r.json()
+            schema = c.get("/openapi.json").json()
+            assert {"200", "400", "401", "404", "500"} <= set(schema["paths"]["/v1/chat/completions"]["post"]["responses"])
+    finally:
+        server.stop()
+        log.unlink(missing_ok=True)

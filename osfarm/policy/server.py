@@ -29,8 +29,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from osfarm.http.auth import BearerAuth
+from osfarm.http.openapi import allowed_methods, document_responses
 from osfarm.policy.engine import Choice, Generation, PolicyEngine, Prepared, RequestError
 from osfarm.policy.processing import MessageError
 from osfarm.policy.sampling import LatencyModel, SamplingParams
@@ -155,12 +157,21 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None, token:
         version = None if request.url.path in LORA_ROUTES else version_of(model)
         return _error(400, "; ".join(parts), param, version, detail)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        # the OpenAI error shape for what Starlette refuses itself (an undecodable body, a method
+        # or path the server does not have); a 405 names every method of the path
+        response = _error(exc.status_code, str(exc.detail), None)
+        if exc.status_code == 405:
+            response.headers["Allow"] = ", ".join(allowed_methods(request.app, request.url.path))
+        return response
+
     @app.get("/health", response_model=Health)
     async def health(response: Response) -> Health:
         response.headers[VERSION_HEADER] = str(engine.current.version)
         return Health(model=engine.served_name, policy_version=engine.current.version, reloading=engine.reloading)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -334,7 +345,30 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None, token:
         metrics.requests.labels(route, "200").inc()
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
+    document_responses(app, _documented_errors, ERROR_DOC)
     return app
+
+
+# What the routes answer besides their success, in the OpenAPI document (tests/test_contract.py
+# holds the server to it): the OpenAI-style error body of _error.
+ERROR_DOC = {"title": "ErrorBody", "type": "object", "required": ["error"], "properties": {
+    "error": {"type": "object", "required": ["message", "type", "code"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+        "code": {"type": "integer"}}},
+    "detail": {"description": "pydantic's errors of an invalid request"}}}
+
+
+def _documented_errors(path: str, method: str, op: dict[str, Any]) -> dict[int, str]:
+    out: dict[int, str] = {}
+    if path != "/health":
+        out[401] = "missing or wrong token (when the server has one: --api-key)"
+    if method == "post":
+        out[400] = "invalid request; error.param names the field (also: the prompt and max_tokens exceed the model's context, a weights path that is not a model)"
+        out[404] = "no such model or adapter, or LoRA adapters are disabled (--enable-lora)"
+        out[409] = "the request conflicts with the server's state (a reload or adapter change in progress)"
+    if path == "/v1/chat/completions":
+        out[500] = "generation failed (the error says why); the server stays up"
+    return out
 
 
 def _usage(prompt: int, completion: int) -> Usage:
