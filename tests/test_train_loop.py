@@ -217,3 +217,65 @@ def test_the_pool_reaches_the_learner_and_seeds_unsolved_tasks(tmp_path: Path) -
     # redundancy: n + 1 started per group, the first n kept
     per_group = Counter(e["group_id"] for e in episodes)
     assert all(n <= 5 for n in per_group.values()), per_group
+
+
+# ---- the trainer's own policy server dies --------------------------------------------------------
+
+DIES_CONFIG = """\
+run_dir: {run}
+updates: 3
+max_episodes: 80
+rollout: {{envs: 2, eta: 1, batch_size: 4, max_steps: 1, options: {{allocator: fixed, group_size: 4}}}}
+agent: {{kind: choice, temperature: 0.1, screenshot: false}}
+learner: {{lr: 0.003, temperature: 0.1}}
+data:
+  options: {{drop_no_signal: false}}
+metrics: {{plot: false, tensorboard: false}}
+"""
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(d.name))
+    return out
+
+
+def test_a_killed_policy_server_is_started_again(tmp_path: Path) -> None:
+    """SIGKILL the policy server `osfarm train` started: it is started again on the same port with
+    the latest checkpoint's weights, and the run still reaches its version."""
+    import signal
+    import time
+
+    cfg = tmp_path / "train.yaml"
+    run = tmp_path / "run"
+    cfg.write_text(DIES_CONFIG.format(run=run))
+    log = tmp_path / "train.log"
+    env = {**os.environ, "OSFARM_STATE_DIR": str(tmp_path / "state")}
+    with log.open("ab") as out:
+        proc = subprocess.Popen([sys.executable, "-c", "from osfarm.cli import app; app()", "train", "--config", str(cfg)],
+                                stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 600
+        while not _rows(run) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(1)
+        servers = [c for c in _children(proc.pid)
+                   if b"policy\x00serve" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert len(servers) == 1, log.read_text()[-3000:]
+        os.kill(servers[0], signal.SIGKILL)
+        rc = proc.wait(600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = " ".join(log.read_text().split())  # the console wraps long lines
+    assert rc == 0, text[-3000:]
+    assert "exited (-9): starting it again on version" in text
+    assert [r["version"] for r in _rows(run)][-1] == 3
+    assert json.loads((run / "summary.json").read_text())["totals"].get("policy_restarts") == 1

@@ -45,31 +45,55 @@ class PolicyProcess:
                  env: dict[str, str] | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-c", "from osfarm.cli import app; app()", "policy", "serve", "--model", str(model),
-               "--port", str(self.port), "--served-model-name", name, "--version", str(version),
-               "--log-level", "warning"]
+        self.name = name
+        self.options: list[str] = ["--log-level", "warning"]
         if delay_ms:
-            cmd += ["--delay-ms", str(delay_ms), "--delay-sigma", str(delay_sigma)]
+            self.options += ["--delay-ms", str(delay_ms), "--delay-sigma", str(delay_sigma)]
         if threads:
-            cmd += ["--threads", str(threads)]
-        cmd += list(extra_args)
+            self.options += ["--threads", str(threads)]
+        self.options += list(extra_args)
+        # env: additions to ours, e.g. the device a trainer's device map gives it (CUDA_VISIBLE_DEVICES)
+        self.env = {**os.environ, **env} if env else None
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
         self._log = log_path.open("ab")
-        # env: additions to ours, e.g. the device a trainer's device map gives it (CUDA_VISIBLE_DEVICES)
+        self.restarts = 0
+        self._spawn(model, version)
+
+    def _spawn(self, model: Path, version: int) -> None:
+        cmd = [sys.executable, "-c", "from osfarm.cli import app; app()", "policy", "serve", "--model", str(model),
+               "--port", str(self.port), "--served-model-name", self.name, "--version", str(version), *self.options]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **env} if env else None, preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only, no locks
+                                     env=self.env, preexec_fn=_die_with_parent)  # noqa: PLW1509 - prctl only, no locks
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def restart(self, model: Path, version: int) -> None:
+        """Start it again on the same port (its URL stays what its users know), serving ``model``
+        as ``version``; the log goes on in the same file."""
+        if self.alive:
+            self.proc.kill()
+            self.proc.wait()
+        self.restarts += 1
+        self._spawn(model, version)
 
     async def wait_ready(self, timeout_s: float) -> None:
         server = PolicyServer(url=self.url, health_timeout_s=timeout_s)
         async with httpx.AsyncClient() as client:
             task = asyncio.ensure_future(wait_healthy(client, server, timeout_s))
-            while not task.done():
-                if self.proc.poll() is not None:
+            try:
+                while not task.done():
+                    if self.proc.poll() is not None:
+                        tail = self.log_path.read_text(errors="replace")[-800:]
+                        raise PolicyStartError(f"policy server exited with {self.proc.returncode}:\n{tail}")
+                    await asyncio.sleep(0.2)
+            finally:
+                if not task.done():  # stopped waiting (exited, or cancelled): the poll ends before its client
                     task.cancel()
-                    tail = self.log_path.read_text(errors="replace")[-800:]
-                    raise PolicyStartError(f"policy server exited with {self.proc.returncode}:\n{tail}")
-                await asyncio.sleep(0.2)
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
             try:
                 task.result()
             except PolicyUnavailable as e:

@@ -194,6 +194,7 @@ class _Planned:
     size: int
     episodes: list[_Episode] = field(default_factory=list)
     closed: bool = False
+    order: int = 0  # planning order: a batch lists its groups in it, whichever closed first
 
 
 @dataclass
@@ -410,6 +411,7 @@ class DataManager:
         self.closed: deque[str] = deque()  # closed planned groups, in closing order, not yet trained
         self._seq = 0
         self._group_seq = 0
+        self._plan_seq = 0
         self._arrived = asyncio.Event()  # set when an episode is accepted (get_batch waits on it)
         if self.pool_dir:
             self._load_pool()
@@ -502,7 +504,8 @@ class DataManager:
             raise ValueError(f"group {group_id}: size must be >= 1, got {size}")
         if group_id in self.planned:
             raise ValueError(f"group {group_id} is already planned")
-        self.planned[group_id] = _Planned(task_id, size)
+        self._plan_seq += 1
+        self.planned[group_id] = _Planned(task_id, size, order=self._plan_seq)
 
     def close_group(self, group_id: str) -> None:
         """The group's rollouts are done (finished, failed for good, or cancelled as redundant): it
@@ -688,10 +691,12 @@ class DataManager:
         """Groups of the closed planned groups, in closing order, until they hold ``episodes``
         episodes (None: all of them)."""
         groups: list[Group] = []
+        order: dict[str, int] = {}
         got = 0
         while self.closed and (episodes is None or got < episodes):
             gid = self.closed.popleft()
             p = self.planned.pop(gid)
+            order[gid] = p.order
             eps = [e for e in p.episodes if self._in_window(e)]
             if len(eps) < len(p.episodes):
                 self._count("stale", len(p.episodes) - len(eps))
@@ -708,7 +713,9 @@ class DataManager:
             if g is not None:
                 groups.append(g)
                 got += len(g.episodes)
-        return groups
+        # the order they were planned in, not the order they happened to finish in: the same
+        # episodes make the same batch (entropy-selection ties, summation order), run after run
+        return sorted(groups, key=lambda g: order[g.group_id])
 
     def _make_group(self, task: str, chosen: list[_Episode], group_id: str) -> Group | None:
         """GRPO group of ``chosen`` (the pool's success in for an all-failure group, no-signal

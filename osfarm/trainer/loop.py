@@ -370,6 +370,7 @@ class Trainer:
                                config=json.loads(cfg.model_dump_json()))
         self.metrics = metrics
         farm_server = None
+        supervisor: asyncio.Task[None] | None = None
         try:
             servers = await self.start_policy(model_dir(ckpt) if ckpt is not None else learner.model_path,
                                               learner.version)
@@ -380,6 +381,7 @@ class Trainer:
             else:  # spawned on the current weights
                 for s in servers:
                     sync.versions[s.url] = learner.version
+            supervisor = asyncio.create_task(self._supervise_policy(sync)) if self.processes else None
             url, token, farm_server = await asyncio.to_thread(self.start_farm)
 
             dcfg = self.data_config()
@@ -459,6 +461,10 @@ class Trainer:
                     with contextlib.suppress(asyncio.CancelledError, Exception):
                         await t
         finally:
+            if supervisor is not None:
+                supervisor.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await supervisor
             for proc in self.processes:
                 await asyncio.to_thread(proc.stop)
             if farm_server is not None:
@@ -468,6 +474,30 @@ class Trainer:
                     metrics.plot()
             metrics.close()
         return self.summary(start_version)
+
+    async def _supervise_policy(self, sync: WeightSync, every_s: float = 2.0) -> None:
+        """Our own policy servers: one that died (killed, out of memory) is started again on the
+        same port with the latest checkpoint's weights, so the run goes on (its rollouts meanwhile
+        end as infra errors, which the controller retries)."""
+        while not self.stop.is_set():
+            await asyncio.sleep(every_s)
+            for proc in self.processes:
+                if proc.alive or self.stop.is_set():
+                    continue
+                ckpt = latest_checkpoint(self.ckpt_root)
+                model, version = (model_dir(ckpt), int(read_state(ckpt)["version"])) if ckpt else (
+                    self.learner.model_path, self.learner.version)
+                self.console.print(f"[yellow]policy server {proc.url} exited ({proc.proc.returncode})[/]: starting it "
+                                   f"again on version {version}", highlight=False)
+                sync.versions[proc.url] = None
+                await asyncio.to_thread(proc.restart, model, version)
+                try:
+                    await proc.wait_ready(self.cfg.policy.start_timeout_s)
+                except PolicyStartError as e:
+                    self.console.print(f"[red]policy server restart failed[/]: {e}", highlight=False)
+                    continue
+                sync.versions[proc.url] = version
+                self.totals["policy_restarts"] = self.totals.get("policy_restarts", 0) + 1
 
     async def _bring_servers_up(self, sync: WeightSync, ckpt: Path | None, version: int) -> None:
         """Running servers (not ours): take over the adapters they already have, then, after a
