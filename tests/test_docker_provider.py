@@ -70,8 +70,18 @@ async def test_one_farm_per_shared_dir(state_dir: str) -> None:
         await first.close()
 
 
+def test_dockerfile_has_the_providers_ids() -> None:
+    """The image's osfarm-guest account and the agent's id range are the provider's constants."""
+    from osfarm.images.recipes import DESKTOP_AGENT_BASE, DESKTOP_GUEST_UID, DESKTOP_HOME_TEMPLATE
+
+    text = (Path(__file__).resolve().parent.parent / "vm_images" / "desktop" / "Dockerfile").read_text()
+    assert f"-u {DESKTOP_GUEST_UID} -g osfarm-guest" in text and f"groupadd -g {DESKTOP_GUEST_UID} osfarm-guest" in text
+    assert f"cp -a /home/user {DESKTOP_HOME_TEMPLATE}" in text
+    assert not DESKTOP_AGENT_BASE <= DESKTOP_GUEST_UID < DESKTOP_AGENT_BASE + 65536
+
+
 async def test_reset_replaces_the_container(state_dir: str) -> None:
-    from osfarm.providers.docker import DockerProvider
+    from osfarm.providers.docker import CAPS, DockerProvider
 
     ensure_images("desktop")
     p = DockerProvider(settings(state_dir, docker_memory="1g", docker_cpus=1.0))
@@ -81,6 +91,14 @@ async def test_reset_replaces_the_container(state_dir: str) -> None:
         assert attrs["HostConfig"]["Init"] is True
         assert attrs["HostConfig"]["Memory"] == 2**30 and attrs["HostConfig"]["NanoCpus"] == 10**9
         assert attrs["HostConfig"]["NetworkMode"] == "none"
+        # containment (docs/security.md): root only for the box's init, with five capabilities,
+        # osfarm's seccomp profile, a process limit, size-capped tmpfs for the home and /tmp
+        assert attrs["Config"]["User"] == "0:0" and attrs["HostConfig"]["CapDrop"] == ["ALL"]
+        assert sorted(attrs["HostConfig"]["CapAdd"]) == sorted(f"CAP_{c}" for c in CAPS) or \
+            sorted(attrs["HostConfig"]["CapAdd"]) == sorted(CAPS)
+        assert any(o.startswith("seccomp=") for o in attrs["HostConfig"]["SecurityOpt"])
+        assert attrs["HostConfig"]["PidsLimit"] == p.settings.docker_pids
+        assert set(attrs["HostConfig"]["Tmpfs"]) == {"/home/user", "/tmp", "/var/tmp"}
         assert attrs["Config"]["Labels"]["org.osfarm.desktop"] == "rep1"
         assert attrs["Config"]["Labels"]["org.osfarm.farm"] == p.farm_id
         assert h1.endpoint.uds and Path(h1.endpoint.uds).exists()

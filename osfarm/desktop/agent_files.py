@@ -28,7 +28,9 @@ from typing import IO, Any
 from osfarm.desktop.agent_world import AgentWorld
 
 MAX_READ_BYTES = 1 << 30
-AGENT_PYTHON = "/usr/bin/python3"
+# The agent's python3, found on its PATH: the system one with pyautogui in /usr/local (sandbox),
+# whatever the image links there (Docker, VMs).
+AGENT_PYTHON = "python3"
 HELPER_TIMEOUT_S = 60.0
 CHUNK = 1 << 20
 MAX_REPLY_BYTES = 64 << 20  # a directory tree's JSON

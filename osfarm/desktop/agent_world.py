@@ -39,6 +39,7 @@ Standard library only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -79,7 +80,7 @@ class AgentWorldSpec:
     guest_uid: int
     guest_gid: int
     outside_base: int  # box uid/gid of the agent's root; the agent's ids are [base, base + ID_COUNT)
-    password_hash: str  # crypt(3) hash of the user's password
+    password_hash: str  # crypt(3) hash of the user's password; "" = the user's hash in the box's /etc/shadow
     user: str = "user"
     user_uid: int = 1000
     user_gid: int = 1000
@@ -166,12 +167,17 @@ class AgentWorld:
 def make_agent_world(spec: AgentWorldSpec) -> tuple[int, int]:
     """Create the agent's user and mount namespaces; returns (userns fd, mntns fd), inheritable.
 
-    A child drops to the guest uid and makes the user namespace (so the guest owns it); this
-    process, still root, writes its id maps; the child, now the namespace's root, makes the
-    mount namespace and the agent's mounts, then waits until both namespaces are held by fds
-    here, and exits.
+    First this process (root) moves into a user namespace of its own that maps every id to
+    itself (:func:`enter_identity_namespace`). Then a child drops to the guest uid and makes the
+    agent's user namespace (so the guest owns it); this process writes its id maps; the child,
+    now the namespace's root, makes the mount namespace and the agent's mounts, then waits until
+    both namespaces are held by fds here, and exits. This process is left in the identity
+    namespace, where it drops to the guest uid and starts the launcher.
     """
     spec.check()
+    enter_identity_namespace()
+    if not spec.password_hash:  # read here: the agent's root cannot read the box's shadow file
+        spec = dataclasses.replace(spec, password_hash=_shadow_hash(Path("/etc"), spec.user))
     to_parent_r, to_parent_w = os.pipe()
     to_child_r, to_child_w = os.pipe()
     pid = os.fork()
@@ -190,6 +196,9 @@ def make_agent_world(spec: AgentWorldSpec) -> tuple[int, int]:
             os.setgroups([])
             os.setresgid(0, 0, 0)
             os.setresuid(0, 0, 0)
+            # Changing credentials made this process non-dumpable, and its memory still belongs
+            # to the host's namespace: the parent could then not open its namespace files.
+            linux_ns.set_dumpable(True)
             linux_ns.unshare(linux_ns.CLONE_NEWNS)
             _agent_mounts(spec)
             os.write(to_parent_w, b"m")
@@ -223,6 +232,49 @@ def make_agent_world(spec: AgentWorldSpec) -> tuple[int, int]:
     os.set_inheritable(userns, True)
     os.set_inheritable(mntns, True)
     return userns, mntns
+
+
+def enter_identity_namespace() -> None:
+    """Move this (single-threaded, root) process into a new user namespace mapping every id to
+    itself, as its root.
+
+    Why: writing a child namespace's id maps needs CAP_SYS_ADMIN over that namespace. Root in a
+    container has no CAP_SYS_ADMIN; here, as the owner of the identity namespace, it has every
+    capability in it and in the namespaces made from it (the agent's is made from it, by the
+    guest). Ids, file owners and the host's view of processes are unchanged.
+    """
+    up_r, up_w = os.pipe()
+    down_r, down_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        os.close(up_r)
+        os.close(down_w)
+        code = 0
+        try:
+            linux_ns.unshare(linux_ns.CLONE_NEWUSER)
+            os.write(up_w, b"u")
+        except OSError as e:
+            code = 1
+            os.write(up_w, b"!" + str(e).encode()[:2000])
+        os.read(down_r, 1)  # hold the namespace until the parent has joined it
+        os._exit(code)
+    os.close(up_w)
+    os.close(down_r)
+    try:
+        msg = os.read(up_r, 4096)
+        if msg != b"u":
+            raise AgentWorldError(f"making the identity user namespace: {_child_error(msg)}")
+        full = [(0, 0, 0xFFFFFFFF)]
+        linux_ns.write_id_maps(pid, full, full)
+        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY)
+        try:
+            linux_ns.setns(fd, linux_ns.CLONE_NEWUSER)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(up_r)
+        os.close(down_w)
+        os.waitpid(pid, 0)
 
 
 def _child_error(msg: bytes) -> str:
@@ -295,7 +347,7 @@ def agent_etc_files(spec: AgentWorldSpec, etc: Path) -> dict[str, tuple[str, int
     groups.append(f"{spec.user}:x:{spec.user_gid}:")
     shadow_gid = next((int(ln.split(":")[2]) for ln in groups if ln.startswith("shadow:")), 0)
     shadow = [f"{ln.split(':')[0]}:*:19000:0:99999:7:::" for ln in users[:-1]]
-    shadow.append(f"{spec.user}:{spec.password_hash}:19000:0:99999:7:::")
+    shadow.append(f"{spec.user}:{spec.password_hash or '!'}:19000:0:99999:7:::")
     gshadow = [f"{ln.split(':')[0]}:*::{ln.split(':')[3]}" for ln in groups]
     hostname = spec.hostname or socket.gethostname()
     return {
@@ -309,6 +361,16 @@ def agent_etc_files(spec: AgentWorldSpec, etc: Path) -> dict[str, tuple[str, int
         "hosts": (f"127.0.0.1\tlocalhost\n127.0.1.1\t{hostname}\n::1\tlocalhost ip6-localhost ip6-loopback\n",
                   0o644, 0),
     }
+
+
+def _shadow_hash(etc: Path, user: str) -> str:
+    """The password hash of ``user`` in the box's own shadow file (an image made with chpasswd);
+    "!" (no password login) when there is none."""
+    for line in _lines(etc / "shadow"):
+        parts = line.split(":")
+        if parts[0] == user and len(parts) > 1:
+            return parts[1]
+    return "!"
 
 
 def _lines(path: Path) -> list[str]:

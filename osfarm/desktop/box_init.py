@@ -31,6 +31,8 @@ from pathlib import Path
 from osfarm.desktop import linux_ns
 from osfarm.desktop.agent_world import ENV_VAR, AgentWorld, AgentWorldSpec, make_agent_world
 
+PLAN_ENV = "OSFARM_BOX_PLAN"  # ``--env``: the plan in this variable (a container's command line)
+
 
 @dataclass(frozen=True)
 class Mount:
@@ -177,12 +179,24 @@ def fill_home(plan: BoxPlan, home: str) -> None:
 
 
 def guest_run_dir(plan: BoxPlan) -> None:
+    """The run dir and its token, the guest's alone (already so when the farm could make them so)."""
     st = os.lstat(plan.run_dir)
     if not stat.S_ISDIR(st.st_mode):
         raise BoxInitError(f"run dir {plan.run_dir} is not a directory")
-    if (st.st_uid, st.st_gid) != (plan.guest_uid, plan.guest_gid):
-        os.chown(plan.run_dir, plan.guest_uid, plan.guest_gid)
-    os.chmod(plan.run_dir, 0o700)
+    if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (plan.guest_uid, plan.guest_gid, 0o700):
+        return  # made so by the farm (this root may lack the capability to look inside)
+    token = os.path.join(plan.run_dir, "token")
+    for path, mode in ((token, 0o400), (plan.run_dir, 0o700)):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise BoxInitError(f"{path} is a symlink")
+        if stat.S_IMODE(st.st_mode) != mode:
+            os.chmod(path, mode)
+        if (st.st_uid, st.st_gid) != (plan.guest_uid, plan.guest_gid):
+            os.chown(path, plan.guest_uid, plan.guest_gid)
 
 
 def run(plan: BoxPlan) -> None:
@@ -219,11 +233,12 @@ def run(plan: BoxPlan) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m osfarm.desktop.box_init PLAN.json (as root)", file=sys.stderr)
+    if len(args) not in (1, 2) or (len(args) == 2 and args[0] != "--env"):
+        print("usage: python -m osfarm.desktop.box_init PLAN.json | --env VAR (as root)", file=sys.stderr)
         return 2
     try:
-        plan = BoxPlan.from_json(Path(args[0]).read_text())
+        text = os.environ.get(args[1], "") if len(args) == 2 else Path(args[0]).read_text()
+        plan = BoxPlan.from_json(text)
     except (OSError, ValueError, TypeError) as e:
         print(f"osfarm-box-init: cannot read plan {args[0]}: {e}", file=sys.stderr)
         return 2

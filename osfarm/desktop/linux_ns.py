@@ -89,6 +89,10 @@ def set_parent_death_signal(sig: int) -> None:
     _check(_libc.prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
 
 
+def set_dumpable(on: bool) -> None:
+    _check(_libc.prctl(PR_SET_DUMPABLE, int(on), 0, 0, 0), "prctl(PR_SET_DUMPABLE)")
+
+
 def clear_groups() -> None:
     """setgroups(0, NULL): no supplementary groups (os.setgroups([]) does the same, named here
     for the order in which credentials are dropped)."""

@@ -11,6 +11,7 @@ import os
 import shutil
 import socket
 import stat
+import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -167,6 +168,17 @@ def read_box_file(path: Path, owner_uid: int | None, limit: int = 1 << 20) -> by
         if not stat.S_ISREG(st.st_mode) or (owner_uid is not None and st.st_uid != owner_uid):
             raise OSError(f"{path}: not a regular file of uid {owner_uid}")
         return f.read(limit)
+
+
+def password_hash(password: str) -> str:
+    """The agent's password (OSWorld's "password") for its /etc/shadow: a SHA-512 crypt(3) hash, as /etc/shadow holds it (by openssl: Python's crypt module is
+    deprecated and gone in 3.13)."""
+    try:
+        out = subprocess.run(["openssl", "passwd", "-6", "-stdin"], input=password, capture_output=True,
+                             text=True, check=True, timeout=30)
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise ProviderError(f"cannot hash the agent's password with openssl ({e}): apt-get install openssl") from None
+    return out.stdout.strip()
 
 
 # -- reaping ----------------------------------------------------------------------------------------

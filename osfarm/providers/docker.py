@@ -1,7 +1,14 @@
 """Docker provider: one container of ``osfarm/desktop`` per desktop.
 
-Each container runs the session launcher (``osfarm desktop run``) as ``user`` under docker's
-init (``init: true``: tini reaps and forwards signals), with memory and CPU limits and labels:
+Each container starts as root with only the capabilities its init needs (``SETUID``, ``SETGID``,
+``CHOWN``, ``FOWNER``; no others), under docker's init (``init: true``: tini reaps and forwards
+signals). Its init (:mod:`osfarm.desktop.box_init`) fills the agent's home (a size-capped tmpfs),
+makes the agent's world (:mod:`osfarm.desktop.agent_world`: ``user`` in a user namespace whose ids
+map to :data:`AGENT_BASE`..+65535, with ``sudo`` inside it) and runs the session launcher as the
+guest uid (:data:`GUEST_UID`, unmapped there), so the agent, its root included, cannot signal or
+replace the guest server. ``no-new-privileges`` is off, because OSWorld's ``sudo`` is a setuid
+program; what that costs is in docs/security.md. Limits: memory, CPU, ``pids_limit``, tmpfs
+sizes. Labels:
 
 * ``org.osfarm.scope``   the shared dir of the farm that owns it (one farm per shared dir, held
                          by a lock file), so two farms on one daemon never touch each other's boxes
@@ -36,10 +43,15 @@ from typing import Any
 import psutil
 
 from osfarm.config import FarmSettings
+from osfarm.desktop.agent_world import AgentWorldSpec
+from osfarm.desktop.box_init import PLAN_ENV, BoxPlan
+from osfarm.desktop.session import HOME_FILES
 from osfarm.images.daemon import DockerUnavailable, docker_client
+from osfarm.images.recipes import DESKTOP_AGENT_BASE, DESKTOP_GUEST_UID, DESKTOP_HOME_TEMPLATE
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
 from osfarm.providers.boxes import (
     SOCKET_PATH_MAX,
+    SocketClaim,
     abstract_x_displays,
     check_desktop_id,
     discarded_on_failure,
@@ -48,16 +60,23 @@ from osfarm.providers.boxes import (
     take_farm_lock,
     wait_guest_ready,
 )
+from osfarm.providers import docker_seccomp
+from osfarm.providers.cgroups import parse_size
 
 log = logging.getLogger("osfarm.providers.docker")
 
 LABEL_SCOPE = "org.osfarm.scope"
 LABEL_FARM = "org.osfarm.farm"
 LABEL_DESKTOP = "org.osfarm.desktop"
-GUEST_UID = 1000  # "user" in osfarm/desktop
+GUEST_UID = DESKTOP_GUEST_UID  # the image's osfarm-guest
+AGENT_BASE = DESKTOP_AGENT_BASE  # the agent's root; "user" is AGENT_BASE + 1000
+CAPS = ["SETUID", "SETGID", "SETFCAP", "CHOWN", "FOWNER"]  # what the box's init needs, nothing more
+HOME_TEMPLATE = DESKTOP_HOME_TEMPLATE  # the image's home, copied into the tmpfs home
+BOX_PYTHON = "/opt/osfarm/bin/python"
 STATE_POLL_S = 0.5
 SHM_SIZE = "512m"  # Chromium needs more than docker's 64 MB /dev/shm
 BOX_RUN_DIR = "/run/osfarm"
+BOX_PATH = "/opt/osfarm/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 class DockerProvider:
@@ -87,6 +106,15 @@ class DockerProvider:
         except OSError as e:
             raise ProviderError(f"docker_shared_dir {self.shared_dir}: cannot create it ({e.strerror})") from None
         self.scope = str(self.shared_dir)
+        try:
+            self.home_size = parse_size(settings.sandbox_home_size)
+            self.tmp_size = parse_size(settings.sandbox_tmp_size)
+        except ValueError as e:
+            raise ProviderError(f"desktop disk settings: {e}") from None
+        self.security_opt = [f"seccomp={docker_seccomp.profile_json()}"]
+        if any("apparmor" in str(o) for o in self._daemon_security()):
+            # docker-default's AppArmor profile refuses every mount, the agent's world's included.
+            self.security_opt.append("apparmor=unconfined")
         self.farm_id = secrets.token_hex(6)
         self._lock_fd = self._take_lock()
         self._containers: dict[str, str] = {}  # desktop id -> container id of its current box
@@ -109,6 +137,12 @@ class DockerProvider:
             raise ProviderError(f"docker image {ref}: {e}") from None
         return img.id, dict(img.labels or {})
 
+    def _daemon_security(self) -> list[str]:
+        try:
+            return list(self.client.info().get("SecurityOptions") or [])
+        except Exception:  # noqa: BLE001 - only a hint; the container start names real problems
+            return []
+
     def _take_lock(self) -> int:
         return take_farm_lock(self.shared_dir / ".farm.lock", f"docker_shared_dir {self.shared_dir}",
                               "stop it or set a different OSFARM_DOCKER_SHARED_DIR / OSFARM_STATE_DIR",
@@ -120,24 +154,24 @@ class DockerProvider:
         run = self.shared_dir / desktop_id / gen
         run.mkdir(parents=True)
         tok = run / "token"
-        fd = os.open(tok, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = os.open(tok, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
         with os.fdopen(fd, "w") as f:
             f.write(token)
+        # The guest's alone; a farm that is not root leaves it searchable, and the box's init
+        # makes it the guest's (CHOWN, FOWNER).
         if os.geteuid() == 0:
-            os.chown(run, GUEST_UID, GUEST_UID)
             os.chown(tok, GUEST_UID, GUEST_UID)
+            os.chown(run, GUEST_UID, GUEST_UID)
             os.chmod(run, 0o700)
         else:
-            # The box's user (uid 1000) must create its socket here and read the token.
-            os.chmod(run, 0o777)
-            os.chmod(tok, 0o644)
+            os.chmod(run, 0o711)
         return run
 
     def _labels(self, desktop_id: str) -> dict[str, str]:
         return {LABEL_SCOPE: self.scope, LABEL_FARM: self.farm_id, LABEL_DESKTOP: desktop_id}
 
-    def _command(self, spec: DesktopSpec, port: int | None, display: int) -> list[str]:
-        cmd = ["osfarm", "desktop", "run", "--width", str(spec.width), "--height", str(spec.height),
+    def _launcher_args(self, spec: DesktopSpec, port: int | None, display: int) -> list[str]:
+        cmd = ["--width", str(spec.width), "--height", str(spec.height),
                "--depth", str(spec.depth), "--display", f":{display}", "--home", "/home/user",
                "--token-file", f"{BOX_RUN_DIR}/token", "--state-file", f"{BOX_RUN_DIR}/state.json"]
         if port is None:
@@ -145,6 +179,22 @@ class DockerProvider:
         else:
             cmd += ["--port", str(port), "--host", "127.0.0.1"]
         return cmd
+
+    def _plan(self, desktop_id: str, spec: DesktopSpec, port: int | None, display: int) -> BoxPlan:
+        """What the container's init does (see the module doc)."""
+        hostname = f"osfarm-{desktop_id}" if self.network == "none" else ""
+        env = {"PATH": BOX_PATH, "HOME": "/home/user", "USER": "osfarm-guest", "LANG": "C.UTF-8",
+               "PYTHONUNBUFFERED": "1", "OSFARM_PYTHON": BOX_PYTHON,
+               "XDG_CACHE_HOME": f"{BOX_RUN_DIR}/cache", "XDG_CONFIG_HOME": f"{BOX_RUN_DIR}/config", **spec.extra_env}
+        # The password hash: the image's own (its user was made with OSWorld's password).
+        agent = AgentWorldSpec(guest_uid=GUEST_UID, guest_gid=GUEST_UID, outside_base=AGENT_BASE,
+                               password_hash="", hostname=hostname)
+        return BoxPlan(
+            launcher=[BOX_PYTHON, "-m", "osfarm.desktop.launcher", *self._launcher_args(spec, port, display)],
+            env=env, guest_uid=GUEST_UID, guest_gid=GUEST_UID, run_dir=BOX_RUN_DIR,
+            home="/home/user", home_uid=AGENT_BASE + 1000, home_gid=AGENT_BASE + 1000,
+            home_template=HOME_TEMPLATE, home_files=dict(HOME_FILES), agent=agent, cwd="/home/user",
+        )  # fmt: skip
 
     def _host_display(self) -> int:
         """With host networking X's abstract sockets are shared with the host: pick a free number."""
@@ -154,9 +204,9 @@ class DockerProvider:
 
     def _run_container(self, desktop_id: str, gen: str, spec: DesktopSpec, run: Path, port: int | None,
                        display: int) -> Any:
-        env = {"PYTHONUNBUFFERED": "1", **spec.extra_env}
+        env = {PLAN_ENV: self._plan(desktop_id, spec, port, display).to_json()}
         kwargs: dict[str, Any] = dict(
-            command=self._command(spec, port, display),
+            command=[BOX_PYTHON, "-m", "osfarm.desktop.box_init", "--env", PLAN_ENV],
             name=f"osfarm-{desktop_id}-{gen}",
             labels=self._labels(desktop_id),
             init=True,
@@ -167,7 +217,16 @@ class DockerProvider:
             network_mode=self.network,
             volumes={str(run): {"bind": BOX_RUN_DIR, "mode": "rw"}},
             environment=env,
-            user=f"{GUEST_UID}:{GUEST_UID}",
+            user="0:0",
+            cap_drop=["ALL"],
+            cap_add=CAPS,
+            security_opt=self.security_opt,
+            pids_limit=self.settings.docker_pids,
+            tmpfs={
+                "/home/user": f"size={self.home_size},mode=0755",
+                "/tmp": f"size={self.tmp_size},mode=1777",
+                "/var/tmp": f"size={self.tmp_size},mode=1777",
+            },
         )
         if self.network == "none":
             kwargs["hostname"] = f"osfarm-{desktop_id}"  # host networking shares the host's UTS name
@@ -232,10 +291,8 @@ class DockerProvider:
             return None  # its socket and token are gone with the run dir
         self._containers[handle.id] = attrs["Id"]
         if handle.info.get("network") == "host":
-            cmd = attrs.get("Config", {}).get("Cmd") or []
-            if "--display" in cmd and cmd.index("--display") + 1 < len(cmd):
-                with contextlib.suppress(ValueError):
-                    self._host_displays[f"{handle.id}/{handle.info.get('gen')}"] = int(cmd[cmd.index("--display") + 1].lstrip(":"))
+            with contextlib.suppress(ValueError):
+                self._host_displays[f"{handle.id}/{handle.info.get('gen')}"] = int(handle.info.get("display", ""))
         handle.pid = attrs.get("State", {}).get("Pid") or None
         log.info("docker desktop taken over id=%s container=%s", handle.id, handle.info.get("name"))
         return handle
@@ -271,13 +328,15 @@ class DockerProvider:
             self._host_displays.pop(f"{desktop_id}/{gen}", None)
             raise ProviderError(f"desktop {desktop_id}: docker could not start a container of {self.image}: {e}") from e
         if port is None:
-            endpoint = GuestEndpoint(base_url="http://guest", token=token, uds=str(run / "guest.sock"))
+            # The farm takes the socket out of the run dir once the guest listens (SocketClaim).
+            endpoint = GuestEndpoint(base_url="http://guest", token=token, uds=str(run.with_name(f"{gen}.sock")))
         else:
             endpoint = GuestEndpoint(base_url=f"http://127.0.0.1:{port}", token=token)
         handle = DesktopHandle(
             id=desktop_id, provider=self.name, spec=spec, endpoint=endpoint,
             info={"container": container.id, "name": container.name, "image": self.image,
-                  "image_id": self.image_id, "dir": str(run), "network": self.network, "gen": gen},
+                  "image_id": self.image_id, "dir": str(run), "network": self.network, "gen": gen,
+                  "display": str(display)},
         )  # fmt: skip
         self._containers[desktop_id] = container.id
         async with discarded_on_failure(desktop_id, lambda: self._discard(handle)):
@@ -300,8 +359,14 @@ class DockerProvider:
         async def container_log() -> str:
             return f"container {name} log:\n{await asyncio.to_thread(self._logs, cid)}"
 
+        claim = None
+        if handle.endpoint.uds:
+            run = Path(handle.info["dir"])
+            claim = SocketClaim(run / "guest.sock", Path(handle.endpoint.uds),
+                                GUEST_UID if os.geteuid() == 0 else None, ready=run / "state.json")
         await wait_guest_ready(handle, t0 + self.settings.start_timeout_s, self.settings.start_timeout_s,
-                               box_gone=container_ended, box_log=container_log, check_box_every_s=STATE_POLL_S)
+                               box_gone=container_ended, box_log=container_log, check_box_every_s=STATE_POLL_S,
+                               claim=claim)
 
     async def _discard(self, handle: DesktopHandle) -> None:
         """Remove a handle's container and run dir (blocking work in threads)."""
@@ -315,6 +380,9 @@ class DockerProvider:
         run = handle.info.get("dir")
         if run:
             await asyncio.to_thread(shutil.rmtree, run, True)
+        if handle.endpoint.uds:
+            with contextlib.suppress(OSError):
+                os.unlink(handle.endpoint.uds)
 
     async def stop(self, handle: DesktopHandle) -> None:
         await self._discard(handle)

@@ -51,7 +51,6 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -59,7 +58,7 @@ import osfarm
 from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import BoxPlan, Mount
 from osfarm.desktop.session import ASSETS, HOME_FILES
-from osfarm.providers.base import ProviderError
+from osfarm.providers.boxes import password_hash
 from osfarm.providers.slots import Slot
 
 BOX_RUN = "/run/osfarm"
@@ -305,17 +304,6 @@ def box_plan(
         cwd="/home/user",
         death_signal=int(signal.SIGKILL),
     )
-
-
-def password_hash(password: str) -> str:
-    """A SHA-512 crypt(3) hash, as /etc/shadow holds it (by openssl: Python's crypt module is
-    deprecated and gone in 3.13)."""
-    try:
-        out = subprocess.run(["openssl", "passwd", "-6", "-stdin"], input=password, capture_output=True,
-                             text=True, check=True, timeout=30)
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise ProviderError(f"cannot hash the agent's password with openssl ({e}): apt-get install openssl") from None
-    return out.stdout.strip()
 
 
 def _publish(tmp: Path, dest: Path) -> None:
