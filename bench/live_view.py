@@ -5,7 +5,8 @@ One in-process farm (sandbox provider) serving /ui, one desktop showing a clock 
 ten times a second (so every frame differs, as while an agent works). Phases alternate, each
 ``--seconds`` long: no viewer, one viewer, no viewer, two viewers (who share one capture), first
 with the clock running (every frame differs: the worst case), then with a still screen (polled
-slower until it changes). A viewer is a WebSocket client reading frames as a browser does. For each phase: CPU of the desktop's processes (% of one core), frames
+slower until it changes). A viewer is a WebSocket client reading frames as a browser does.
+For each phase: CPU of the desktop's processes (% of one core), frames
 captured by the farm, frames received by the viewer per second, and the farm process's CPU
 (which includes this script's client).
 

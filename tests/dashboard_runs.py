@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 XSS = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+CLICK = {"action_type": "CLICK", "parameters": {"x": 10, "y": 20}}
 PNG_1x1 = bytes.fromhex(
     "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
     "1f15c4890000000d49444154789c6360000002000001e221bc330000000049454e44ae426082"
@@ -47,13 +48,14 @@ def make_run(run: Path, agent: str, outcomes: dict[str, tuple[str, str]], respon
         for i, (task, (domain, status)) in enumerate(outcomes.items()):
             eid = f"ep-{agent}-{i}"
             ids[task] = eid
-            rows.append({"task_id": task, "domain": domain, "status": status, "score": 1.0 if status == "success" else 0.0,
+            score = 1.0 if status == "success" else 0.0
+            rows.append({"task_id": task, "domain": domain, "status": status, "score": score,
                          "error": XSS if status == "infra_error" else None, "steps": 1, "attempts": 1, "seconds": 1.5,
                          "episode_id": eid})
             step = {"index": 1, "observation": {"screenshot": shot, "a11y": a11y},
                     "model": {"request": None, "response_text": response, "response_token_ids": None,
                               "response_logprobs": None, "policy_version": None},
-                    "actions": actions if actions is not None else [{"action_type": "CLICK", "parameters": {"x": 10, "y": 20}}],
+                    "actions": actions if actions is not None else [CLICK],
                     "action_error": None, "t_model_ms": 1.0, "t_env_ms": 2.0}
             f.write(json.dumps({"schema": "osfarm.episode/1", "episode_id": eid, "run_id": run.name, "task_id": task,
                                 "domain": domain, "group_id": task, "attempt": 1, "agent": agent,

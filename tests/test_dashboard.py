@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from dashboard_runs import XSS, PNG_1x1, make_run
 
 from osfarm.dashboard import pages
 from osfarm.dashboard.app import create_ui_app
@@ -29,8 +30,6 @@ from osfarm.dashboard.links import ServerLinks
 from osfarm.dashboard.marks import marks_of
 from osfarm.dashboard.runs import RunsRoot
 from osfarm.dashboard.stats import wilson
-
-from dashboard_runs import PNG_1x1, XSS, make_run
 
 # -- confinement ----------------------------------------------------------------------------------
 
@@ -119,7 +118,8 @@ def test_marks_of_computer13_and_pyautogui() -> None:
     assert (c13[1].x, c13[1].y, c13[1].x2, c13[1].y2) == (5, 6, 50, 60)
     assert (c13[2].x, c13[2].y) == (50, 60)  # a click without coordinates lands where the pointer is
     code = marks_of(["import pyautogui\npyautogui.click(100, 200)\npyautogui.dragTo(x=300, y=400, duration=1)\n"
-                     "pyautogui.write('ls -l\\n')\npyautogui.hotkey('ctrl', 'c')\nfor i in range(3): pyautogui.press(k)\n",
+                     "pyautogui.write('ls -l\\n')\npyautogui.hotkey('ctrl', 'c')\n"
+                     "for i in range(3): pyautogui.press(k)\n",
                      "DONE"])
     assert [(m.kind, m.label) for m in code] == [("point", "click"), ("drag", "drag"), ("text", "type “ls -l⏎”"),
                                                   ("keys", "keys ctrl+c"), ("special", "DONE")]
@@ -144,10 +144,12 @@ def test_every_page_escapes_hostile_text(tmp_path: Path) -> None:
     may become markup, in the served pages or the exported site."""
     task = 'x"><script>alert(1)</script>'
     make_run(tmp_path / "evil", XSS, {task: ("<b>os</b>", "success"), "t2": ("os", "infra_error")},
-             response="</pre><script>alert(2)</script>", actions=[{"action_type": "TYPING", "parameters": {"text": XSS}}])
+             response="</pre><script>alert(2)</script>",
+             actions=[{"action_type": "TYPING", "parameters": {"text": XSS}}])
     make_run(tmp_path / "other", "y", {task: ("<b>os</b>", "failure")})
     (tmp_path / "train").mkdir()
-    (tmp_path / "train" / "metrics.jsonl").write_text(json.dumps({"version": 1, "</script><script>alert(3)//": 1.0}) + "\n")
+    row = {"version": 1, "</script><script>alert(3)//": 1.0}
+    (tmp_path / "train" / "metrics.jsonl").write_text(json.dumps(row) + "\n")
     root = RunsRoot(tmp_path)
     frame = pages.Frame(ServerLinks(), has_runs=True)
     eid = root.eval_run("evil").rows[0].episode_id
@@ -289,7 +291,8 @@ def test_report_export_command(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["report", "export", str(tmp_path / "runs"), "--out", str(tmp_path / "site")])
     assert res.exit_code == 0, res.output
     assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "static" / "ui.js").is_file()
-    inside = CliRunner().invoke(app, ["report", "export", str(tmp_path / "runs"), "--out", str(tmp_path / "runs" / "s")])
+    inside = CliRunner().invoke(app, ["report", "export", str(tmp_path / "runs"), "--out",
+                                      str(tmp_path / "runs" / "s")])
     assert inside.exit_code == 2 and "inside the runs dir" in inside.output
     missing = CliRunner().invoke(app, ["report", "export", str(tmp_path / "nope")])
     assert missing.exit_code == 2 and "no such directory" in missing.output
@@ -370,7 +373,8 @@ def test_a_take_over_is_in_the_episode_record(tmp_path: Path) -> None:
     task = parse_task({"id": "t1", "instruction": "x", "config": [], "evaluator": {"func": "infeasible"}}, file="t")
     spans = [{"by": "admin", "started_at": 10.0, "ended_at": 25.0}]
     res = EpisodeResult(task=task, status="success", score=1.0, error=None, episode_id="e1", attempt=1,
-                        infra_retries=0, steps=[], started_at=1.0, finished_at=30.0, agent="replay", controlled_by=spans)
+                        infra_retries=0, steps=[], started_at=1.0, finished_at=30.0, agent="replay",
+                        controlled_by=spans)
     records: list[dict[str, Any]] = []
     row = write_task(tmp_path, res, "run", LocalBlobStore(tmp_path), emit=records.append)
     assert check_record(records[0])["controlled_by"] == spans and row["controlled_by"] == ["admin"]

@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 import pytest
+from dashboard_runs import XSS, make_run
 from farms import TOKEN, running_farm
 from rich.console import Console
 
@@ -34,8 +35,6 @@ from osfarm.farm.server import FarmServer
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
 from osfarm.trainer.metrics import TrainMetrics
-
-from dashboard_runs import XSS, make_run
 
 playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra)")
 

@@ -25,7 +25,13 @@ from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
 from fastapi.responses import StreamingResponse
 
 from osfarm.dashboard import pages
-from osfarm.dashboard.access import csrf_ok, may_watch, principal_of, same_origin, uses_cookie
+from osfarm.dashboard.access import (
+    csrf_ok,
+    may_watch,
+    principal_of,
+    same_origin,
+    uses_cookie,
+)
 from osfarm.dashboard.context import Dashboard, error_page, page
 from osfarm.dashboard.control import ControlRefused, control_actions
 from osfarm.dashboard.live import DesktopGone, LiveHub, Target
@@ -259,7 +265,8 @@ async def _on_message(dash: Dashboard, ws: WebSocket, state: FarmState, desktop_
             await send_json({"type": "error", "detail": "take control first"})
             return
         view = state.pool.desktop(desktop_id) if state.pool is not None else None
-        if view is None or view.lease is None or view.screen is None or view.lease.id != dash.control.lease_of(desktop_id):
+        lease = view.lease if view is not None else None
+        if lease is None or view is None or view.screen is None or lease.id != dash.control.lease_of(desktop_id):
             # the lease taken over ended (the desktop may already serve another lease): control ends
             await send_json({"type": "error", "detail": "the lease you controlled ended; control is handed back"})
             dash.control.release(desktop_id, me)

@@ -401,7 +401,8 @@ def _json_lines(d: ConfinedDir, rel: str) -> tuple[list[dict[str, Any]], int]:
 def row_of_record(rec: dict[str, Any]) -> TaskRow:
     seconds = None
     try:
-        seconds = (datetime.fromisoformat(rec["finished_at"]) - datetime.fromisoformat(rec["started_at"])).total_seconds()
+        finished, started = datetime.fromisoformat(rec["finished_at"]), datetime.fromisoformat(rec["started_at"])
+        seconds = (finished - started).total_seconds()
     except (KeyError, ValueError, TypeError):
         pass
     return TaskRow(task_id=rec["task_id"], domain=rec.get("domain", ""), status=rec["status"], score=rec.get("score"),

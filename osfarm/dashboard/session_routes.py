@@ -11,8 +11,8 @@ from fastapi import APIRouter, Form, Query, Request, Response
 from fastapi.responses import RedirectResponse
 
 from osfarm.dashboard import pages
+from osfarm.dashboard.access import cookie_header, csrf_ok, safe_next, same_origin
 from osfarm.dashboard.assets import ASSETS, media_type
-from osfarm.dashboard.access import cookie_header, csrf_ok, same_origin, safe_next
 from osfarm.dashboard.context import Dashboard, error_page, page
 
 LOGIN_FAILURE_DELAY_S = 0.5  # a wrong token costs the guesser a little time
@@ -49,7 +49,8 @@ def router(dash: Dashboard) -> APIRouter:
             html = pages.render("login.html", frame, error="unknown token", next=safe_next(next))
             return page(html, 401)
         resp = RedirectResponse(safe_next(next), status_code=303)
-        resp.headers.append("set-cookie", cookie_header(quote(token.strip(), safe=""), secure=request.url.scheme == "https"))
+        secure = request.url.scheme == "https"
+        resp.headers.append("set-cookie", cookie_header(quote(token.strip(), safe=""), secure=secure))
         resp.headers["Cache-Control"] = "no-store"
         return resp
 
