@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -31,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 from websockets.asyncio.client import connect
 
+from osfarm.config import FarmSettings
 from osfarm.dashboard.app import mount
 from osfarm.dashboard.context import Dashboard
 from osfarm.farm.local import local_farm, local_farm_settings
@@ -116,6 +118,14 @@ def main() -> None:
     state_dir = Path(tempfile.mkdtemp(prefix="oflv", dir=os.environ.get("OSFARM_STATE_DIR", "/tmp")))
     settings = local_farm_settings(envs=1, spares=0, width=w, height=h, state_dir=state_dir)
     rows = []
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(shutil.rmtree, state_dir, True)
+        run_phases(args, dash, settings, state_dir, rows)
+    report(console, rows, w, h, args.seconds)
+
+
+def run_phases(args: argparse.Namespace, dash: Dashboard, settings: FarmSettings, state_dir: Path,
+               rows: list[tuple]) -> None:
     with local_farm(settings, ui=mount(dash)) as server:
         api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}, timeout=60)
         lease = api.post("/v1/desktops", json={"ttl_s": 3600}).json()
@@ -150,7 +160,10 @@ def main() -> None:
         api.delete(f"/v1/desktops/{lease['id']}")
         api.close()
 
-    table = Table(title=f"live view cost, {w}x{h} desktop, {args.seconds:g} s per phase")
+
+
+def report(console: Console, rows: list[tuple], w: int, h: int, seconds: float) -> None:
+    table = Table(title=f"live view cost, {w}x{h} desktop, {seconds:g} s per phase")
     for c in ("phase", "desktop CPU (% of a core)", "frames captured /s", "new frames to the viewer /s",
               "farm process CPU %"):
         table.add_column(c, justify="left" if c == "phase" else "right")
