@@ -394,7 +394,7 @@ from test_learner import make_sample, MESSAGES, TEXT_ONLY
 torch.set_num_threads(1)
 ctx = DistContext.from_env()
 out = Path({out!r})
-lrn = Learner(Path({model!r}), LearnerOptions(lr=1e-3, micro_batch_size={mbs}), ctx=ctx)
+lrn = Learner(Path({model!r}), LearnerOptions(lr=1e-3, micro_batch_size={mbs}, fsdp={fsdp!r}), ctx=ctx)
 samples = [make_sample(m, ids, None, advantage=a) for m, ids, a in
            [(MESSAGES, [107, 108, 109], -1.0), (TEXT_ONLY, [121], 1.0), (MESSAGES, [131, 132], 1.0),
             (TEXT_ONLY, [141, 142, 143, 144, 145], -1.0), (MESSAGES, [151], 0.5)]]
@@ -408,10 +408,14 @@ else:
 """
 
 
-def test_two_gloo_ranks_make_the_update_of_one(model_dir: Path, tmp_path: Path) -> None:
-    """torchrun with 2 ranks on the CPU (gloo, data parallel): each rank computes its share of the
-    samples, gradients are summed, and the update is the one a single rank makes on the whole batch;
-    rank 0's checkpoint loads in the policy server's engine."""
+@pytest.mark.parametrize("fsdp", ["off", "on"])
+def test_two_gloo_ranks_make_the_update_of_one(model_dir: Path, tmp_path: Path, fsdp: str) -> None:
+    """torchrun with 2 ranks on the CPU (gloo): each rank computes its share of the samples,
+    gradients are summed (data parallel: an all-reduce of full replicas; FSDP2: sharded weights,
+    reduce-scatter in the backward pass, the code path of GPU runs), and the update is the one a
+    single rank makes on the whole batch; rank 0's checkpoint (gathered from the shards under
+    FSDP) loads in the policy server's engine. Samples with and without screenshots are mixed, so
+    a rank may skip the vision tower that another runs."""
     import subprocess
     import sys
 
@@ -419,7 +423,7 @@ def test_two_gloo_ranks_make_the_update_of_one(model_dir: Path, tmp_path: Path) 
 
     script = tmp_path / "ranks.py"
     script.write_text(RANK_SCRIPT.format(tests=str(Path(__file__).parent), out=str(tmp_path), model=str(model_dir),
-                                         mbs=2))
+                                         mbs=2, fsdp=fsdp))
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                         str(script)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -247,15 +247,19 @@ class Learner:
                                          "skipped_steps": 0, "skipped_updates": 0}
 
     def _shard(self) -> None:
-        """FSDP2: each decoder layer / vision block its own unit, then the root; fp32 master shards,
-        compute in the compute dtype, gradients reduced in fp32."""
+        """FSDP2: each language-model decoder layer its own unit, then the root; fp32 master
+        shards, compute in the compute dtype, gradients reduced in fp32.
+
+        The vision tower stays in the root unit: a rank whose micro-batch has no image skips it,
+        and a unit of its own would then all-gather on some ranks and not on others (a collective
+        mismatch that hangs or aborts the ranks); the root unit is gathered by every forward."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.model.to(self.device)
         mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
         units = set(getattr(self.model, "_no_split_modules", None) or [])
-        for m in self.model.modules():
-            if type(m).__name__ in units:
+        for name, m in self.model.named_modules():
+            if type(m).__name__ in units and "visual" not in name.split(".") and "Vision" not in type(m).__name__:
                 fully_shard(m, mp_policy=mp)
         fully_shard(self.model, mp_policy=mp)
 
@@ -433,7 +437,8 @@ class Learner:
         with torch.no_grad():
             for plan in plans:
                 for idx, _ in plan:
-                    todo = [i for i in idx if i not in prox]
+                    # under FSDP every forward is collective: each rank runs all of its micro-batches
+                    todo = list(idx) if self.fsdp else [i for i in idx if i not in prox]
                     if not todo:
                         continue
                     mb = collate([encs[i] for i in todo], self.pad_id)
@@ -466,7 +471,9 @@ class Learner:
                 # the micro-batch's mean, re-weighted so the minibatch's loss is the token (or
                 # sequence) mean over all of its samples, on all ranks together
                 share = (micro_tokens / mb_tokens if agg == "token_mean" else len(idx) / len(mb_idx)) * weight
-                (loss * share).backward()
+                # the ranks' gradients are to be summed; FSDP's reduce-scatter averages them (and
+                # gloo has no pre-multiplied sum), so its shares count world-size times
+                (loss * (share * world if self.fsdp else share)).backward()
                 w = weight * micro_tokens / total_tokens
                 sums["loss"] += float(loss.detach()) * w
                 sums["entropy"] += float(ent) * w
