@@ -143,3 +143,33 @@ def test_the_policy_server_does_what_its_openapi_says() -> None:
     finally:
         server.stop()
         log.unlink(missing_ok=True)
+
+
+# -- a desktop's guest server ---------------------------------------------------------------------
+
+# Routes that wait by design for as long as the request allows (a window, a file, a verification:
+# up to 600-3600 s): a fuzzer's boundary values would hold the run for hours. test_guest.py and
+# test_task_routes.py cover them.
+WAITING_ROUTES = "^/(v1/wait_for_|setup/open_file|setup/execute_with_verification|execute_with_verification)"
+
+
+@pytest.mark.timeout(600)
+def test_the_guest_server_does_what_its_openapi_says(farm: FarmServer) -> None:
+    """Through the farm's passthrough, on a real sandbox desktop."""
+    with httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {farm.token}"}, timeout=120) as c:
+        lid = c.post("/v1/desktops", json={"wait_s": 120, "ttl_s": 900}).json()["id"]
+        try:
+            base = f"{farm.url}/v1/desktops/{lid}/guest"
+            report = schemathesis(f"{base}/v1/openapi.json", CONTRACT / "guest.toml", "--url", base,
+                                  "--exclude-path-regex", WAITING_ROUTES, "-H", f"Authorization: Bearer {farm.token}",
+                                  examples=4)
+            print(report[-800:])
+            r = c.put(f"/v1/desktops/{lid}/guest/screenshot")
+            assert r.status_code == 405 and r.headers["allow"] == "GET", r.headers  # through the passthrough
+            schema = c.get(f"/v1/desktops/{lid}/guest/v1/openapi.json").json()
+            execute = schema["paths"]["/execute"]["post"]
+            assert execute["requestBody"]["content"]["application/json"]["schema"]["required"] == ["command"]
+            assert {"200", "400", "401", "413"} <= set(execute["responses"])
+            assert "image/png" in schema["paths"]["/screenshot"]["get"]["responses"]["200"]["content"]
+        finally:
+            c.delete(f"/v1/desktops/{lid}")

@@ -36,11 +36,12 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from osfarm.desktop import native_routes, osworld_routes
+from osfarm.desktop import guest_openapi, native_routes, osworld_routes
 from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.guest_state import Desktop
 from osfarm.http.auth import BearerAuth
 from osfarm.http.body_limit import BodyLimit, BodyRule
+from osfarm.http.openapi import allowed_methods
 
 # Request bodies: actions and commands are small; uploads (a task's input files) may be large, and
 # are spooled to disk by the form parser, never held in memory. Over the limit: 413.
@@ -108,7 +109,10 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse({"detail": exc.detail}, exc.status_code, headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:  # every method of the path (Starlette names the first route's only)
+            headers = {**(headers or {}), "Allow": ", ".join(allowed_methods(request.app, request.url.path))}
+        return JSONResponse({"detail": exc.detail}, exc.status_code, headers=headers)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
@@ -116,6 +120,7 @@ def create_app(
 
     app.include_router(osworld_routes.router)
     app.include_router(native_routes.router)
+    guest_openapi.install(app)
     return app
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 ImageFormat = Literal["png", "jpeg", "webp"]
 # How agent actions are paced (osfarm.desktop.coderunner): "osworld" = each pyautogui code action
@@ -81,6 +81,9 @@ class Observation(BaseModel):
 
 
 class StepRequest(BaseModel):
+    # JSON bodies are taken as the schema types them ("5" is not an int): what OpenAPI says is what passes
+    model_config = ConfigDict(strict=True)
+
     actions: list[Any] = Field(
         min_length=1,
         description="computer_13 objects ({action_type, parameters}), pyautogui code strings, "
@@ -106,6 +109,9 @@ class StepResult(BaseModel):
 
 
 class CodeRequest(BaseModel):
+    # JSON bodies are taken as the schema types them ("5" is not an int): what OpenAPI says is what passes
+    model_config = ConfigDict(strict=True)
+
     code: str = Field(min_length=1)
     timeout: float = Field(default=30.0, gt=0, le=600)
     timing: ActionTiming = Field(default="osworld", description=TIMING_FIELD_DESCRIPTION)
@@ -119,12 +125,18 @@ class CodeResult(BaseModel):
 
 
 class WaitForWindow(BaseModel):
+    # JSON bodies are taken as the schema types them ("5" is not an int): what OpenAPI says is what passes
+    model_config = ConfigDict(strict=True)
+
     title: str | None = Field(default=None, description="substring of the window title")
     wm_class: str | None = Field(default=None, description="substring of WM_CLASS (instance or class)")
     timeout: float = Field(default=30.0, gt=0, le=600)
 
 
 class WaitForFile(BaseModel):
+    # JSON bodies are taken as the schema types them ("5" is not an int): what OpenAPI says is what passes
+    model_config = ConfigDict(strict=True)
+
     path: str
     min_size: int = Field(default=0, ge=0)
     timeout: float = Field(default=30.0, gt=0, le=600)

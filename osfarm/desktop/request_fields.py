@@ -52,6 +52,13 @@ def optional_str(data: dict[str, Any], name: str) -> str | None:
         return None
     if not isinstance(v, str):
         raise bad(name, f"expected a string, got {type(v).__name__}")
+    return no_nul(name, v)
+
+
+def no_nul(name: str, v: str) -> str:
+    """Paths, commands and names never hold a NUL (the OS refuses them: a 500 otherwise)."""
+    if "\x00" in v:
+        raise bad(name, "must not contain a NUL character")
     return v
 
 
@@ -85,7 +92,7 @@ def form_str(form: FormData, name: str) -> str:
     v = form.get(name)
     if not isinstance(v, str) or not v:
         raise bad(name, "required (form field)")
-    return v
+    return no_nul(name, v)
 
 
 def form_file(form: FormData, name: str) -> UploadFile:
@@ -113,6 +120,7 @@ def get_command(data: dict[str, Any]) -> tuple[Command, bool]:
     if isinstance(command, str):
         if not command.strip():
             raise bad("command", "must not be empty")
+        no_nul("command", command)
         if not shell:
             try:
                 command = shlex.split(command)
@@ -124,6 +132,7 @@ def get_command(data: dict[str, Any]) -> tuple[Command, bool]:
         for i, arg in enumerate(command):
             if not isinstance(arg, str):
                 raise bad(f"command.{i}", f"expected a string, got {type(arg).__name__}")
+            no_nul(f"command.{i}", arg)
     else:
         raise bad("command", f"expected a string or a list of strings, got {type(command).__name__}")
     if isinstance(command, list):

@@ -23,7 +23,8 @@ PASSTHROUGH_TIMEOUT = httpx.Timeout(connect=10.0, read=1900.0, write=120.0, pool
 _UNREACHABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 # Hop-by-hop or recomputed headers that must not be copied between the two connections.
 _REQUEST_HEADERS = ("content-type", "content-length", "accept", "content-encoding")
-_RESPONSE_HEADERS = ("content-type", "content-length", "content-encoding", "content-disposition", "cache-control")
+_RESPONSE_HEADERS = ("content-type", "content-length", "content-encoding", "content-disposition", "cache-control",
+                     "allow")
 
 router = APIRouter(tags=["guest passthrough"])
 
