@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import copy
-import math
 import json
 import logging
 import os
