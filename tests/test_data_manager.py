@@ -510,3 +510,28 @@ def test_planned_groups_survive_a_restart(run, tmp_path):
     # its other rollouts died with the process: it trains with the three it has
     [g] = dm2.take_batch().groups
     assert g.group_id == "g1" and len(g.episodes) == 3
+
+
+def test_a_state_snapshot_is_what_gets_written(run, tmp_path):
+    """The trainer snapshots the state on the event loop that feeds the data manager and writes the
+    text from the learner's thread: what lands on disk is the snapshot, whatever arrived since."""
+    dm = DataManager(Cfg(group_size=2), blob_root=run)
+    dm.add(make_record(run, status="success"))
+    text = dm.state_json()
+    dm.add(make_record(run, status="failure"))  # arrives while the checkpoint is being written
+    dm.save_state(tmp_path, text)
+    saved = json.loads((tmp_path / "data_manager.json").read_text())
+    assert saved["counters"]["records"] == 1 and dm.counters["records"] == 2
+
+
+def test_a_broad_planned_group(run):
+    """BroRL: one planned group of 256 rollouts is one GRPO group of 256."""
+    dm = DataManager(Cfg(min_failure_steps=1), blob_root=run)
+    dm.expect_group("broad", "t1", 256)
+    for i in range(256):
+        dm.add(make_record(run, status="success" if i % 4 == 0 else "failure", steps=1, group_id="broad"))
+    dm.close_group("broad")
+    batch = dm.take_batch()
+    [g] = batch.groups
+    assert len(g.episodes) == 256 and len(batch.samples) == 256
+    assert sum(g.advantages) == approx(0.0, abs=1e-6) and max(g.advantages) == approx(math.sqrt(3))

@@ -445,3 +445,22 @@ def test_two_gloo_ranks_make_the_update_of_one(model_dir: Path, tmp_path: Path, 
             out = loaded.model(**enc.inputs, use_cache=False).logits
         lp = torch.log_softmax(out[0, enc.prompt_len - 1:-1].float(), -1).gather(-1, enc.response_ids[:, None])[:, 0]
         assert lp.tolist() == pytest.approx(one.score(s), abs=2e-4)  # the same weights, within float noise
+
+
+def test_a_broad_group_trains_in_bounded_micro_batches(model_dir: Path) -> None:
+    """BroRL: one group of 64 rollouts. With micro_batch_size 8 no forward pass holds more than 8
+    samples (the memory of an update is that of one micro-batch), and the update is the one made
+    with all 64 in one pass."""
+    samples = [make_sample(TEXT_ONLY, [100 + i % 50, 200 + i % 7][: 1 + i % 2], None,
+                           advantage=1.0 if i % 3 == 0 else -0.5) for i in range(64)]
+    widths: list[int] = []
+    small = Learner(model_dir, LearnerOptions(lr=1e-3, micro_batch_size=8))
+    hook = small.model.register_forward_pre_hook(lambda _m, _a, kw: widths.append(int(kw["input_ids"].shape[0])),
+                                                 with_kwargs=True)
+    try:
+        a = small.update(samples)
+    finally:
+        hook.remove()
+    assert max(widths) == 8 and len(widths) == 2 * 64 // 8  # proximal pass + training pass
+    b = Learner(model_dir, LearnerOptions(lr=1e-3, micro_batch_size=64)).update(samples)
+    assert a.loss == pytest.approx(b.loss, abs=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
