@@ -12,7 +12,6 @@ import pytest
 
 from osfarm.farm.server import FarmServer
 
-
 OUT = "/home/user/Desktop/out.txt"
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 import yaml
@@ -16,7 +16,13 @@ from rich.console import Console
 from rich.table import Table
 
 from osfarm.config import ConfigError
-from osfarm.http.principals import ROLES, TokenEntry, new_token, read_token_file, token_digest
+from osfarm.http.principals import (
+    ROLES,
+    TokenEntry,
+    new_token,
+    read_token_file,
+    token_digest,
+)
 
 tokens_app = typer.Typer(help="Per-client tokens of the farm API (a tokens file stores their SHA-256 only).",
                          no_args_is_help=True)
@@ -60,8 +66,8 @@ def add(
     name: Annotated[str, typer.Argument(help="the client's name (shown in logs and lease details)")],
     file: FileOpt,
     role: Annotated[str, typer.Option("--role", help="admin, client or viewer")] = "client",
-    max_leases: Annotated[Optional[int], typer.Option("--max-leases", help="most leases held at once", show_default=False)] = None,
-    max_ttl: Annotated[Optional[float], typer.Option("--max-ttl", help="longest lease TTL in s", show_default=False)] = None,
+    max_leases: Annotated[int | None, typer.Option("--max-leases", help="most leases held at once", show_default=False)] = None,
+    max_ttl: Annotated[float | None, typer.Option("--max-ttl", help="longest lease TTL in s", show_default=False)] = None,
 ) -> None:
     """Make a token for NAME, add its SHA-256 to the file and print the token (only this once).
     The farm reads the file when it starts."""

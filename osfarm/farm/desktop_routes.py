@@ -14,12 +14,25 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query, Response
 
 from osfarm.desktop.actions import ActionError, parse_actions
-from osfarm.desktop.models import ImageFormat, Observation, ObserveOptions, StepRequest, StepResult
+from osfarm.desktop.models import (
+    ImageFormat,
+    Observation,
+    ObserveOptions,
+    StepRequest,
+    StepResult,
+)
 from osfarm.farm.errors import ApiError
 from osfarm.farm.metrics import STEP_SECONDS
 from osfarm.farm.pool import Lease
-from osfarm.farm.schemas import DESKTOP_ERRORS, ControlInfo, ErrorBody, HeartbeatRequest, LeaseInfo, LeaseRequest
-from osfarm.farm.state import Leaser, LeaseOf, Pool, State
+from osfarm.farm.schemas import (
+    DESKTOP_ERRORS,
+    ControlInfo,
+    ErrorBody,
+    HeartbeatRequest,
+    LeaseInfo,
+    LeaseRequest,
+)
+from osfarm.farm.state import LeaseOf, Leaser, Pool, State
 from osfarm.http.principals import Principal
 
 router = APIRouter(tags=["desktops"])

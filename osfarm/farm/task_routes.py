@@ -35,17 +35,23 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
-from osfarm.farm.errors import ApiError
-from osfarm.farm.schemas import ErrorBody
 from osfarm.config import FarmSettings
 from osfarm.evaluators.errors import RuleError
+from osfarm.farm.errors import ApiError
+from osfarm.farm.schemas import ErrorBody
 from osfarm.farm.state import LeaseOf, State
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import URL_MAP_NAMES, AssetMissing, FileCache, load_url_map
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, run_postconfig, run_setup
 from osfarm.tasks.lifecycle import evaluate as evaluate_task
 from osfarm.tasks.model import Task, TaskError, parse_task
-from osfarm.tasks.setup import SETUP_TYPES, UNSUPPORTED_TYPES, StepReport, SetupFailed, SetupUnsupported
+from osfarm.tasks.setup import (
+    SETUP_TYPES,
+    UNSUPPORTED_TYPES,
+    SetupFailed,
+    SetupUnsupported,
+    StepReport,
+)
 from osfarm.tasks.task_paths import TaskPathError
 
 log = logging.getLogger("osfarm.farm.task_routes")

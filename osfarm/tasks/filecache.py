@@ -36,7 +36,12 @@ import yaml
 
 from osfarm.http.download import DownloadError, DownloadPolicy, download_sync
 from osfarm.tasks.manifest import Manifest
-from osfarm.tasks.task_paths import TaskPathError, inside, plain_name_problem, readable_inside
+from osfarm.tasks.task_paths import (
+    TaskPathError,
+    inside,
+    plain_name_problem,
+    readable_inside,
+)
 
 if TYPE_CHECKING:
     from osfarm.tasks.suite import Suite

@@ -215,9 +215,9 @@ def _peak_rss_mb() -> float:
 @pytest.mark.parametrize(("name", "make"), [
     ("100 GB sparse file", "truncate -s 100G /home/user/result.xlsx"),
     # a real zip bomb: 600 MB of zeros in a 0.6 MB .xlsx (the agent can write it with Python)
-    ("zip bomb", "python3 -c \"import zipfile\nwith zipfile.ZipFile('/home/user/result.xlsx', 'w', "
-                 "zipfile.ZIP_DEFLATED) as z, z.open('xl/worksheets/sheet1.xml', 'w', force_zip64=True) as f:\n"
-                 " [f.write(bytes(1 << 20)) for _ in range(600)]\""),
+    ("zip bomb", ("python3 -c \"import zipfile\nwith zipfile.ZipFile('/home/user/result.xlsx', 'w', "
+                  "zipfile.ZIP_DEFLATED) as z, z.open('xl/worksheets/sheet1.xml', 'w', force_zip64=True) as f:\n"
+                  " [f.write(bytes(1 << 20)) for _ in range(600)]\"")),
 ])
 def test_a_huge_result_scores_zero_and_the_farm_keeps_serving(api: httpx.Client, lease: str, name: str,
                                                                make: str) -> None:
