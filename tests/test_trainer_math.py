@@ -374,3 +374,58 @@ def test_entropy_proxies():
     tok = {"logprob": math.log(0.5), "top_logprobs": [{"logprob": math.log(0.5)}, {"logprob": math.log(0.5)}]}
     assert topk_entropy([tok]) == approx(LN2)
     assert topk_entropy([-0.3]) is None
+
+
+def test_lr_schedule_warmup_and_decay():
+    from osfarm.trainer.schedule import lr_factor
+
+    assert [lr_factor(s, warmup=4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    assert lr_factor(2, kind="linear", warmup=2, total=6) == 1.0
+    assert lr_factor(4, kind="linear", warmup=2, total=6) == pytest.approx(0.5)
+    assert lr_factor(9, kind="linear", warmup=2, total=6, min_ratio=0.1) == pytest.approx(0.1)  # held at the end
+    assert lr_factor(4, kind="cosine", warmup=2, total=6) == pytest.approx(0.5)
+    assert lr_factor(6, kind="cosine", total=6, min_ratio=0.2) == pytest.approx(0.2)
+    assert lr_factor(100, kind="cosine") == 1.0  # no total: nothing to decay over
+    with pytest.raises(ValueError, match="schedule"):
+        lr_factor(3, kind="step", total=5)
+
+
+def test_xrpo_sharpening():
+    from osfarm.trainer.advantages import sharpen_advantages
+
+    adv = grpo_advantages([1, 1, 0, 0], eps=0.0)  # [1, 1, -1, -1]
+    lls = [-0.1, -3.0, -1.0, -1.0]  # mean -1.275
+    out = sharpen_advantages(adv, [True, True, False, False], lls, 0.5)
+    assert out[0] == pytest.approx(1.0)  # a success the policy already found likely: unchanged
+    assert out[1] == pytest.approx(1.0 * (1 + 0.5 * math.tanh(1.725)))  # an unlikely success: amplified
+    assert out[2:] == pytest.approx([-1.0, -1.0])  # failures never
+    assert sharpen_advantages(adv, [True, True, False, False], lls, 0.0) == pytest.approx(adv)
+    assert sharpen_advantages(adv, [True] * 4, [None] * 4, 1.0) == pytest.approx(adv)  # nothing recorded
+    assert max(sharpen_advantages([1.0, 1.0], [True, True], [-100.0, 0.0], 0.5)) <= 1.5  # bounded by 1 + λ
+    with pytest.raises(ValueError):
+        sharpen_advantages(adv, [True] * 3, lls, 0.5)
+
+
+def test_dart_dynamic_trajectory_length():
+    from osfarm.trainer.allocation import dart_max_steps
+
+    st = TaskStats()
+    assert dart_max_steps(None, 15) == 15 and dart_max_steps(st, 15) == 15  # never solved: all the room
+    st.add(0.0, False, 15)
+    st.add(1.0, True, 4)
+    assert st.success_steps == [4]
+    assert dart_max_steps(st, 15) == 6  # ceil(1.5 × 4)
+    st.add(1.0, True, 12)
+    assert dart_max_steps(st, 15) == 15  # capped
+    assert dart_max_steps(st, 15, margin=1.0) == 12
+    back = TaskStats.from_json(st.to_json())
+    assert back.success_steps == [4, 12]
+
+
+def test_capacity_counts_what_was_consumed():
+    # every update took one batch: the classic rule
+    assert staleness_capacity(version=3, eta=1, batch_size=8, accepted=30, running=2) == \
+        staleness_capacity(version=3, eta=1, batch_size=8, accepted=30, running=2, consumed=24)
+    # whole groups: an update took 10 (groups of 5); the slack keeps room for the group it waits for
+    assert staleness_capacity(version=1, eta=0, batch_size=8, accepted=10, running=0, consumed=10) == 8
+    assert staleness_capacity(version=0, eta=0, batch_size=8, accepted=5, running=3, consumed=0, slack=4) == 4
