@@ -234,5 +234,144 @@ def leftovers(base: Path, tracker: Tracker) -> list[str]:
                 out.append(f"socket {p}")
     tmp = base / "tmp"
     if tmp.is_dir():
-        out += [f"temp {p}" for p in tmp.iterdir()]
+        # torch's compile cache (torchinductor_<user>) is shared by every later run on purpose
+        out += [f"temp {p}" for p in tmp.iterdir() if not p.name.startswith(PERSISTENT_CACHES)]
     return out
+
+
+PERSISTENT_CACHES = ("torchinductor_",)
+
+
+# -- a training run under faults ------------------------------------------------------------------
+
+TRAIN_CONFIG = """\
+run_dir: {run}
+updates: {updates}
+max_episodes: 400
+seed: 0
+rollout:
+  envs: 2
+  eta: 1
+  batch_size: {batch}
+  max_steps: 1
+agent:
+  kind: choice
+  temperature: 0.1
+learner:
+  lr: 0.003
+  temperature: 0.1
+data:
+  options:
+    drop_no_signal: false
+metrics:
+  plot: false
+  prometheus_port: 0
+"""
+
+
+class Training:
+    """``osfarm train`` (embedded default: tiny model, its own policy server and in-process sandbox
+    farm, the choice agent) in a run dir; killed and resumed with the same command."""
+
+    def __init__(self, base: Path, updates: int, env: dict[str, str], batch: int = 4):
+        self.base, self.updates, self.env = base, updates, env
+        self.run = base / "train"
+        self.cfg = base / "train.yaml"
+        self.cfg.write_text(TRAIN_CONFIG.format(run=self.run, updates=updates, batch=batch))
+        self.log = base / "logs" / "train.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", "from osfarm.cli import app; app()", "train",
+                                          "--config", str(self.cfg)], cwd=ROOT, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.starts += 1
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid] if self.alive() else []  # type: ignore[union-attr]
+
+    def episodes(self) -> int:
+        p = self.run / "episodes.jsonl"
+        return sum(1 for line in p.read_bytes().splitlines() if line.strip()) if p.is_file() else 0
+
+    def version(self) -> int:
+        from osfarm.trainer.loop import checkpoint_state
+
+        state = checkpoint_state(self.run)
+        return int(state.get("version", 0)) if state else 0
+
+    def policy_server(self) -> psutil.Process | None:
+        if not self.alive():
+            return None
+        with contextlib.suppress(psutil.Error):
+            for c in psutil.Process(self.proc.pid).children(recursive=True):  # type: ignore[union-attr]
+                with contextlib.suppress(psutil.Error):
+                    if "policy" in c.cmdline() and "serve" in c.cmdline():
+                        return c
+        return None
+
+    def kill(self) -> str:
+        """SIGKILL the trainer (its policy server and in-process farm's boxes die with it)."""
+        if not self.alive():
+            return "not running"
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(30)
+        return f"trainer pid {self.proc.pid}"
+
+    def kill_policy(self) -> str:
+        server = self.policy_server()
+        if server is None:
+            return "no policy server"
+        with contextlib.suppress(psutil.Error):
+            server.kill()
+        return f"policy server pid {server.pid}"
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout)
+
+    def tail(self, n: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-n:] if self.log.exists() else ""
+
+
+def train_under_faults(training: Training, rng: random.Random, tracker: Tracker, timeout: float,
+                       kills: list[str]) -> list[Fault]:
+    """Run the training to its version count while ``kills`` ("policy", "trainer") happen one after
+    another at random moments after episodes flow; every killed trainer is started again (resume).
+    Returns the faults done; raises AssertionError when the run does not finish in ``timeout``."""
+    done: list[Fault] = []
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    training.start()
+    tracker.roots.append(training.pids)
+    todo = list(kills)
+    next_at = training.episodes() + rng.randint(2, 6)
+    while True:
+        if training.proc is not None and training.proc.poll() is not None:
+            rc = training.proc.returncode
+            if rc == 0 and training.version() >= training.updates:
+                return done
+            if rc != 0 and rc != -signal.SIGKILL:
+                raise AssertionError(f"osfarm train exited {rc}: {training.tail()}")
+            training.start()  # resume
+        if time.monotonic() > deadline:
+            raise AssertionError(f"training did not reach version {training.updates} in {timeout:.0f} s "
+                                 f"(version {training.version()}, faults {done}): {training.tail()}")
+        if todo and training.episodes() >= next_at:
+            kind = todo.pop(0)
+            if kind == "policy" and training.policy_server() is None:
+                todo.insert(0, kind)  # not up yet
+            else:
+                detail = training.kill_policy() if kind == "policy" else training.kill()
+                done.append(Fault(round(time.monotonic() - t0, 1), kind, detail))
+                if kind == "trainer":
+                    training.start()
+                next_at = training.episodes() + rng.randint(2, 6)
+        time.sleep(0.5)

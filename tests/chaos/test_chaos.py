@@ -7,7 +7,9 @@ lose no episode.
   equal a fault-free run's; nothing of the cluster is left afterwards (process, socket, temp file).
 * The farm's memory and open files stay flat over 1,000 lease/observe/release cycles.
 
-The training run under faults (trainer and policy server killed) is in bench/chaos.py.
+* A short training run (tiny model, its own policy server and in-process farm) while its policy
+  server and then the trainer itself are SIGKILLed: the trainer restarts its policy server, the
+  killed trainer is started again (resume), and the run reaches its version count.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from cluster import (
     SUITE,
     Driver,
     Tracker,
+    Training,
     Workers,
     base_env,
     essentials,
     kill_a_desktop,
     leftovers,
     one_record_per_task,
+    train_under_faults,
 )
 from farm_process import ROOT, FarmProcess
 from redis_server import RedisServer
@@ -183,3 +187,29 @@ def test_farm_memory_and_open_files_stay_flat_over_1000_lease_release_cycles(bas
         assert pool["leases"] == 0 and len(pool["desktops"]) <= 8
     finally:
         farm.stop()
+
+
+@pytest.mark.timeout(1200)
+def test_a_training_run_resumes_and_reaches_its_versions_whatever_is_killed(base: Path) -> None:
+    pytest.importorskip("transformers")
+    rng = random.Random(SEED)
+    tracker = Tracker()
+    tracker.start()
+    training = Training(base, updates=2, env=base_env(base, OSFARM_STATE_DIR=str(base / "farm")), batch=4)
+    try:
+        faults = train_under_faults(training, rng, tracker, timeout=1000, kills=["policy", "trainer"])
+    finally:
+        if training.alive():
+            training.kill()
+        tracker.stop()
+    print("faults:", [(f.at, f.kind, f.detail) for f in faults], "starts:", training.starts)
+    assert [f.kind for f in faults] == ["policy", "trainer"]
+    assert training.version() == 2 and training.starts >= 2
+    summary = json.loads((training.run / "summary.json").read_text())
+    assert summary["totals"].get("policy_restarts", 0) >= 1 or "policy server" in training.tail(), summary
+    deadline = time.monotonic() + 15
+    left = leftovers(base, tracker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = leftovers(base, tracker)
+    assert left == [], left
