@@ -1,0 +1,173 @@
+"""Load on the farm API: N concurrent clients leasing, observing, heartbeating and releasing for
+D seconds on loopback; latency per route (p50/p99), answers by status, farm memory and open
+files over time.
+
+The farm is a real ``osfarm`` farm process (API, auth, pool, leases, registry on disk, guest
+links) over the in-memory provider of tests/memory_provider.py: its boxes are small HTTP servers
+inside the farm process answering the guest's health and observation routes. Real desktops are
+not an option at this scale on a small machine (500 desktops need ~100 GB and hundreds of
+cores); what is measured is the farm itself, which is what 500 clients load. The clients run in
+``--procs`` processes (asyncio, one ``AsyncFarm`` each), on the same machine as the farm: on a
+2-core host they compete with it for CPU, so the latencies are an upper bound.
+
+Each client loops: lease (wait up to 10 s), then 3-8 rounds of observe + heartbeat, release.
+With ``--pool-max`` below ``--clients`` some lease requests wait and some get the documented
+429 (every desktop leased, Retry-After); any other error is a failure (exit 1).
+
+    python bench/load.py                          # 500 clients, 60 s
+    python bench/load.py --clients 100 --duration 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from farm_process import FarmProcess  # noqa: E402
+
+from osfarm.client import AsyncFarm, FarmAPIError  # noqa: E402
+
+DOCUMENTED = {429, 503}  # every desktop leased / the farm cannot start desktops: retry after Retry-After
+
+
+def _client_proc(url: str, token: str, clients: int, duration: float, seed: int, out: Any) -> None:
+    lat: dict[str, list[float]] = defaultdict(list)
+    status: Counter[str] = Counter()
+    errors: list[str] = []
+
+    async def one(i: int) -> None:
+        rng = random.Random(seed * 100_000 + i)
+        async with AsyncFarm(url, token, timeout=60.0, retry_s=0) as farm:
+            end = time.monotonic() + duration
+            await asyncio.sleep(rng.uniform(0, 2.0))  # spread the start
+            while time.monotonic() < end:
+                t = time.perf_counter()
+                try:
+                    desk = await farm.lease(wait_s=10, ttl_s=60)
+                except FarmAPIError as e:
+                    lat["POST /v1/desktops"].append(time.perf_counter() - t)
+                    status[f"POST /v1/desktops {e.status}"] += 1
+                    if e.status not in DOCUMENTED:
+                        errors.append(f"lease: {e}")
+                    await asyncio.sleep(e.retry_after_s or 1.0)
+                    continue
+                lat["POST /v1/desktops"].append(time.perf_counter() - t)
+                status["POST /v1/desktops 201"] += 1
+                for _ in range(rng.randint(3, 8)):
+                    for route, call in (("GET /v1/desktops/{id}/observation", lambda: desk.observe(screenshot=True)),
+                                        ("POST /v1/desktops/{id}/heartbeat", desk.heartbeat)):
+                        t = time.perf_counter()
+                        try:
+                            await call()
+                            status[f"{route.split()[0]} {route.split()[1]} 200"] += 1
+                        except FarmAPIError as e:
+                            status[f"{route} {e.status}"] += 1
+                            errors.append(f"{route}: {e}")
+                        lat[route].append(time.perf_counter() - t)
+                    await asyncio.sleep(rng.uniform(0.05, 0.3))  # the agent thinks
+                t = time.perf_counter()
+                try:
+                    await desk.close()
+                    status["DELETE /v1/desktops/{id} 204"] += 1
+                except FarmAPIError as e:
+                    status[f"DELETE /v1/desktops/{{id}} {e.status}"] += 1
+                    errors.append(f"release: {e}")
+                lat["DELETE /v1/desktops/{id}"].append(time.perf_counter() - t)
+
+    async def main() -> None:
+        await asyncio.gather(*(one(i) for i in range(clients)))
+
+    asyncio.run(main())
+    out.put({"lat": dict(lat), "status": dict(status), "errors": errors[:50], "n_errors": len(errors)})
+
+
+def pct(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(p * len(s)))] * 1000 if s else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=500)
+    ap.add_argument("--duration", type=float, default=60.0)
+    ap.add_argument("--procs", type=int, default=4, help="client processes")
+    ap.add_argument("--pool-max", type=int, default=450, help="desktops at most (below --clients: some 429s)")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    a = ap.parse_args()
+    state = Path(tempfile.mkdtemp(prefix="osfl", dir="/tmp"))
+    # health checks every 5 s (the tests' farms check every second: 450 boxes x 1/s is load of its own)
+    farm = FarmProcess(state, provider="memory", pool_min=min(a.pool_max, a.clients // 2), pool_max=a.pool_max,
+                       env={"OSFARM_HEALTH_INTERVAL_S": "5"})
+    farm.start(timeout=300)
+    samples: list[tuple[float, int, int]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        t0 = time.monotonic()
+        while not stop.wait(1.0):
+            samples.append((time.monotonic() - t0, farm.rss_bytes(), farm.open_fds()))
+
+    try:
+        threading.Thread(target=sample, daemon=True).start()
+        q: mp.Queue[dict[str, Any]] = mp.Queue()
+        per = [a.clients // a.procs + (1 if i < a.clients % a.procs else 0) for i in range(a.procs)]
+        procs = [mp.Process(target=_client_proc, args=(farm.url, farm.token, n, a.duration, i, q)) for i, n in enumerate(per)]
+        t0 = time.monotonic()
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=a.duration + 600) for _ in procs]
+        for p in procs:
+            p.join(60)
+        wall = time.monotonic() - t0
+    finally:
+        stop.set()
+        farm.stop()
+    lat: dict[str, list[float]] = defaultdict(list)
+    status: Counter[str] = Counter()
+    errors: list[str] = []
+    for r in results:
+        for k, v in r["lat"].items():
+            lat[k] += v
+        status.update(r["status"])
+        errors += r["errors"]
+    n_err = sum(r["n_errors"] for r in results)
+    print(f"\n{a.clients} clients for {a.duration:g} s ({a.procs} client processes) on a memory-provider farm, "
+          f"pool_max {a.pool_max}; wall {wall:.0f} s")
+    print(f"{'route':<38} {'calls':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for route in sorted(lat):
+        xs = lat[route]
+        print(f"{route:<38} {len(xs):>7} {pct(xs, 0.5):>8.1f} {pct(xs, 0.99):>8.1f} {max(xs) * 1000:>8.1f}")
+    print("answers:", ", ".join(f"{k}: {v}" for k, v in sorted(status.items())))
+    warm = [s for s in samples if s[0] >= 10] or samples
+    if warm:
+        first, last = warm[0], warm[-1]
+        rss = [s[1] for s in warm]
+        print(f"farm RSS at {first[0]:.0f} s {first[1] / 2**20:.0f} MiB, at {last[0]:.0f} s {last[1] / 2**20:.0f} MiB "
+              f"(min {min(rss) / 2**20:.0f}, max {max(rss) / 2**20:.0f}); open files {first[2]} -> {last[2]} "
+              f"(max {max(s[2] for s in warm)})")
+    print(f"errors other than documented 429/503: {n_err}")
+    for e in errors[:10]:
+        print("  ", e)
+    if a.json:
+        a.json.write_text(json.dumps({
+            "clients": a.clients, "duration_s": a.duration, "pool_max": a.pool_max, "wall_s": wall,
+            "routes": {r: {"calls": len(x), "p50_ms": pct(x, 0.5), "p99_ms": pct(x, 0.99)} for r, x in lat.items()},
+            "status": dict(status), "errors": n_err, "samples": samples}, indent=1))
+    return 1 if n_err else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
