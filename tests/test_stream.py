@@ -376,3 +376,33 @@ def test_a_consumer_killed_at_random_moments_loses_no_record_and_journals_none_t
     assert r.xpending(stream, "trainer")["pending"] == 0
     last.source.trim()
     assert r.xlen(stream) == 0  # all acknowledged by the only group: trimmed away
+
+
+async def test_a_trainer_restarted_from_an_older_checkpoint_gets_its_acknowledged_records_from_the_journal(
+        redis_session: RedisServer, stream: str, tmp_path: Path) -> None:
+    """DataManager.consume_redis acknowledges only journaled records; a trainer killed before its
+    next checkpoint finds them in the journal (Redis no longer has them pending) and adds each once."""
+    from osfarm.trainer.data_manager import DataManager
+
+    sink = RedisStreamSink(redis_session.url, stream)
+    for i in range(6):
+        sink.publish(record(i))
+    journal = tmp_path / "journal.jsonl"
+    first = DataManager(blob_root=tmp_path)
+    got: list[str] = []
+    await first.consume_redis(RedisStreamSource(redis_session.url, stream, group="trainer", consumer="a"), tmp_path,
+                              journal=journal, stop=lambda: len(got) >= 6, on_added=lambda r, _: got.append(r["episode_id"]),
+                              block_ms=100)
+    assert sorted(got) == [f"ep-{i}" for i in range(6)]
+    assert RedisStreamSource(redis_session.url, stream, group="trainer", consumer="x").r.xpending(stream, "trainer")[
+        "pending"] == 0  # all acknowledged: Redis will not deliver them again
+    # the trainer dies before its next checkpoint; the checkpoint it restarts from had seen ep-0..ep-3
+    restarted = DataManager(blob_root=tmp_path)
+    restarted.seen = {f"ep-{i}" for i in range(4)}
+    again: list[str] = []
+    sink.publish(record(6))
+    await restarted.consume_redis(RedisStreamSource(redis_session.url, stream, group="trainer", consumer="b"), tmp_path,
+                                  journal=journal, stop=lambda: len(again) >= 3,
+                                  on_added=lambda r, _: again.append(r["episode_id"]), block_ms=100)
+    assert again == ["ep-4", "ep-5", "ep-6"]  # the two it lost, from the journal, then the new one
+    assert [r["episode_id"] for r in read_jsonl(journal)] == [f"ep-{i}" for i in range(7)]  # each journaled once
