@@ -304,7 +304,7 @@ def _agent_mounts(spec: AgentWorldSpec) -> None:
         # /etc has mounts of its own (Docker binds /etc/hosts, hostname, resolv.conf), which an
         # overlay cannot take as its lower layer: bind the files instead (writable, but not
         # replaceable by rename, so account tools that rename over /etc/passwd fail).
-        for name in files:
+        for name in [*files, "sudoers.d"]:
             if os.path.lexists(f"/etc/{name}") and not os.path.islink(f"/etc/{name}"):
                 linux_ns.bind(f"{top}/{name}", f"/etc/{name}", readonly=False)
     if os.path.isfile(spec.sudo):

@@ -565,6 +565,22 @@ class LeasePool:
             raise LeaseGone(message)
         raise unknown
 
+    def ended_message(self, lease_id: str) -> str | None:
+        """Why the pool ended a lease (None while it lives): e.g. its health check found the
+        desktop over a limit and killed it while a call to the desktop was in flight."""
+        ended = self._ended.get(lease_id)
+        return ended[1] if ended is not None else None
+
+    async def box_problem(self, desktop_id: str) -> str | None:
+        """What the provider says is wrong with a desktop's box (``alive``), or None."""
+        d = self._desktops.get(desktop_id)
+        if d is None or d.handle is None:
+            return None
+        try:
+            return await self.provider.alive(d.handle)
+        except Exception:  # noqa: BLE001 - only a better message; the caller has one already
+            return None
+
     def mark_failed(self, lease_id: str, reason: str) -> None:
         """The API found the guest unreachable: end the lease, replace the desktop."""
         lease = self._leases.get(lease_id)

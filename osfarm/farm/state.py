@@ -181,6 +181,8 @@ class FarmState:
         A dropped keep-alive connection can race a request, so before declaring the desktop dead
         we ask its health route on a fresh connection: if it answers, the caller may retry (502);
         if not, the desktop is marked failed (the pool replaces it) and the lease is gone (410).
+        A box over one of its limits (the provider says so) is failed even when its guest still
+        answers, and the 410 names the limit.
         """
         await self.drop_guest(lease.desktop_id)
         probe = lease.endpoint.client(timeout=3.0)
@@ -191,9 +193,15 @@ class FarmState:
             alive = False
         finally:
             await probe.aclose()
-        if alive:
+        known = None
+        if self.pool is not None:
+            ended = self.pool.ended_message(lease.id)
+            if ended is not None:  # the pool ended the lease first (a limit hit): its reason
+                return ApiError(410, ended)
+            known = await self.pool.box_problem(lease.desktop_id)  # e.g. over its memory limit
+        if alive and known is None:
             return ApiError(502, f"connection to the desktop's guest server dropped ({describe(exc)}); retry the call")
-        reason = f"guest server unreachable: {describe(exc)}"
+        reason = known or f"guest server unreachable: {describe(exc)}"
         log.warning("desktop %s of lease %s crashed: %s", lease.desktop_id, lease.id, reason)
         if self.pool is not None:
             try:

@@ -69,6 +69,27 @@ class DesktopCgroup:
         self.v2 = v2
         self.limits = limits
 
+    @classmethod
+    def of_process(cls, pid: int, limits: Limits) -> DesktopCgroup | None:
+        """The cgroup(s) another manager (Docker) put ``pid`` in, to read its limit hits;
+        None when they cannot be found from here (e.g. the farm runs in a container)."""
+        try:
+            own = Path(f"/proc/{pid}/cgroup").read_text()
+        except OSError:
+            return None
+        v2 = (CGROUP_FS / "cgroup.controllers").exists()
+        mounts = {} if v2 else _v1_mounts()
+        dirs: dict[str, Path] = {}
+        for line in own.splitlines():
+            _, controllers, path = line.split(":", 2)
+            if v2 and controllers == "":
+                dirs["unified"] = CGROUP_FS / path.lstrip("/")
+            for c in controllers.split(","):
+                if c in mounts:
+                    dirs[c] = mounts[c] / path.lstrip("/")
+        dirs = {c: d for c, d in dirs.items() if d.is_dir()}
+        return cls(dirs, v2, limits) if dirs else None
+
     @property
     def procs_files(self) -> list[str]:
         return sorted({str(d / "cgroup.procs") for d in self.dirs.values()})

@@ -61,7 +61,7 @@ from osfarm.providers.boxes import (
     wait_guest_ready,
 )
 from osfarm.providers import docker_seccomp
-from osfarm.providers.cgroups import parse_size
+from osfarm.providers.cgroups import DesktopCgroup, Limits, parse_size
 
 log = logging.getLogger("osfarm.providers.docker")
 
@@ -111,6 +111,11 @@ class DockerProvider:
             self.tmp_size = parse_size(settings.sandbox_tmp_size)
         except ValueError as e:
             raise ProviderError(f"desktop disk settings: {e}") from None
+        try:
+            self.limits = Limits(parse_size(settings.docker_memory), settings.docker_pids, 100)
+        except ValueError as e:
+            raise ProviderError(f"docker_memory: {e}") from None
+        self._cgroups: dict[str, DesktopCgroup] = {}  # container id -> its cgroups, found on first check
         self.security_opt = [f"seccomp={docker_seccomp.profile_json()}"]
         if any("apparmor" in str(o) for o in self._daemon_security()):
             # docker-default's AppArmor profile refuses every mount, the agent's world's included.
@@ -372,6 +377,7 @@ class DockerProvider:
         """Remove a handle's container and run dir (blocking work in threads)."""
         cid = handle.info.get("container")
         if cid:
+            self._cgroups.pop(cid, None)
             if self._containers.get(handle.id) == cid:
                 self._containers.pop(handle.id, None)
             with contextlib.suppress(Exception):
@@ -412,10 +418,20 @@ class DockerProvider:
             return f"container {handle.info.get('name')} is gone"
         except DockerException as e:
             return f"docker daemon error while checking {handle.info.get('name')}: {e}"
+        if state.get("OOMKilled"):
+            return f"container {handle.info.get('name')}: memory limit {self.settings.docker_memory} reached (out of memory)"
         if state.get("Status") != "running":
             tail = await asyncio.to_thread(self._logs, cid, 3)
             return f"container {handle.info.get('name')} {state.get('Status')} (exit code {state.get('ExitCode')}): {tail}"
-        return None
+        # A limit hit that docker does not report (the kernel killed a process other than the
+        # container's first, a fork was refused): ends the desktop, naming the limit.
+        cgroup = self._cgroups.get(cid)
+        if cgroup is None and handle.pid:
+            cgroup = DesktopCgroup.of_process(handle.pid, self.limits)
+            if cgroup is not None:
+                self._cgroups[cid] = cgroup
+        hit = cgroup.limit_hit() if cgroup is not None else None
+        return f"container {handle.info.get('name')}: {hit}" if hit else None
 
     def pids(self, handle: DesktopHandle) -> list[int]:
         """Host pids of the container's processes (docker-init and its descendants); empty when
