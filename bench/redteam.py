@@ -1,0 +1,112 @@
+"""The red team as a table: every probe of tests/security/probes.py against every provider.
+
+Box probes run as tests/security/test_box_probes.py runs them: an adversarial agent through the
+normal runner on a desktop of a farm with small limits, next to a bystander desktop; the
+destructive ones (bombs) get an episode each. A cell is ``held`` when the probe reported HELD
+from inside the box and what must hold outside did (the farm serving, the bystander intact, the
+loopback listener untouched, the episode never a success; for bombs an infra error naming the
+limit), else ``BREACH`` with what happened. ``pytest`` probes (hostile task files and API calls,
+the same on every provider) are their tests, run once: the "farm" column.
+
+Usage: python bench/redteam.py [--providers sandbox,docker,libvirt] [--json out.json]
+(libvirt under TCG takes minutes per boot; its bombs are not run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests" / "security"), str(ROOT / "tests")]
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from adversary import verdicts  # noqa: E402
+from probes import PROBES, PROVIDERS, box_probes  # noqa: E402
+from redteam_farm import bystander_ok, destructive_held, redteam_farm, run_adversary  # noqa: E402
+
+BOMB_LIMITS = {"fork_bomb": "process limit", "memory_bomb": "memory limit"}
+
+
+def run_provider(name: str, console: Console) -> dict[str, str]:
+    """probe name -> cell for one provider."""
+    cells: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="osfarm-redteam-") as tmp, redteam_farm(name, Path(tmp)) as s:
+        probes = box_probes(name, destructive=False)
+        console.print(f"[bold]{name}[/]: {len(probes)} probes in one episode ...")
+        res = run_adversary(s["server"], [p.code(s["ctx"]) for p in probes], Path(tmp) / "w0", Path(tmp))
+        got = verdicts(res)
+        outside = [why for why in (
+            None if res.status in ("failure", "infra_error") else f"the episode was a {res.status}",
+            None if s["listener"].accepted == 0 else "the loopback listener was reached",
+            bystander_ok(s)) if why]
+        for i, p in enumerate(probes):
+            verdict, detail = got[i] if i < len(got) else ("NONE", f"no step ran (episode {res.status}: {res.error})")
+            if verdict == "HELD" and not outside:
+                cells[p.name] = "held"
+            else:
+                cells[p.name] = f"BREACH: {detail if verdict != 'HELD' else '; '.join(outside)}"[:200]
+        if name == "libvirt":
+            for p in box_probes(name, destructive=True):
+                cells[p.name] = "not run (TCG)"
+            return cells
+        for p in box_probes(name, destructive=True):
+            console.print(f"[bold]{name}[/]: {p.name} ...")
+            res = run_adversary(s["server"], [p.code(s["ctx"]), "import time; time.sleep(5)"], Path(tmp) / p.name,
+                                Path(tmp))
+            got = verdicts(res)
+            why = next((f"BREACH: {d}" for v, d in got if v == "BREACH"), None)
+            why = why or destructive_held(res, BOMB_LIMITS.get(p.name, "limit")) or bystander_ok(s)
+            cells[p.name] = "held" if why is None else f"BREACH: {why}"[:200]
+    return cells
+
+
+def run_pytest_probes(console: Console) -> dict[str, str]:
+    cells: dict[str, str] = {}
+    for p in (p for p in PROBES if p.kind == "pytest"):
+        console.print(f"[bold]farm[/]: {p.name} ({p.node}) ...")
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", p.node], cwd=ROOT,
+                           capture_output=True, text=True, timeout=3600)
+        cells[p.name] = "held" if r.returncode == 0 else f"BREACH: {r.stdout.strip().splitlines()[-1:]}"
+    return cells
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--providers", default="sandbox,docker", help=f"comma list of {', '.join(PROVIDERS)}")
+    ap.add_argument("--json", type=Path, help="also write the table as JSON here")
+    args = ap.parse_args()
+    console = Console()
+    providers = [p for p in args.providers.split(",") if p]
+    columns: dict[str, dict[str, str]] = {}
+    for name in providers:
+        try:
+            columns[name] = run_provider(name, console)
+        except Exception as e:  # noqa: BLE001 - a provider that cannot run is a column saying why
+            columns[name] = {p.name: f"not run: {e}"[:200] for p in PROBES if p.kind == "box"}
+    columns["farm"] = run_pytest_probes(console)
+    table = Table(title="red team: probes x providers (held = refused, the farm and the bystander fine)")
+    table.add_column("probe")
+    table.add_column("what it tries", max_width=60)
+    for name in columns:
+        table.add_column(name)
+    for p in PROBES:
+        row = [columns[c].get(p.name, "-") for c in columns]
+        table.add_row(p.name, p.title, *[("[green]held[/]" if v == "held" else f"[red]{v}[/]" if
+                                          v.startswith("BREACH") else v) for v in row])
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps({"probes": [{"name": p.name, "title": p.title, "kind": p.kind} for p in PROBES],
+                                         "cells": columns}, indent=1))
+    if any(v.startswith("BREACH") for col in columns.values() for v in col.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
