@@ -345,3 +345,43 @@ raise Exception("BREACH: allocated %d MiB, twice the limit" % (len(blocks) * 64)
     judge="the allocating process is killed; the desktop is ended as an infra error naming the memory limit; "
           "the bystander desktop and the farm live on",
 ))
+
+
+# -- hostile task files and API calls (pytest probes: provider-independent, the same for every box) -
+
+_TASKS = "tests/security/test_task_files.py::"
+_API = "tests/security/test_api_abuse.py::"
+for _name, _title, _node in (
+    ("task_host_paths", ("task file names host paths: absolute/.. dest, id with / or .., stdout /etc/cron.d/x, "
+                         "cache_file .., upload_file /etc/shadow (refused naming file + JSON path)"),
+     _TASKS + "test_hostile_paths_are_refused_naming_file_and_json_path"),
+    ("suite_escape", "a suite's files or index reach out of the suite", _TASKS + "test_a_suite_refuses_hostile_files_and_indexes"),
+    ("file_url_assets", "file:///etc/passwd, /etc/passwd and ../ local paths as task assets",
+     _TASKS + "test_file_urls_and_local_paths_only_from_the_cache_and_suite"),
+    ("suite_cache_symlinks", "a suite cache with symlinks out of it, a planted .part symlink",
+     _TASKS + "test_a_suite_cache_cannot_link_out_of_itself"),
+    ("hostile_downloads", "a download that redirects to file://, one that never ends",
+     _TASKS + "test_downloads_never_leave_http_and_never_run_forever"),
+    ("setup_output_escape", "an execute step writes stdout outside the episode dir or through a symlink",
+     _TASKS + "test_setup_outputs_stay_in_the_episode_dir"),
+    ("huge_result_file", "a 100 GB sparse result file and a zip bomb result: scored 0, farm memory flat",
+     _TASKS + "test_a_huge_result_scores_zero_and_the_farm_keeps_serving"),
+    ("hostile_suite_eval", "osfarm eval over hostile task files: infra_error rows, nothing written outside",
+     _TASKS + "test_an_eval_run_records_hostile_tasks_as_infra_errors"),
+    ("foreign_lease", "another client's lease id (GET, step, heartbeat, passthrough, evaluate, DELETE): 404 as unknown",
+     _API + "test_another_clients_lease_is_a_404_like_an_unknown_id"),
+    ("pool_lease_ids", "/v1/pool lists lease ids to admins and holders only", _API + "test_pool_shows_lease_ids_to_admins_and_holders_only"),
+    ("viewer_writes", "a viewer token leases or drives a desktop", _API + "test_a_viewer_is_read_only"),
+    ("lease_quota", "a client leases past its quota (also with racing requests)", _API + "test_lease_quota_per_client"),
+    ("lease_ttl", "a lease or heartbeat TTL beyond the client's max", _API + "test_ttl_beyond_the_clients_max_is_422"),
+    ("huge_bodies", "100 GB announced, chunked and passthrough request bodies: 413 before reading",
+     _API + "test_huge_bodies_are_413_without_being_read"),
+    ("guest_huge_bodies", "huge request bodies to the guest server", _API + "test_the_guest_server_limits_bodies_too"),
+    ("bad_tokens", "unknown tokens, a digest as token, broken token files", _API + "test_unknown_tokens_and_bad_token_sources"),
+    ("api_host_paths", "cache_dir=/etc, offline, hostile ids/stdout/dest/upload paths in reset/evaluate calls",
+     _API + "test_task_routes_take_no_host_path"),
+    ("api_file_url", "a file:///etc/passwd asset through the farm API", _API + "test_a_file_url_outside_the_task_cache_is_refused"),
+    ("policy_without_token", "the policy server's routes without its token",
+     "tests/security/test_policy_token.py::test_routes_need_the_token"),
+):
+    register(Probe(_name, _title, "pytest", node=_node))
