@@ -25,7 +25,9 @@ from rich.table import Table  # noqa: E402
 from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
 from osfarm.client import Farm  # noqa: E402
 
-PYTHON = sys.executable
+# The desktop's python3 (the agent's, with pyautogui), as OSWorld's tasks run it: not this
+# interpreter, which is not in the box.
+PYTHON = "python3"
 
 
 def main(n: int = 20) -> None:
