@@ -9,16 +9,14 @@ future a second time: "Exception in callback <built-in method set_result of _asy
 ... InvalidStateError" printed by every ``osfarm eval`` whose episode ended during a check.
 
 The box runs a small guest (``STALLING_GUEST``) instead of the desktop session: it answers
-``/v1/health`` until its run dir holds a ``stall`` file, then takes health requests without
-answering (and says so with a ``stalled`` file), so a check is surely in flight when the test
-releases the lease.
+``/v1/health`` until told ``POST /stall``, then takes health requests without answering (and
+says so at ``GET /stalled``), so a check is surely in flight when the test releases the lease.
 """
 
 from __future__ import annotations
 
 import asyncio
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,14 +27,21 @@ import uvloop
 from osfarm.config import FarmSettings
 from osfarm.farm.pool import LeasePool
 from osfarm.providers.sandbox import SandboxProvider
+from osfarm.providers.sandbox_layout import BOX_PYTHON
 
 STALLING_GUEST = r"""
 import json, os, socket, sys, threading
-path = sys.argv[sys.argv.index("--socket") + 1]
-run = os.path.dirname(path)
+arg = lambda name: sys.argv[sys.argv.index(name) + 1]
+stall, stalled = threading.Event(), threading.Event()
 srv = socket.socket(socket.AF_UNIX)
-srv.bind(path)
+srv.bind(arg("--socket"))
 srv.listen(16)
+with open(arg("--state-file"), "w") as f:  # listening: the farm may take the socket now
+    json.dump({"pid": os.getpid()}, f)
+
+def answer(conn, body):
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
 
 def serve(conn):
     with conn:
@@ -48,14 +53,19 @@ def serve(conn):
                     return
                 buf += chunk
             head, buf = buf.split(b"\r\n\r\n", 1)
-            if os.path.exists(os.path.join(run, "stall")):
-                open(os.path.join(run, "stalled"), "w").close()
+            method, path = head.split(b" ")[:2]
+            if path == b"/stall":  # from now on health requests get no answer
+                stall.set()
+                answer(conn, b"{}")
+            elif path == b"/stalled":  # has a health request been left waiting?
+                answer(conn, json.dumps(stalled.is_set()).encode())
+            elif stall.is_set():
+                stalled.set()
                 while conn.recv(65536):  # no answer, until the client or the box goes
                     pass
                 return
-            body = json.dumps({"status": "ok"}).encode()
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
-                         % (len(body), body))
+            else:
+                answer(conn, json.dumps({"status": "ok"}).encode())
 
 while True:
     c, _ = srv.accept()
@@ -71,18 +81,18 @@ async def _release_during_checks(state_dir: Path) -> list[dict[str, Any]]:
     errors: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _loop, context: errors.append(context))
     settings = FarmSettings(state_dir=state_dir, pool_min=1, pool_max=1, health_interval_s=0.02, start_timeout_s=30)
-    pool = LeasePool(SandboxProvider(settings, launcher=[sys.executable, "-c", STALLING_GUEST]), settings)
+    pool = LeasePool(SandboxProvider(settings, launcher=[BOX_PYTHON, "-c", STALLING_GUEST]), settings)
     await pool.start()
     try:
         await pool.wait_warm(60)
         for _ in range(CYCLES):
             lease = await pool.lease(wait_s=60)
-            run = Path(lease.endpoint.uds or "").parent
-            (run / "stall").touch()
-            deadline = time.monotonic() + 10
-            while not (run / "stalled").exists():  # a health check now waits for its answer
-                assert time.monotonic() < deadline, "no health check reached the guest"
-                await asyncio.sleep(0.005)
+            async with lease.endpoint.client(timeout=10) as guest:
+                (await guest.post("/stall")).raise_for_status()
+                deadline = time.monotonic() + 10
+                while not (await guest.get("/stalled")).json():  # a health check waits for its answer
+                    assert time.monotonic() < deadline, "no health check reached the guest"
+                    await asyncio.sleep(0.005)
             await pool.release(lease.id)  # reset: the box is killed under the waiting check
             await asyncio.sleep(0.2)
     finally:
