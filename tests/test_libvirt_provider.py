@@ -32,7 +32,9 @@ from osfarm.providers.libvirt import (
     domain_name,
     kernel_cmdline,
     netdev_arg,
+    qemu_ids,
     read_metadata,
+    vm_plan,
 )
 
 SPEC = DesktopSpec(width=1024, height=768)
@@ -51,12 +53,53 @@ def test_disk_size_adds_overhead_and_free_space():
 
 
 def test_kernel_cmdline_and_netdev():
-    cmd = kernel_cmdline("tok_-123", DesktopSpec(width=800, height=600, depth=16))
-    assert "osfarm.token=tok_-123" in cmd.split()
+    cmd = kernel_cmdline(DesktopSpec(width=800, height=600, depth=16))
+    assert not [a for a in cmd.split() if "token" in a]  # the token goes through fw_cfg (issue 13)
     assert {"osfarm.width=800", "osfarm.height=600", "osfarm.depth=16", "osfarm.port=8000"} <= set(cmd.split())
     # the host forward listens on loopback only; private desktops get no route out
     assert netdev_arg(4321, True) == "user,id=osfarmnet0,restrict=on,hostfwd=tcp:127.0.0.1:4321-:8000"
     assert "restrict=off" in netdev_arg(4321, False)
+
+
+def test_qemu_runs_unprivileged_where_it_can_reach_its_files():
+    """A root farm gives qemu the distribution's qemu account, unless that account cannot reach
+    the VM's files (then root, with the reason); a non-root farm's qemu is the farm's uid."""
+    with tempfile.TemporaryDirectory(prefix="osfq", dir="/tmp") as d:
+        _check_qemu_ids(Path(d))
+
+
+def _check_qemu_ids(tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o755)
+    (open_dir / "f").write_text("x")
+    uid, gid, note = qemu_ids([open_dir / "f"])
+    if os.geteuid() != 0:
+        assert (uid, gid, note) == (os.getuid(), os.getgid(), "")
+        return
+    if note.startswith("qemu runs as root: no unprivileged"):
+        pytest.skip(note)
+    assert uid != 0 and note == "", note
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    (closed / "f").write_text("x")
+    uid, _gid, note = qemu_ids([closed / "f"])
+    assert uid == 0 and "cannot reach" in note and str(closed / "f") in note
+
+
+def test_the_token_reaches_the_vm_by_fw_cfg_not_the_command_line(tmp_path, vm_disk):
+    p = LibvirtProvider(FarmSettings(state_dir=tmp_path / "st", libvirt_image_dir=vm_disk))
+    try:
+        xml = p.domain_xml("d1", SPEC, 4321)
+        assert "token" not in xml.split("<cmdline>")[1].split("</cmdline>")[0]
+        assert "<sysinfo type='fwcfg'>" in xml and "name='opt/org.osfarm/token'" in xml
+        if os.geteuid() == 0:
+            assert f"<label>+{p.qemu_uid}:+{p.qemu_gid}</label>" in xml
+        plan = vm_plan(SPEC)
+        assert plan.agent is not None and plan.agent.outside_base > 0 and plan.guest_uid != 0
+    finally:
+        asyncio.run(p.close())
 
 
 def test_read_metadata():

@@ -65,8 +65,7 @@ Defaults\tmail_badpass
 Defaults\tsecure_path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 root\tALL=(ALL:ALL) ALL
 %sudo\tALL=(ALL:ALL) ALL
-@includedir /etc/sudoers.d
-"""
+"""  # no @includedir: the box's own /etc/sudoers.d is not the agent's root's to read
 
 
 class AgentWorldError(RuntimeError):
@@ -296,7 +295,6 @@ def _agent_mounts(spec: AgentWorldSpec) -> None:
             f.write(text)
         os.chown(path, 0, gid)
         os.chmod(path, mode)
-    os.mkdir(f"{top}/sudoers.d", 0o755)
     try:
         linux_ns.mount("overlay", "/etc", "overlay", linux_ns.MS_NOSUID | linux_ns.MS_NODEV,
                        f"lowerdir={top}:/etc,upperdir={upper},workdir={work},userxattr")
@@ -304,7 +302,7 @@ def _agent_mounts(spec: AgentWorldSpec) -> None:
         # /etc has mounts of its own (Docker binds /etc/hosts, hostname, resolv.conf), which an
         # overlay cannot take as its lower layer: bind the files instead (writable, but not
         # replaceable by rename, so account tools that rename over /etc/passwd fail).
-        for name in [*files, "sudoers.d"]:
+        for name in files:
             if os.path.lexists(f"/etc/{name}") and not os.path.islink(f"/etc/{name}"):
                 linux_ns.bind(f"{top}/{name}", f"/etc/{name}", readonly=False)
     if os.path.isfile(spec.sudo):

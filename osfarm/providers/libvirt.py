@@ -16,6 +16,15 @@ Reset (``libvirt_reset``):
   (``loadvm``) and sets the guest clock through the guest agent, since the reverted guest still
   believes it is the time of the snapshot. The token stays the one the VM booted with.
 
+Secrets and ids: the guest's token and the box plan (:mod:`osfarm.desktop.box_init`: the agent
+runs as ``user`` in its own user namespace inside the VM, apart from the guest, as in every box)
+reach the VM through fw_cfg files (``opt/org.osfarm/token``, ``opt/org.osfarm/plan``), which the
+VM's root reads from sysfs: never on the kernel command line, which every host user can read in
+qemu's ``/proc/<pid>/cmdline``. The host files are deleted once qemu has read them. On
+``qemu:///system`` as root, qemu runs as the distribution's unprivileged qemu account
+(``libvirt-qemu`` or ``qemu``) when it can reach the VM's files (:func:`qemu_ids`), else as root
+with a warning.
+
 Domains carry a ``<metadata>`` element in our namespace naming the farm's state dir (a restarted
 farm takes over the domains its registry names, ``adopt``): domains of
 this state dir that this provider did not start (a crashed farm's) are destroyed by
@@ -31,6 +40,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import pwd
 import secrets
 import shutil
 import time
@@ -44,7 +54,11 @@ from xml.sax.saxutils import escape
 import psutil
 
 from osfarm.config import FarmSettings
+from osfarm.desktop.agent_world import AgentWorldSpec
+from osfarm.desktop.box_init import BoxPlan
+from osfarm.desktop.session import HOME_FILES
 from osfarm.images.libvirt_disk import default_image_dir, disk_files, missing_files
+from osfarm.images.recipes import DESKTOP_AGENT_BASE, DESKTOP_GUEST_UID, DESKTOP_HOME_TEMPLATE
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
 from osfarm.providers.boxes import (
     check_desktop_id,
@@ -69,6 +83,16 @@ MIN_FREE_BYTES = 2 << 30  # an overlay grows with what a task writes, and a snap
 TEMPLATE_NAME = "domain.xml"
 DOMAIN_PREFIX = "osfarm-"
 TCG_MIN_START_TIMEOUT_S = 900.0
+QEMU_ACCOUNTS = ("libvirt-qemu", "qemu")  # Debian/Ubuntu, Fedora/RHEL
+FW_CFG_TOKEN = "opt/org.osfarm/token"
+FW_CFG_PLAN = "opt/org.osfarm/plan"
+# The VM's disk is the Docker desktop image's: its accounts and paths.
+IMAGE_GUEST_UID = DESKTOP_GUEST_UID
+IMAGE_AGENT_BASE = DESKTOP_AGENT_BASE
+IMAGE_HOME_TEMPLATE = DESKTOP_HOME_TEMPLATE
+QEMU_RUN_ROOT = Path("/var/lib/osfarm/libvirt")  # per-desktop VM files when the state dir is not qemu's to reach
+VM_PYTHON = "/opt/osfarm/bin/python"
+VM_PATH = "/opt/osfarm/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass
@@ -88,17 +112,78 @@ def domain_template_path() -> Path:
     return root / "libvirt" / TEMPLATE_NAME
 
 
-def kernel_cmdline(token: str, spec: DesktopSpec) -> str:
-    """Kernel command line of a desktop VM: root disk, our init and the session's settings."""
+def kernel_cmdline(spec: DesktopSpec) -> str:
+    """Kernel command line of a desktop VM: root disk, our init and the session's settings (no
+    secret: the token goes through fw_cfg)."""
     return " ".join(
         [
             "root=/dev/vda", "rw", "rootfstype=ext4", "init=/sbin/osfarm-init",
             "console=ttyS0", "quiet", "loglevel=3", "tsc=reliable", "no_timer_check",
             "random.trust_cpu=on", "8250.nr_uarts=1", "mitigations=off",
-            f"osfarm.token={token}", f"osfarm.width={spec.width}", f"osfarm.height={spec.height}",
+            f"osfarm.width={spec.width}", f"osfarm.height={spec.height}",
             f"osfarm.depth={spec.depth}", f"osfarm.port={GUEST_PORT}",
         ]
     )  # fmt: skip
+
+
+def vm_plan(spec: DesktopSpec) -> BoxPlan:
+    """What the VM's init (as the VM's root) does before the session: as the Docker desktop's
+    (the VM's disk is that image's), the guest listening on the VM's network for the host forward."""
+    args = ["--width", str(spec.width), "--height", str(spec.height), "--depth", str(spec.depth),
+            "--display", ":0", "--host", "0.0.0.0", "--port", str(GUEST_PORT), "--allow-non-loopback",
+            "--token-file", "/run/osfarm/token", "--state-file", "/run/osfarm/state.json",
+            "--run-dir", "/run/osfarm", "--home", "/home/user"]
+    env = {"PATH": VM_PATH, "HOME": "/home/user", "USER": "osfarm-guest", "LANG": "C.UTF-8",
+           "PYTHONUNBUFFERED": "1", "OSFARM_PYTHON": VM_PYTHON,
+           "XDG_CACHE_HOME": "/run/osfarm/cache", "XDG_CONFIG_HOME": "/run/osfarm/config", **spec.extra_env}
+    agent = AgentWorldSpec(guest_uid=IMAGE_GUEST_UID, guest_gid=IMAGE_GUEST_UID, outside_base=IMAGE_AGENT_BASE,
+                           password_hash="", hostname="osfarm-vm")
+    return BoxPlan(
+        launcher=[VM_PYTHON, "-m", "osfarm.desktop.launcher", *args], env=env,
+        guest_uid=IMAGE_GUEST_UID, guest_gid=IMAGE_GUEST_UID, run_dir="/run/osfarm",
+        home="/home/user", home_uid=IMAGE_AGENT_BASE + 1000, home_gid=IMAGE_AGENT_BASE + 1000,
+        home_template=IMAGE_HOME_TEMPLATE, home_files=dict(HOME_FILES), agent=agent, cwd="/home/user",
+    )  # fmt: skip
+
+
+def qemu_ids(paths: list[Path]) -> tuple[int, int, str]:
+    """(uid, gid, note) qemu runs as. A root farm on qemu:///system gives qemu the distribution's
+    unprivileged account (and its group, which may use /dev/kvm) when that account can reach every
+    file of the VM (``paths``: the farm chowns its own per-desktop files to it); else qemu runs
+    as this process's ids, and ``note`` says why."""
+    if os.geteuid() != 0:
+        return os.getuid(), os.getgid(), ""
+    for name in QEMU_ACCOUNTS:
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            continue
+        gids = {pw.pw_gid, *os.getgrouplist(name, pw.pw_gid)}
+        blocked = [p for p in paths if not _reachable(p, pw.pw_uid, gids)]
+        if blocked:
+            return 0, 0, (f"qemu runs as root: the {name} account cannot reach {blocked[0]} (every dir above it "
+                          "must be searchable by it; put state_dir and the VM disk under e.g. /var/lib/osfarm)")
+        return pw.pw_uid, pw.pw_gid, ""
+    return 0, 0, f"qemu runs as root: no unprivileged qemu account ({', '.join(QEMU_ACCOUNTS)}) on this host"
+
+
+def _reachable(path: Path, uid: int, gids: set[int]) -> bool:
+    """Whether ``uid`` may search every dir down to ``path`` and read ``path``."""
+    def allowed(st: os.stat_result, bit: int) -> bool:
+        if st.st_uid == uid:
+            return bool(st.st_mode & (bit << 6))
+        if st.st_gid in gids:
+            return bool(st.st_mode & (bit << 3))
+        return bool(st.st_mode & bit)
+
+    try:
+        parts = path.resolve().parts
+        for i in range(1, len(parts)):
+            if not allowed(os.stat(Path(*parts[:i])), 0o1):
+                return False
+        return allowed(os.stat(path), 0o4)
+    except OSError:
+        return False
 
 
 def netdev_arg(host_port: int, private_network: bool) -> str:
@@ -178,6 +263,20 @@ class LibvirtProvider:
         self.state_dir = Path(settings.state_dir).expanduser().absolute()
         self.root = self.state_dir / "libvirt"
         self.root.mkdir(parents=True, exist_ok=True)
+        self.qemu_uid, self.qemu_gid, note = qemu_ids([self.files["kernel"], self.files["initrd"], self.files["base"],
+                                                       self.root])
+        if note and os.geteuid() == 0 and self.qemu_uid == 0 and "cannot reach" in note:
+            # The state dir is private (e.g. under /root or a 0700 temp dir): the VMs' own files
+            # go where the qemu account can reach them, named after this state dir.
+            alt = QEMU_RUN_ROOT / hashlib.sha256(str(self.state_dir).encode()).hexdigest()[:12]
+            alt.mkdir(parents=True, exist_ok=True)
+            for d in (QEMU_RUN_ROOT.parent, QEMU_RUN_ROOT, alt):
+                d.chmod(0o711)
+            uid, gid, alt_note = qemu_ids([self.files["kernel"], self.files["initrd"], self.files["base"], alt])
+            if not alt_note:
+                self.root, self.qemu_uid, self.qemu_gid, note = alt, uid, gid, ""
+        if note:
+            log.warning("%s", note)
         free = shutil.disk_usage(self.root).free
         if free < MIN_FREE_BYTES:
             raise ProviderError(
@@ -239,7 +338,7 @@ class LibvirtProvider:
     def desktop_dir(self, desktop_id: str) -> Path:
         return self.root / desktop_id
 
-    def domain_xml(self, desktop_id: str, spec: DesktopSpec, port: int, token: str) -> str:
+    def domain_xml(self, desktop_id: str, spec: DesktopSpec, port: int) -> str:
         ddir = self.desktop_dir(desktop_id)
         if self.domain_type == "kvm":
             # arch-capabilities off: nested KVM hosts often refuse its MSR (qemu aborts at start).
@@ -263,9 +362,13 @@ class LibvirtProvider:
             "vcpus": str(self.settings.libvirt_vcpus),
             "kernel": str(self.files["kernel"]),
             "initrd": str(self.files["initrd"]),
-            "cmdline": kernel_cmdline(token, spec),
-            "uid": str(os.getuid()),
-            "gid": str(os.getgid()),
+            "cmdline": kernel_cmdline(spec),
+            "uid": str(self.qemu_uid),
+            "gid": str(self.qemu_gid),
+            "token_file": str(ddir / "token"),
+            "plan_file": str(ddir / "plan.json"),
+            "fw_cfg_token": FW_CFG_TOKEN,
+            "fw_cfg_plan": FW_CFG_PLAN,
             "overlay": str(ddir / "disk.qcow2"),
             "console_log": str(ddir / "console.log"),
             "netdev": netdev_arg(port, spec.private_network),
@@ -391,9 +494,11 @@ class LibvirtProvider:
         )  # fmt: skip
 
     async def _fresh_overlay(self, ddir: Path) -> None:
-        """A new qcow2 overlay on the read-only base (old disk and log removed)."""
+        """A new qcow2 overlay on the read-only base (old disk and log removed), and the console
+        log, both qemu's (it may run as an unprivileged account, see :func:`qemu_ids`)."""
         ddir.mkdir(parents=True, exist_ok=True)
-        for name in ("disk.qcow2", "console.log"):
+        ddir.chmod(0o711)
+        for name in ("disk.qcow2", "console.log", "token", "plan.json"):
             (ddir / name).unlink(missing_ok=True)
         proc = await asyncio.create_subprocess_exec(
             self.qemu_img, "create", "-q", "-f", "qcow2", "-b", str(self.files["base"]), "-F", "qcow2",
@@ -403,17 +508,32 @@ class LibvirtProvider:
         out, _ = await proc.communicate()
         if proc.returncode != 0:
             raise ProviderError(f"qemu-img create of the overlay in {ddir} failed: {out.decode(errors='replace').strip()}")
+        self._qemu_file(ddir / "disk.qcow2", None, 0o600)
+        self._qemu_file(ddir / "console.log", "", 0o600)
+
+    def _qemu_file(self, path: Path, text: str | None, mode: int) -> None:
+        """A file qemu opens: written here (``text``; None: it exists), then made qemu's."""
+        if text is not None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+        if os.geteuid() == 0:
+            os.chown(path, self.qemu_uid, self.qemu_gid)
+        os.chmod(path, mode)
 
     async def _boot(self, desktop_id: str, spec: DesktopSpec) -> _Box:
         ddir = self.desktop_dir(desktop_id)
         await self._fresh_overlay(ddir)
         token = secrets.token_urlsafe(24)
+        # fw_cfg files (see the module doc): read by qemu as it starts, deleted once it runs.
+        self._qemu_file(ddir / "token", token, 0o400)
+        self._qemu_file(ddir / "plan.json", vm_plan(spec).to_json(), 0o400)
         name = domain_name(self.state_dir, desktop_id)
         await asyncio.to_thread(self._destroy, name)  # a leftover of ours with the same name
         last = ""
         for _attempt in range(3):  # the free port may be taken between our probe and qemu's bind
             port = free_loopback_port()
-            xml = self.domain_xml(desktop_id, spec, port, token)
+            xml = self.domain_xml(desktop_id, spec, port)
             try:
                 await asyncio.to_thread(self.conn.createXML, xml, 0)
             except self._lv.libvirtError as e:
@@ -421,9 +541,13 @@ class LibvirtProvider:
                 if "hostfwd" in last or "Address already in use" in last or "Could not set up host forwarding" in last:
                     continue
                 raise ProviderError(f"libvirt could not start desktop {desktop_id}: {last}") from None
+            for secret in ("token", "plan.json"):
+                (ddir / secret).unlink(missing_ok=True)
             box = _Box(name=name, port=port, token=token, qemu_pid=await asyncio.to_thread(self._qemu_pid, name))
             self._boxes[desktop_id] = box
             return box
+        for secret in ("token", "plan.json"):
+            (ddir / secret).unlink(missing_ok=True)
         raise ProviderError(f"libvirt could not start desktop {desktop_id}: {last}")
 
     def _is_active(self, name: str) -> bool:
@@ -589,4 +713,4 @@ def _port_of(handle: DesktopHandle) -> int:
     return int(handle.endpoint.base_url.rsplit(":", 1)[-1])
 
 
-__all__ = ["LibvirtProvider", "domain_name", "kernel_cmdline", "netdev_arg", "read_metadata"]
+__all__ = ["LibvirtProvider", "domain_name", "kernel_cmdline", "netdev_arg", "qemu_ids", "read_metadata", "vm_plan"]
