@@ -10,7 +10,9 @@ cores); what is measured is the farm itself, which is what 500 clients load. The
 ``--procs`` processes (asyncio, one ``AsyncFarm`` each), on the same machine as the farm: on a
 2-core host they compete with it for CPU, so the latencies are an upper bound.
 
-Each client loops: lease (wait up to 10 s), then 3-8 rounds of observe + heartbeat, release.
+Each client loops: lease (wait up to 10 s), then 3-8 rounds of observe + heartbeat with a think
+time between rounds (``--think``, default 0.05-0.3 s: far more aggressive than an agent, whose
+model call takes seconds), release.
 With ``--pool-max`` below ``--clients`` some lease requests wait and some get the documented
 429 (every desktop leased, Retry-After); any other error is a failure (exit 1).
 
@@ -25,7 +27,7 @@ import asyncio
 import json
 import multiprocessing as mp
 import random
-import statistics
+import ssl
 import sys
 import tempfile
 import threading
@@ -36,6 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+import httpx  # noqa: E402
 from farm_process import FarmProcess  # noqa: E402
 
 from osfarm.client import AsyncFarm, FarmAPIError  # noqa: E402
@@ -43,14 +46,20 @@ from osfarm.client import AsyncFarm, FarmAPIError  # noqa: E402
 DOCUMENTED = {429, 503}  # every desktop leased / the farm cannot start desktops: retry after Retry-After
 
 
-def _client_proc(url: str, token: str, clients: int, duration: float, seed: int, out: Any) -> None:
+def _client_proc(url: str, token: str, clients: int, duration: float, seed: int, out: Any,
+                 think: tuple[float, float] = (0.05, 0.3)) -> None:
     lat: dict[str, list[float]] = defaultdict(list)
     status: Counter[str] = Counter()
     errors: list[str] = []
 
+    # one SSL context for every client of this process: httpx builds one per client otherwise
+    # (~100 ms each, blocking this process's loop while hundreds of clients start)
+    ctx = ssl.create_default_context()
+
     async def one(i: int) -> None:
         rng = random.Random(seed * 100_000 + i)
-        async with AsyncFarm(url, token, timeout=60.0, retry_s=0) as farm:
+        transport = httpx.AsyncHTTPTransport(verify=ctx, limits=httpx.Limits(max_connections=4))
+        async with AsyncFarm(url, token, timeout=60.0, retry_s=0, transport=transport) as farm:
             end = time.monotonic() + duration
             await asyncio.sleep(rng.uniform(0, 2.0))  # spread the start
             while time.monotonic() < end:
@@ -77,7 +86,7 @@ def _client_proc(url: str, token: str, clients: int, duration: float, seed: int,
                             status[f"{route} {e.status}"] += 1
                             errors.append(f"{route}: {e}")
                         lat[route].append(time.perf_counter() - t)
-                    await asyncio.sleep(rng.uniform(0.05, 0.3))  # the agent thinks
+                    await asyncio.sleep(rng.uniform(*think))  # the agent thinks
                 t = time.perf_counter()
                 try:
                     await desk.close()
@@ -87,16 +96,35 @@ def _client_proc(url: str, token: str, clients: int, duration: float, seed: int,
                     errors.append(f"release: {e}")
                 lat["DELETE /v1/desktops/{id}"].append(time.perf_counter() - t)
 
+    lag: list[float] = []
+
+    async def probe(end: float) -> None:
+        """How late this process's own event loop wakes up: client-side delay inside every latency."""
+        while time.monotonic() < end:
+            t = time.perf_counter()
+            await asyncio.sleep(0.1)
+            lag.append(time.perf_counter() - t - 0.1)
+
     async def main() -> None:
-        await asyncio.gather(*(one(i) for i in range(clients)))
+        await asyncio.gather(probe(time.monotonic() + duration), *(one(i) for i in range(clients)))
 
     asyncio.run(main())
-    out.put({"lat": dict(lat), "status": dict(status), "errors": errors[:50], "n_errors": len(errors)})
+    out.put({"lat": dict(lat), "status": dict(status), "errors": errors[:50], "n_errors": len(errors), "lag": lag})
 
 
 def pct(xs: list[float], p: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(p * len(s)))] * 1000 if s else float("nan")
+
+
+def lease_wait_buckets(text: str) -> list[tuple[str, int]]:
+    """The farm's lease-wait histogram (cumulative counts per bucket) from its /metrics."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("osfarm_lease_wait_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out.append((le, int(float(line.rsplit(" ", 1)[1]))))
+    return out
 
 
 def main() -> int:
@@ -105,6 +133,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=60.0)
     ap.add_argument("--procs", type=int, default=4, help="client processes")
     ap.add_argument("--pool-max", type=int, default=450, help="desktops at most (below --clients: some 429s)")
+    ap.add_argument("--think", default="0.05,0.3",
+                    help="seconds a client waits between rounds, 'lo,hi' (an agent's model call takes 1-5 s)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     a = ap.parse_args()
     state = Path(tempfile.mkdtemp(prefix="osfl", dir="/tmp"))
@@ -124,7 +154,9 @@ def main() -> int:
         threading.Thread(target=sample, daemon=True).start()
         q: mp.Queue[dict[str, Any]] = mp.Queue()
         per = [a.clients // a.procs + (1 if i < a.clients % a.procs else 0) for i in range(a.procs)]
-        procs = [mp.Process(target=_client_proc, args=(farm.url, farm.token, n, a.duration, i, q)) for i, n in enumerate(per)]
+        think = tuple(float(x) for x in a.think.split(","))
+        procs = [mp.Process(target=_client_proc, args=(farm.url, farm.token, n, a.duration, i, q, think))
+                 for i, n in enumerate(per)]
         t0 = time.monotonic()
         for p in procs:
             p.start()
@@ -132,6 +164,8 @@ def main() -> int:
         for p in procs:
             p.join(60)
         wall = time.monotonic() - t0
+        with farm.client() as c:
+            metrics_text = c.get("/metrics").text
     finally:
         stop.set()
         farm.stop()
@@ -144,8 +178,9 @@ def main() -> int:
         status.update(r["status"])
         errors += r["errors"]
     n_err = sum(r["n_errors"] for r in results)
-    print(f"\n{a.clients} clients for {a.duration:g} s ({a.procs} client processes) on a memory-provider farm, "
-          f"pool_max {a.pool_max}; wall {wall:.0f} s")
+    print(f"\n{a.clients} clients for {a.duration:g} s ({a.procs} client processes, think {a.think} s) on a "
+          f"memory-provider farm, pool_max {a.pool_max}; wall {wall:.0f} s; "
+          f"{sum(len(x) for x in lat.values()) / wall:.0f} requests/s")
     print(f"{'route':<38} {'calls':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
     for route in sorted(lat):
         xs = lat[route]
@@ -158,6 +193,14 @@ def main() -> int:
         print(f"farm RSS at {first[0]:.0f} s {first[1] / 2**20:.0f} MiB, at {last[0]:.0f} s {last[1] / 2**20:.0f} MiB "
               f"(min {min(rss) / 2**20:.0f}, max {max(rss) / 2**20:.0f}); open files {first[2]} -> {last[2]} "
               f"(max {max(s[2] for s in warm)})")
+    lag = sorted(x for r in results for x in r["lag"])
+    if lag:
+        print(f"client event-loop lag (part of every latency above): p50 {pct(lag, 0.5):.0f} ms, "
+              f"p99 {pct(lag, 0.99):.0f} ms, max {lag[-1] * 1000:.0f} ms")
+    waits = lease_wait_buckets(metrics_text)
+    if waits:
+        print("server-side wait for a desktop (osfarm_lease_wait_seconds):",
+              ", ".join(f"<= {le}: {n}" for le, n in waits))
     print(f"errors other than documented 429/503: {n_err}")
     for e in errors[:10]:
         print("  ", e)
@@ -165,7 +208,9 @@ def main() -> int:
         a.json.write_text(json.dumps({
             "clients": a.clients, "duration_s": a.duration, "pool_max": a.pool_max, "wall_s": wall,
             "routes": {r: {"calls": len(x), "p50_ms": pct(x, 0.5), "p99_ms": pct(x, 0.99)} for r, x in lat.items()},
-            "status": dict(status), "errors": n_err, "samples": samples}, indent=1))
+            "status": dict(status), "errors": n_err, "samples": samples,
+            "client_lag_ms": {"p50": pct(lag, 0.5), "p99": pct(lag, 0.99)} if lag else None,
+            "lease_wait_buckets": waits}, indent=1))
     return 1 if n_err else 0
 
 

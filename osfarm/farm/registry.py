@@ -9,10 +9,11 @@ tokens) keeps
 * every live lease (id, desktop, owner, principal, ttl, times) and the last ``ENDED_KEPT`` ended
   ones with the message a client gets (410) when it names one.
 
-Writes run in order on one thread (SQLite connections are not shared across threads, and the
-event loop must never wait on the disk); each write method returns a future, and the pool awaits
-the ones a client's answer depends on (a granted lease is on disk before its id is returned, a
-release before the 204). Heartbeats are not written: a lease taken over after a restart gets a
+Writes run in order on one writer thread (the event loop never waits on the disk); each write
+method returns a future, and the pool awaits the ones a client's answer depends on (a granted
+lease is on disk before its id is returned, a release before the 204). The writer commits every
+write queued meanwhile in one transaction: under load (hundreds of leases a second) one commit
+carries many writes instead of each waiting its turn. Heartbeats are not written: a lease taken over after a restart gets a
 fresh TTL (its holder could not reach the farm while it was down).
 
 What a restart does with this (``LeasePool.start``): each saved desktop is offered to the
@@ -26,8 +27,11 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import json
+import logging
 import os
+import queue
 import sqlite3
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -35,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint
+
+log = logging.getLogger("osfarm.farm.registry")
 
 FILE_NAME = "farm-registry.sqlite"
 LOCK_NAME = "farm-registry.lock"
@@ -113,6 +119,8 @@ class FarmRegistry:
         self._conn: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
         self._last: Future[None] | None = None
+        self._queue: queue.SimpleQueue[tuple[list[tuple[str, tuple[Any, ...]]], Future[None]] | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
         self._ended_writes = 0
 
     # -- the file (on the registry thread) ---------------------------------------------------
@@ -184,34 +192,57 @@ class FarmRegistry:
             "SELECT id, owner, principal, message FROM ended ORDER BY seq")]
         return Snapshot(desktops, leases, ended)
 
-    def _write(self, sql: str, params: tuple[Any, ...] | list[tuple[Any, ...]], many: bool = False) -> None:
+    def _write_loop(self) -> None:
+        """The writer thread: every write queued since the last commit goes in one transaction."""
         db = self._db()
-        if many:
-            db.executemany(sql, params)  # type: ignore[arg-type]
-        else:
-            db.execute(sql, params)
-
-    def _txn(self, statements: list[tuple[str, tuple[Any, ...]]]) -> None:
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            for sql, params in statements:
-                db.execute(sql, params)
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            stop = False
+            while True:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                batch.append(more)
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                for statements, _ in batch:
+                    for sql, params in statements:
+                        db.execute(sql, params)
+                db.execute("COMMIT")
+            except BaseException as e:  # noqa: BLE001 - handed to every waiting caller
+                log.exception("registry write failed (%d writes): the farm goes on; a restart may not know them",
+                              len(batch))
+                if db.in_transaction:
+                    db.execute("ROLLBACK")
+                for _, fut in batch:
+                    fut.set_exception(e)
+            else:
+                for _, fut in batch:
+                    fut.set_result(None)
+            if stop:
+                return
 
     # -- the async face (event loop) ---------------------------------------------------------
 
     async def open(self) -> Snapshot:
-        """Open (or create) the file and return what it holds."""
+        """Open (or create) the file and return what it holds; writes may follow."""
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._executor, self._open)
-        return await loop.run_in_executor(self._executor, self._load)
+        snapshot = await loop.run_in_executor(self._executor, self._load)
+        self._writer = threading.Thread(target=self._write_loop, name="osfarm-registry", daemon=True)
+        self._writer.start()
+        return snapshot
 
-    def _submit(self, fn: Any, *args: Any) -> Future[None]:
-        fut: Future[None] = self._executor.submit(fn, *args)
+    def _submit(self, statements: list[tuple[str, tuple[Any, ...]]]) -> Future[None]:
+        fut: Future[None] = Future()
+        self._queue.put((statements, fut))
         self._last = fut
         return fut
 
@@ -222,16 +253,16 @@ class FarmRegistry:
             await asyncio.wrap_future(last)
 
     def put_desktop(self, desktop_id: str, state: str, lease_id: str | None, handle: DesktopHandle | None) -> Future[None]:
-        return self._submit(self._write, "INSERT OR REPLACE INTO desktops VALUES (?, ?, ?, ?, ?)",
-                            (desktop_id, state, lease_id, handle_to_json(handle) if handle else None, time.time()))
+        return self._submit([("INSERT OR REPLACE INTO desktops VALUES (?, ?, ?, ?, ?)",
+                              (desktop_id, state, lease_id, handle_to_json(handle) if handle else None, time.time()))])
 
     def drop_desktop(self, desktop_id: str) -> Future[None]:
-        return self._submit(self._write, "DELETE FROM desktops WHERE id = ?", (desktop_id,))
+        return self._submit([("DELETE FROM desktops WHERE id = ?", (desktop_id,))])
 
     def put_lease(self, lease_id: str, desktop_id: str, owner: str | None, principal: str | None, created_at: float,
                   expires_at: float, ttl_s: float, data: dict[str, Any], handle: DesktopHandle | None) -> Future[None]:
         """The lease and its desktop (leased, with the handle) in one transaction."""
-        return self._submit(self._txn, [
+        return self._submit([
             ("INSERT OR REPLACE INTO leases VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
              (lease_id, desktop_id, owner, principal, created_at, expires_at, ttl_s, json.dumps(data))),
             ("INSERT OR REPLACE INTO desktops VALUES (?, ?, ?, ?, ?)",
@@ -248,10 +279,14 @@ class FarmRegistry:
         ]
         if self._ended_writes % 500 == 0:  # keep the last ENDED_KEPT, as the pool does in memory
             statements.append(("DELETE FROM ended WHERE seq <= (SELECT MAX(seq) FROM ended) - ?", (ENDED_KEPT,)))
-        return self._submit(self._txn, statements)
+        return self._submit(statements)
 
     async def close(self) -> None:
         await self.flush()
+        if self._writer is not None:
+            self._queue.put(None)
+            await asyncio.to_thread(self._writer.join)
+            self._writer = None
 
         def shut() -> None:
             if self._conn is not None:
