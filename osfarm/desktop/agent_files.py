@@ -241,7 +241,7 @@ class AgentFiles:
         return size, chunks()
 
     def read_bytes(self, path: str, limit: int) -> bytes:
-        size, chunks = self.open_read(path, limit)
+        _size, chunks = self.open_read(path, limit)
         return b"".join(chunks)
 
 

@@ -202,7 +202,7 @@ def make_agent_world(spec: AgentWorldSpec) -> tuple[int, int]:
             _agent_mounts(spec)
             os.write(to_parent_w, b"m")
             os.read(to_child_r, 1)
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - any failure in the child goes to the parent as text
             code = 1
             try:
                 os.write(to_parent_w, b"!" + f"{type(e).__name__}: {e}".encode()[:4000])

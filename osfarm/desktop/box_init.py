@@ -29,7 +29,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from osfarm.desktop import linux_ns
-from osfarm.desktop.agent_world import ENV_VAR, AgentWorld, AgentWorldSpec, make_agent_world
+from osfarm.desktop.agent_world import (
+    ENV_VAR,
+    AgentWorld,
+    AgentWorldSpec,
+    make_agent_world,
+)
 
 PLAN_ENV = "OSFARM_BOX_PLAN"  # ``--env``: the plan in this variable (a container's command line)
 

@@ -47,8 +47,18 @@ from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import PLAN_ENV, BoxPlan
 from osfarm.desktop.session import HOME_FILES
 from osfarm.images.daemon import DockerUnavailable, docker_client
-from osfarm.images.recipes import DESKTOP_AGENT_BASE, DESKTOP_GUEST_UID, DESKTOP_HOME_TEMPLATE
-from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
+from osfarm.images.recipes import (
+    DESKTOP_AGENT_BASE,
+    DESKTOP_GUEST_UID,
+    DESKTOP_HOME_TEMPLATE,
+)
+from osfarm.providers import docker_seccomp
+from osfarm.providers.base import (
+    DesktopHandle,
+    DesktopSpec,
+    GuestEndpoint,
+    ProviderError,
+)
 from osfarm.providers.boxes import (
     SOCKET_PATH_MAX,
     SocketClaim,
@@ -60,7 +70,6 @@ from osfarm.providers.boxes import (
     take_farm_lock,
     wait_guest_ready,
 )
-from osfarm.providers import docker_seccomp
 from osfarm.providers.cgroups import DesktopCgroup, Limits, parse_size
 
 log = logging.getLogger("osfarm.providers.docker")

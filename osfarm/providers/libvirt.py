@@ -58,8 +58,17 @@ from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import BoxPlan
 from osfarm.desktop.session import HOME_FILES
 from osfarm.images.libvirt_disk import default_image_dir, disk_files, missing_files
-from osfarm.images.recipes import DESKTOP_AGENT_BASE, DESKTOP_GUEST_UID, DESKTOP_HOME_TEMPLATE
-from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
+from osfarm.images.recipes import (
+    DESKTOP_AGENT_BASE,
+    DESKTOP_GUEST_UID,
+    DESKTOP_HOME_TEMPLATE,
+)
+from osfarm.providers.base import (
+    DesktopHandle,
+    DesktopSpec,
+    GuestEndpoint,
+    ProviderError,
+)
 from osfarm.providers.boxes import (
     check_desktop_id,
     discarded_on_failure,

@@ -46,7 +46,12 @@ import psutil
 
 from osfarm.config import FarmSettings
 from osfarm.desktop.box_init import BoxPlan
-from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, ProviderError
+from osfarm.providers.base import (
+    DesktopHandle,
+    DesktopSpec,
+    GuestEndpoint,
+    ProviderError,
+)
 from osfarm.providers.boxes import (
     SOCKET_PATH_MAX,
     SocketClaim,
@@ -168,7 +173,7 @@ class SandboxProvider:
         """Fail at construction, with the reason, when namespaces cannot be made here."""
         proc = subprocess.run(
             [self.tools["unshare"], "--mount", "--pid", "--ipc", "--uts", "--net", "--fork", "--", "true"],
-            capture_output=True, text=True, timeout=30,
+            capture_output=True, text=True, timeout=30, check=False,
         )
         if proc.returncode != 0:
             raise ProviderError(

@@ -68,17 +68,19 @@ AGENT_UID = 1000
 PASSWORD = "password"  # OSWorld's VM: user "user", password "password"
 
 # /etc entries a desktop needs; the rest of the host's /etc is invisible in a box.
-ETC_ALLOW = frozenset("""
-X11 alternatives adduser.conf bash.bashrc bash_completion.d bindresvport.blacklist ca-certificates
-ca-certificates.conf chromium chromium.d dbus-1 dconf debconf.conf debian_version default deluser.conf
-dictionaries-common emacs environment.d ethertypes fonts gai.conf ghostscript gimp glvnd gprofng.rc
-groff gtk-2.0 gtk-3.0 host.conf inputrc java-17-openjdk ld.so.cache ld.so.conf ld.so.conf.d libaudit.conf
-libpaper.d libreoffice locale.alias locale.conf locale.gen localtime login.defs logcheck magic magic.mime
-mailcap manpath.config mime.types mke2fs.conf netconfig networks nsswitch.conf openal os-release pam.conf
-pam.d papersize perl profile profile.d protocols pulse python3 python3.11 python3.12 rmt rpc security
-sensors.d sensors3.conf services sgml shells skel ssl terminfo thunderbird timezone ucf.conf vdpau_wrapper.cfg
-vim vlc vulkan wgetrc xattr.conf xdg xml mtab
-""".split())
+ETC_ALLOW = frozenset({
+    "X11", "alternatives", "adduser.conf", "bash.bashrc", "bash_completion.d", "bindresvport.blacklist",
+    "ca-certificates", "ca-certificates.conf", "chromium", "chromium.d", "dbus-1", "dconf", "debconf.conf",
+    "debian_version", "default", "deluser.conf", "dictionaries-common", "emacs", "environment.d", "ethertypes",
+    "fonts", "gai.conf", "ghostscript", "gimp", "glvnd", "gprofng.rc", "groff", "gtk-2.0", "gtk-3.0", "host.conf",
+    "inputrc", "java-17-openjdk", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "libaudit.conf", "libpaper.d",
+    "libreoffice", "locale.alias", "locale.conf", "locale.gen", "localtime", "login.defs", "logcheck", "magic",
+    "magic.mime", "mailcap", "manpath.config", "mime.types", "mke2fs.conf", "netconfig", "networks",
+    "nsswitch.conf", "openal", "os-release", "pam.conf", "pam.d", "papersize", "perl", "profile", "profile.d",
+    "protocols", "pulse", "python3", "python3.11", "python3.12", "rmt", "rpc", "security", "sensors.d",
+    "sensors3.conf", "services", "sgml", "shells", "skel", "ssl", "terminfo", "thunderbird", "timezone", "ucf.conf",
+    "vdpau_wrapper.cfg", "vim", "vlc", "vulkan", "wgetrc", "xattr.conf", "xdg", "xml", "mtab",
+})
 # Inside allowed dirs, still hidden.
 ETC_DENY = ("ssl/private",)
 # Python distributions the agent's python3 gets (pyautogui and what it imports), by top-level
@@ -198,7 +200,7 @@ def guest_python_paths() -> dict:
     pythonpath = [f"{BOX_OSFARM}/lib"]
     stdlib = {os.path.realpath(p) for p in (sys.base_prefix, sys.prefix)}
     for i, p in enumerate(sorted({os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)})):
-        if not (p.endswith("site-packages") or p.endswith("dist-packages")) or p.startswith("/usr/lib/python3"):
+        if not p.endswith(("site-packages", "dist-packages")) or p.startswith("/usr/lib/python3"):
             continue  # the stdlib, the system's dist-packages (visible through /usr), the checkout
         if any(p == s for s in stdlib):
             continue

@@ -17,7 +17,7 @@ from typing import Any
 from osfarm.agents.base import BaseAgent
 from osfarm.runner.episode import EpisodeResult
 
-VERDICT = re.compile(r"Exception: (HELD|BREACH): (.*)", re.S)
+VERDICT = re.compile(r"Exception: (HELD|BREACH): (.*)", re.DOTALL)
 
 
 class AdversaryAgent(BaseAgent):

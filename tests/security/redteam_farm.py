@@ -33,13 +33,16 @@ MEMORY, PIDS, HOME, TMP = "768m", 256, "128m", "64m"
 
 
 def farm_options(name: str) -> dict[str, Any]:
-    opts: dict[str, Any] = dict(provider=name, pool_min=1, pool_max=3, health_interval_s=1.0, lease_ttl_s=600,
-                                sandbox_memory=MEMORY, sandbox_pids=PIDS, sandbox_home_size=HOME,
-                                sandbox_tmp_size=TMP, docker_memory=MEMORY, docker_pids=PIDS)
+    opts: dict[str, Any] = {"provider": name, "pool_min": 1, "pool_max": 3, "health_interval_s": 1.0,
+                            "lease_ttl_s": 600, "sandbox_memory": MEMORY, "sandbox_pids": PIDS,
+                            "sandbox_home_size": HOME, "sandbox_tmp_size": TMP, "docker_memory": MEMORY,
+                            "docker_pids": PIDS}
     if name == "docker":
         ensure_images("desktop")
     if name == "libvirt":
-        from test_provider_conformance import provider_options  # the VM disk, built when missing
+        from test_provider_conformance import (
+            provider_options,  # the VM disk, built when missing
+        )
 
         opts.update(provider_options("libvirt"), pool_min=1, pool_max=2)
     return opts
