@@ -310,6 +310,9 @@ class LeasePool:
                 why = f"it was {sd.state} when the farm stopped"
             elif sd.handle.provider != self.provider.name:
                 why = f"the farm now runs the {self.provider.name} provider, not {sd.handle.provider}"
+            elif (sd.handle.spec.width, sd.handle.spec.height) != (self.spec.width, self.spec.height):
+                why = (f"the farm now makes {self.spec.width}x{self.spec.height} desktops, not "
+                       f"{sd.handle.spec.width}x{sd.handle.spec.height}")
             elif adopt is None:
                 why = f"{self.provider.name} desktops do not outlive their farm"
             else:
