@@ -144,9 +144,9 @@ class AgentFiles:
 
     def __post_init__(self) -> None:
         self.script = os.path.join(self.script_dir, "osfarm_files.py")
-        with open(self.script, "w", encoding="utf-8") as f:
+        fd = os.open(self.script, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(_HELPER)
-        os.chmod(self.script, 0o644)
 
     def _argv(self, *args: str) -> list[str]:
         return self.world.command([self.python, "-I", "-S", self.script, *args], cwd="/")

@@ -273,17 +273,18 @@ class CodeRunner:
         req_r, req_w = os.pipe()
         resp_r, resp_w = os.pipe()
         env = {**os.environ, **self._env}
-        if self._agent is not None:
-            # The agent's interpreter writes its output files here and reads the kernel; it may
-            # not list the dir or remove the guest's files (sticky).
-            os.chmod(self._outdir, 0o1733)
-            env = self._agent.env(env)
-        env.update(OSFARM_KERNEL_IO=f"{req_r},{resp_w},{self._outdir}", OSFARM_KERNEL_TIMING=self._timing)
         # The program goes in a file rather than `-c`, so `ps` shows a short command line.
         kernel_path = os.path.join(self._outdir, "osfarm_kernel.py")
         with open(kernel_path, "w", encoding="utf-8") as f:
             f.write(_KERNEL)
         os.chmod(kernel_path, 0o644)
+        if self._agent is not None:
+            # The agent's interpreter writes its output files here and reads the kernel; it may
+            # not list the dir or remove the guest's files (sticky). Opened up only now that
+            # the kernel is in place.
+            os.chmod(self._outdir, 0o1733)
+            env = self._agent.env(env)
+        env.update(OSFARM_KERNEL_IO=f"{req_r},{resp_w},{self._outdir}", OSFARM_KERNEL_TIMING=self._timing)
         argv = [self._python, "-u", kernel_path]
         if self._agent is not None:
             argv = self._agent.command(argv, self._agent.home)

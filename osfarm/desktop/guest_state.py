@@ -76,8 +76,8 @@ class Desktop:
         if agent is not None:
             # Scripts the guest hands to the agent's side (readable, not listable, sticky).
             self.exchange_dir = tempfile.mkdtemp(prefix="osfarm-guest-")
-            os.chmod(self.exchange_dir, 0o1733)
             self.files = AgentFiles(agent, agent.env(dict(os.environ)), self.exchange_dir)
+            os.chmod(self.exchange_dir, 0o1733)  # opened up once the helper script is in place
         self._alive = alive
         self.started = time.time()
         self._lock = threading.RLock()  # recorder creation asks for the screen size
@@ -119,8 +119,10 @@ class Desktop:
         """A script the routes run (``/run_python``, ``/run_bash_script``), where whoever runs
         it can read it: the exchange dir in a box, else the work dir."""
         path = Path(self.exchange_dir or self.work_dir) / name
-        path.write_text(text)
-        path.chmod(0o644)
+        # The exchange dir is writable by the agent: never follow or reuse what it may have put there.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         return path
 
     def _stat(self, path: str) -> dict[str, object] | None:
