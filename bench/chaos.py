@@ -165,7 +165,8 @@ def main() -> int:
         report["eval_rounds"] = rounds
         report["eval_faults"] = len(faults)
 
-        training = Training(base, updates=a.train_updates, env=base_env(base, OSFARM_STATE_DIR=str(base / "train-farm")))
+        train_env = base_env(base, OSFARM_STATE_DIR=str(base / "train-farm"))
+        training = Training(base, updates=a.train_updates, env=train_env)
         kills = ["policy", "trainer", "policy", "trainer"][: 2 + a.train_updates // 2]
         t0 = time.monotonic()
         tf = train_under_faults(training, rng, tracker, timeout=3600, kills=kills)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import multiprocessing as mp
 import random
@@ -76,7 +77,8 @@ def _client_proc(url: str, token: str, clients: int, duration: float, seed: int,
                 lat["POST /v1/desktops"].append(time.perf_counter() - t)
                 status["POST /v1/desktops 201"] += 1
                 for _ in range(rng.randint(3, 8)):
-                    for route, call in (("GET /v1/desktops/{id}/observation", lambda: desk.observe(screenshot=True)),
+                    observe = functools.partial(desk.observe, screenshot=True)
+                    for route, call in (("GET /v1/desktops/{id}/observation", observe),
                                         ("POST /v1/desktops/{id}/heartbeat", desk.heartbeat)):
                         t = time.perf_counter()
                         try:

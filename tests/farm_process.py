@@ -52,7 +52,8 @@ class FarmProcess:
     def _argv(self) -> list[str]:
         if self.provider == "memory":
             return [sys.executable, str(MEMORY_FARM), "--port", str(self.port), "--token", self.token,
-                    "--state-dir", str(self.state_dir), "--pool-min", str(self.pool_min), "--pool-max", str(self.pool_max)]
+                    "--state-dir", str(self.state_dir), "--pool-min", str(self.pool_min),
+                    "--pool-max", str(self.pool_max)]
         return [sys.executable, "-m", "osfarm.cli", "serve", "--provider", self.provider, "--port", str(self.port),
                 "--token", self.token, "--state-dir", str(self.state_dir), "--pool-size", str(self.pool_min),
                 "--pool-max", str(self.pool_max), "--width", str(self.width), "--height", str(self.height),

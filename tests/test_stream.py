@@ -391,8 +391,8 @@ async def test_a_trainer_restarted_from_an_older_checkpoint_gets_its_acknowledge
     first = DataManager(blob_root=tmp_path)
     got: list[str] = []
     await first.consume_redis(RedisStreamSource(redis_session.url, stream, group="trainer", consumer="a"), tmp_path,
-                              journal=journal, stop=lambda: len(got) >= 6, on_added=lambda r, _: got.append(r["episode_id"]),
-                              block_ms=100)
+                              journal=journal, stop=lambda: len(got) >= 6,
+                              on_added=lambda r, _: got.append(r["episode_id"]), block_ms=100)
     assert sorted(got) == [f"ep-{i}" for i in range(6)]
     assert RedisStreamSource(redis_session.url, stream, group="trainer", consumer="x").r.xpending(stream, "trainer")[
         "pending"] == 0  # all acknowledged: Redis will not deliver them again

@@ -79,7 +79,8 @@ ROUTES: dict[tuple[str, str], OsworldRoute] = {
     ("post", "/wallpaper"): OsworldRoute(ok="image/png", errors={404: JSON}),
     ("post", "/setup/change_wallpaper"): OsworldRoute((JSON, _obj({"path": _NONEMPTY}, ("path",))), ok=TEXT,
                                                       errors={400: JSON, 404: JSON, 500: JSON}),
-    ("post", "/list_directory"): OsworldRoute((JSON, _obj({"path": _NONEMPTY}, ("path",))), errors={400: JSON, 404: JSON}),
+    ("post", "/list_directory"): OsworldRoute((JSON, _obj({"path": _NONEMPTY}, ("path",))),
+                                              errors={400: JSON, 404: JSON}),
     ("post", "/file"): OsworldRoute((FORM, _obj({"file_path": _NONEMPTY}, ("file_path",))),
                                     ok="application/octet-stream", errors={400: JSON, 404: JSON, 413: JSON}),
     ("post", "/setup/upload"): OsworldRoute((MULTIPART, _obj({"file_path": _NONEMPTY, "file_data": {
@@ -132,8 +133,9 @@ def _describe_osworld(schema: dict[str, Any]) -> None:
                 media, body = route.body
                 op["requestBody"] = {"required": True, "content": {media: {"schema": body}}}
             ok = responses.setdefault("200", {"description": "OSWorld's answer"})
-            ok["content"] = {route.ok: {"schema": {"type": "string", "format": "binary"} if "/" in route.ok and not
-                             route.ok.startswith(("application/json", "text/")) else (_TEXT if route.ok == TEXT else {})}}
+            binary = not route.ok.startswith(("application/json", "text/"))
+            ok["content"] = {route.ok: {"schema": {"type": "string", "format": "binary"} if binary
+                                        else (_TEXT if route.ok == TEXT else {})}}
             for status, media in route.errors.items():
                 responses[str(status)] = {"description": "OSWorld's error answer",
                                           "content": {media: {"schema": _TEXT if media == TEXT else _ANY_OBJECT}}}

@@ -22,9 +22,9 @@ from fastapi import FastAPI
 
 from osfarm.http.openapi import document_responses
 
-ERROR_SCHEMA = {"title": "ErrorBody", "type": "object", "required": ["detail"],
-                "properties": {"detail": {"type": "string", "title": "Detail",
-                                          "description": "what went wrong, naming the offending field where there is one"}}}
+ERROR_SCHEMA = {"title": "ErrorBody", "type": "object", "required": ["detail"], "properties": {"detail": {
+    "type": "string", "title": "Detail",
+    "description": "what went wrong, naming the offending field where there is one"}}}
 
 AUTH = {401: "missing or wrong token", 503: "the farm is starting or stopping; retry after Retry-After"}
 BODY = {400: "the body is not JSON (malformed)", 413: "the body is over the farm's limit (max_body_bytes)",

@@ -13,8 +13,8 @@ Writes run in order on one writer thread (the event loop never waits on the disk
 method returns a future, and the pool awaits the ones a client's answer depends on (a granted
 lease is on disk before its id is returned, a release before the 204). The writer commits every
 write queued meanwhile in one transaction: under load (hundreds of leases a second) one commit
-carries many writes instead of each waiting its turn. Heartbeats are not written: a lease taken over after a restart gets a
-fresh TTL (its holder could not reach the farm while it was down).
+carries many writes instead of each waiting its turn. Heartbeats are not written: a lease taken
+over after a restart gets a fresh TTL (its holder could not reach the farm while it was down).
 
 What a restart does with this (``LeasePool.start``): each saved desktop is offered to the
 provider's ``adopt`` (docker: the container still runs; libvirt: the VM still runs; sandbox: its
@@ -41,6 +41,7 @@ from typing import Any
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint
 
 log = logging.getLogger("osfarm.farm.registry")
+Statement = tuple[str, tuple[Any, ...]]  # SQL and its parameters
 
 FILE_NAME = "farm-registry.sqlite"
 LOCK_NAME = "farm-registry.lock"
@@ -119,7 +120,7 @@ class FarmRegistry:
         self._conn: sqlite3.Connection | None = None
         self._lock_fd: int | None = None
         self._last: Future[None] | None = None
-        self._queue: queue.SimpleQueue[tuple[list[tuple[str, tuple[Any, ...]]], Future[None]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[list[Statement], Future[None]] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._ended_writes = 0
 
@@ -252,7 +253,8 @@ class FarmRegistry:
         if last is not None:
             await asyncio.wrap_future(last)
 
-    def put_desktop(self, desktop_id: str, state: str, lease_id: str | None, handle: DesktopHandle | None) -> Future[None]:
+    def put_desktop(self, desktop_id: str, state: str, lease_id: str | None,
+                    handle: DesktopHandle | None) -> Future[None]:
         return self._submit([("INSERT OR REPLACE INTO desktops VALUES (?, ?, ?, ?, ?)",
                               (desktop_id, state, lease_id, handle_to_json(handle) if handle else None, time.time()))])
 

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable
 
 
-def backoff_s(attempt: int, base_s: float = 0.5, cap_s: float = 30.0, rng: Callable[[], float] = random.random) -> float:
+def backoff_s(attempt: int, base_s: float = 0.5, cap_s: float = 30.0,
+              rng: Callable[[], float] = random.random) -> float:
     """Seconds to wait before retry number ``attempt`` (1 = the first retry)."""
     delay = min(cap_s, base_s * 2 ** max(0, attempt - 1))
     return delay / 2 + rng() * delay / 2

@@ -36,7 +36,8 @@ class CeleryExecutor:
     def check_limits(time_limit_s: float, infra_retries: int) -> None:
         hard, vis = hard_limit_s(time_limit_s, infra_retries), visibility_timeout_s()
         if hard >= vis:
-            raise ValueError(f"an episode may run {hard:.0f} s (time limit x attempts + retry backoff + 30 s) but the broker's "
+            raise ValueError(f"an episode may run {hard:.0f} s (time limit x attempts + retry backoff + 30 s) "
+                             f"but the broker's "
                              f"visibility timeout is {vis:.0f} s: Redis would give it to a second worker while it "
                              f"runs. Set OSFARM_CELERY_VISIBILITY_S above {hard:.0f} (on workers too) or lower "
                              f"--time-limit/--retries")

@@ -222,7 +222,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     farm_url = os.environ.get("OSFARM_FARM_URL", "")
     token = os.environ.get("OSFARM_TOKEN", "")
     if not farm_url or not token:
-        raise RuntimeError("this worker has no farm: start it with --farm URL --token T (or OSFARM_FARM_URL/OSFARM_TOKEN)")
+        raise RuntimeError("this worker has no farm: start it with --farm URL --token T "
+                           "(or OSFARM_FARM_URL/OSFARM_TOKEN)")
     out = _out_dir(job)
     suite = _suite(job["suite"], job.get("index"))
     task = _task(job)
