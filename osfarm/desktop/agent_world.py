@@ -115,6 +115,7 @@ class AgentWorld:
     home: str = "/home/user"
     runtime_dir: str = "/run/user/1000"
     nsenter: str = "/usr/bin/nsenter"
+    setpriv: str = "/usr/bin/setpriv"
     holder_pid: int = field(default_factory=os.getpid)  # the process holding the two fds
 
     def to_env(self) -> str:
@@ -136,16 +137,24 @@ class AgentWorld:
         return world
 
     def command(self, argv: list[str], cwd: str | None = None) -> list[str]:
-        """``argv`` run as the agent's user in its namespaces (``cwd`` is opened before)."""
+        """``argv`` run as the agent's user in its namespaces (``cwd`` is opened before).
+
+        ``nsenter`` enters the namespaces as the agent's root; ``setpriv``, the first program run
+        there, becomes ``user`` with its groups (``sudo``...) from the agent's /etc/group, as a
+        login on OSWorld's VM has them. Nothing of the agent's world runs with the guest's uid:
+        nsenter changes its uid before it executes anything (what it executes is the agent's, as
+        the agent's root: no more than the agent's sudo gives).
+        """
         pre = [
             self.nsenter,
             f"--user=/proc/{self.holder_pid}/fd/{self.userns_fd}",
             f"--mount=/proc/{self.holder_pid}/fd/{self.mntns_fd}",
-            f"--setuid={self.uid}", f"--setgid={self.gid}",
+            "--setuid=0", "--setgid=0",
         ]  # fmt: skip
         if cwd:
             pre.append(f"--wd={cwd}")
-        return [*pre, "--", *argv]
+        become = [self.setpriv, f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", "--"]
+        return [*pre, "--", *become, *argv]
 
     def env(self, base: dict[str, str]) -> dict[str, str]:
         """The environment of the agent's processes: the desktop's (display, buses,

@@ -222,8 +222,10 @@ def run(plan: BoxPlan) -> None:
     if plan.agent is not None:
         userns, mntns = make_agent_world(plan.agent)
         nsenter = shutil.which("nsenter", path=env.get("PATH")) or "/usr/bin/nsenter"
+        setpriv = shutil.which("setpriv", path=env.get("PATH")) or "/usr/bin/setpriv"
         world = AgentWorld(userns, mntns, uid=plan.agent.user_uid, gid=plan.agent.user_gid, user=plan.agent.user,
-                           home=plan.agent.home, runtime_dir=f"/run/user/{plan.agent.user_uid}", nsenter=nsenter)
+                           home=plan.agent.home, runtime_dir=f"/run/user/{plan.agent.user_uid}", nsenter=nsenter,
+                           setpriv=setpriv)
         env[ENV_VAR] = world.to_env()
     os.chdir(plan.cwd)
     os.setgroups([])
