@@ -429,11 +429,12 @@ def test_planned_groups_are_exactly_what_was_allocated(run):
     dm.add(make_record(run, "t2", status="failure", group_id="t2#g3"))
     dm.close_group("t2#g3")  # lost its other rollouts: one episode is no group
     batch = dm.take_batch()
-    # in the order they were planned (g2 closed first): the same episodes make the same batch
+    # in the order they were planned (g2 closed first), each group's episodes by content (successes
+    # first), not by arrival: the same episodes make the same batch
     assert [(g.group_id, [e.record["episode_id"] for e in g.episodes]) for g in batch.groups] == [
-        ("t1#g1", [r["episode_id"] for r in g1]), ("t1#g2", [r["episode_id"] for r in g2])]
+        ("t1#g1", [r["episode_id"] for r in g1]), ("t1#g2", [g2[1]["episode_id"], g2[0]["episode_id"]])]
     assert batch.episodes == 5 and dm.counters["groups_too_small"] == 1 and dm.counters["late"] == 1
-    assert batch.groups[1].advantages == approx([-1.0, 1.0])
+    assert batch.groups[1].advantages == approx([1.0, -1.0])
     assert released == [("t2", 1, "too_small")] and dm.pending_episodes() == 0
 
 

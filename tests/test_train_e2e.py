@@ -8,8 +8,9 @@ Two runs:
 * synchronous (η = 0) to version 5, for the learning assertion (the reward of the episodes sampled
   by version 0 against those of the last versions). It is reproducible: every request carries a
   seed derived from the config's seed and the rollout's number, at η = 0 every rollout of version v
-  samples from weights v, groups are planned (fixed n) and a batch lists them in plan order, and
-  the CPU update is deterministic — so the run makes the same episodes and the same updates each
+  samples from weights v, the prompt has no screenshot (a desktop's pixels, e.g. its clock, differ
+  from run to run), groups are planned (fixed n), a batch lists them in plan order and their
+  episodes by content, and the CPU update is deterministic — so the run makes the same episodes and the same updates each
   time, and the assertion cannot pass or fail by chance (the η = 1 run's reward depends on which
   version each request happens to reach, so it is not asserted there). Only an infra error (a
   desktop that failed, retried with a new seed) changes the sequence.
@@ -77,6 +78,7 @@ rollout:
 agent:
   kind: choice
   temperature: 0.1
+  screenshot: false  # a desktop's pixels (its clock) differ from run to run; the choice needs none
 learner:
   lr: 0.003
   temperature: 0.1

@@ -348,6 +348,13 @@ def _steps_with_request(rec: dict[str, Any]) -> int:
     return sum(1 for s in rec.get("steps", []) if s.get("model") and s["model"].get("request") is not None)
 
 
+def _canonical(ep: _Episode) -> tuple[float, str]:
+    """An order of a group's episodes that does not depend on when each finished."""
+    steps = [(s.get("model") or {}).get("response_token_ids") or (s.get("model") or {}).get("response_text")
+             for s in ep.record.get("steps", [])]
+    return (-ep.reward, json.dumps(steps))
+
+
 def _atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -708,6 +715,8 @@ class DataManager:
             extra = [e for e in eps if e not in chosen]
             if extra:  # a redundant rollout accepted before the others were cancelled
                 self._discard(p.task_id, extra, "redundant")
+            # by content, not arrival: the same episodes give the same samples in the same order
+            chosen.sort(key=_canonical)
             g = self._make_group(p.task_id, chosen, gid)
             if g is not None:
                 groups.append(g)

@@ -5,7 +5,8 @@ eval suite is run ``eval_episodes`` times with the policy the servers then serve
 through the same scheduler as the training rollouts (the farm's desktops are shared, nothing
 waits for them) but never reach the data manager. When all of a version's episodes are back its
 result is a row of ``<run>/eval.jsonl`` — ``version``, ``success_rate``, ``reward``, ``episodes``,
-``infra_errors`` — printed, sent to TensorBoard / W&B and drawn in ``curves.png`` next to the
+``infra_errors``, ``policy_versions`` (the versions that answered: a server updated in place may
+already serve a newer one when an episode starts) — printed, sent to TensorBoard / W&B and drawn in ``curves.png`` next to the
 training reward.
 """
 
@@ -26,6 +27,7 @@ class _Round:
     successes: int = 0
     infra_errors: int = 0
     started: float = field(default_factory=time.monotonic)
+    versions: set[int] = field(default_factory=set)  # the versions that answered (weights may move on meanwhile)
 
     @property
     def done(self) -> int:
@@ -60,12 +62,15 @@ class EvalTracker:
         self.rounds[version] = _Round(version, len(todo))
         return todo
 
-    def add(self, version: int, status: str | None, score: float | None) -> dict[str, Any] | None:
-        """One eval episode of ``version`` ended (``status`` None: it crashed); returns the round's
-        row when it was the last."""
+    def add(self, version: int, status: str | None, score: float | None,
+            answered_by: int | None = None) -> dict[str, Any] | None:
+        """One eval episode of ``version`` ended (``status`` None: it crashed; ``answered_by``: the
+        policy version of its first step); returns the round's row when it was the last."""
         r = self.rounds.get(version)
         if r is None:
             return None
+        if answered_by is not None:
+            r.versions.add(int(answered_by))
         if status is None or status == "infra_error":
             r.infra_errors += 1
         else:
@@ -77,7 +82,7 @@ class EvalTracker:
         row = {"time": time.time(), "version": version,
                "success_rate": r.successes / len(r.scores) if r.scores else None,
                "reward": sum(r.scores) / len(r.scores) if r.scores else None,
-               "episodes": len(r.scores), "infra_errors": r.infra_errors,
+               "episodes": len(r.scores), "infra_errors": r.infra_errors, "policy_versions": sorted(r.versions),
                "seconds": round(time.monotonic() - r.started, 1)}
         self.results.append(row)
         self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -105,6 +105,7 @@ class Rollout:
     kind: str = TRAIN  # or EVAL: a held-out evaluation episode of policy version `version`
     max_steps: int | None = None  # DART's dynamic trajectory length (None: the config's)
     exemplar: str | None = None  # XRPO's in-context seed, appended to the instruction
+    started_version: int | None = None  # the trainer's version when the episode started (not queued)
 
 
 # ---- per-update bookkeeping ----------------------------------------------------------------------
@@ -207,6 +208,7 @@ class Trainer:
         self.learner_pool: ThreadPoolExecutor | None = None  # None: asyncio's default executor
         self.eval = EvalTracker(self.run_dir, [], None)
         self.start_version = 0
+        self.draining = False  # the last update is done: only evaluation episodes still run
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -538,6 +540,7 @@ class Trainer:
     async def _drain_eval(self, consumer: asyncio.Task[None]) -> None:
         """Wait for the evaluations already started (the last version's included) to come back."""
         if self.eval.outstanding:
+            self.draining = True
             self.cancel(lambda r: r.kind == TRAIN)
             with self.console.status(f"waiting for {self.eval.outstanding} evaluation episode(s) ..."):
                 while self.eval.outstanding and not consumer.done() and not self.stop.is_set():
@@ -549,7 +552,10 @@ class Trainer:
                          eval_sink: JsonlSink) -> Callable[[Rollout], Awaitable[EpisodeRecord]]:
         async def run_one(item: Rollout) -> EpisodeRecord:
             key = id(item)
+            if self.draining and item.kind == TRAIN:  # queued before the end: nothing will train on it
+                raise Aborted(f"rollout {item.seq}: the run is over")
             self.in_flight[key] = time.monotonic()
+            item.started_version = self.controller.version if hasattr(self, "controller") else item.version
             if self.farm is None:
                 self.farm = AsyncFarm(url, token)
                 await self.farm.__aenter__()
@@ -609,7 +615,8 @@ class Trainer:
             item, rec = done.item, done.result
             self.in_flight.pop(id(item), None)
             if item.kind == EVAL:
-                row = self.eval.add(item.version, rec["status"] if rec else None, rec["score"] if rec else None)
+                row = self.eval.add(item.version, rec["status"] if rec else None, rec["score"] if rec else None,
+                                    (rec.get("policy") or {}).get("version_start") if rec else None)
                 if rec is None:
                     self.console.print(f"[yellow]evaluation episode failed[/]: {type(done.error).__name__}: "
                                        f"{done.error}", highlight=False)
@@ -694,7 +701,8 @@ class Trainer:
             await asyncio.to_thread(controller.save, train_state_dir(ckpt) / RC_STATE, rc_state)
             await asyncio.to_thread(prune_checkpoints, self.ckpt_root, cfg.keep_checkpoints)
             if not cfg.rollout.interruptible:  # what started before the window can only come back stale
-                self.cancel(lambda r: r.kind == TRAIN and r.version < version - eta)
+                self.cancel(lambda r: r.kind == TRAIN and (r.started_version if r.started_version is not None
+                                                           else r.version) < version - eta)
             if self.eval.due(version):
                 self._start_eval(version, self.scheduler)
             self.totals["samples"] += len(samples)
