@@ -80,8 +80,8 @@ class FarmSettings(BaseSettings):
     sandbox_pids: int = Field(default=2048, ge=64, description="most processes and threads per sandbox desktop")
     sandbox_cpu_weight: int = Field(default=100, ge=1, le=10000, description="CPU weight per sandbox desktop "
                                     "(cgroup v2 scale: 100 = an equal share)")
-    sandbox_home_size: str = Field(default="1g", description="size cap of a desktop's home, a tmpfs (sandbox and docker)")
-    sandbox_tmp_size: str = Field(default="512m", description="size cap of a desktop's /tmp and /var/tmp (sandbox and docker)")
+    sandbox_home_size: str = Field(default="1g", description="size cap of a desktop's home, a tmpfs (every provider)")
+    sandbox_tmp_size: str = Field(default="512m", description="size cap of a desktop's /tmp and /var/tmp (every provider)")
     sandbox_uid_base: int = Field(default=0x70000000, ge=65536, le=0x7FFE0000,
                                   description="first host uid of the sandboxes' uid slots (131072 ids per desktop)")
     health_interval_s: float = Field(default=2.0, gt=0)

@@ -79,6 +79,7 @@ from osfarm.providers.boxes import (
     wait_guest_ready,
     wait_pids_gone,
 )
+from osfarm.providers.cgroups import parse_size
 
 log = logging.getLogger("osfarm.providers.libvirt")
 
@@ -121,9 +122,9 @@ def domain_template_path() -> Path:
     return root / "libvirt" / TEMPLATE_NAME
 
 
-def kernel_cmdline(spec: DesktopSpec) -> str:
-    """Kernel command line of a desktop VM: root disk, our init and the session's settings (no
-    secret: the token goes through fw_cfg)."""
+def kernel_cmdline(spec: DesktopSpec, home_bytes: int = 1 << 30, tmp_bytes: int = 512 << 20) -> str:
+    """Kernel command line of a desktop VM: root disk, our init, the session's settings and the
+    sizes of the home and /tmp tmpfs (no secret: the token goes through fw_cfg)."""
     return " ".join(
         [
             "root=/dev/vda", "rw", "rootfstype=ext4", "init=/sbin/osfarm-init",
@@ -131,6 +132,7 @@ def kernel_cmdline(spec: DesktopSpec) -> str:
             "random.trust_cpu=on", "8250.nr_uarts=1", "mitigations=off",
             f"osfarm.width={spec.width}", f"osfarm.height={spec.height}",
             f"osfarm.depth={spec.depth}", f"osfarm.port={GUEST_PORT}",
+            f"osfarm.home_size={home_bytes}", f"osfarm.tmp_size={tmp_bytes}",
         ]
     )  # fmt: skip
 
@@ -371,7 +373,8 @@ class LibvirtProvider:
             "vcpus": str(self.settings.libvirt_vcpus),
             "kernel": str(self.files["kernel"]),
             "initrd": str(self.files["initrd"]),
-            "cmdline": kernel_cmdline(spec),
+            "cmdline": kernel_cmdline(spec, parse_size(self.settings.sandbox_home_size),
+                                      parse_size(self.settings.sandbox_tmp_size)),
             "uid": str(self.qemu_uid),
             "gid": str(self.qemu_gid),
             "token_file": str(ddir / "token"),
