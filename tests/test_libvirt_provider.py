@@ -207,6 +207,33 @@ async def wait_dead(provider: LibvirtProvider, handle: DesktopHandle, timeout: f
     return why
 
 
+@pytest.mark.timeout(900)
+async def test_a_start_cancelled_while_its_vm_is_created_leaves_no_vm(vm_disk):
+    """A farm that stops while a desktop boots cancels the start. The VM libvirt is creating at
+    that moment (in a thread, which a cancel does not stop) must not run on without an owner."""
+    state = new_state_dir()
+    provider = LibvirtProvider(settings_for(state, vm_disk))
+    name = domain_name(state, "c1")
+    try:
+        start = asyncio.create_task(provider.start("c1", SPEC))
+        deadline = time.monotonic() + 300
+        # Asked on the loop's thread (blocking): the start cannot move on between the answer and
+        # the cancel, so the cancel lands while libvirt creates the VM, or just after.
+        while name not in {d.name() for d in provider.conn.listAllDomains(0)}:
+            assert not start.done(), start
+            assert time.monotonic() < deadline, "the VM was never created"
+            await asyncio.sleep(0)
+        start.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await start
+        await asyncio.sleep(5)  # a creation the start left behind would have finished by now
+        assert name not in await domain_names(provider)
+    finally:
+        await provider.reap_orphans()  # a VM the test failed on
+        await provider.close()
+        shutil.rmtree(state, ignore_errors=True)
+
+
 @pytest.mark.timeout(2400)
 async def test_boot_reset_then_leaked_vm_is_reaped(vm_disk):
     """Boot-mode reset gives a fresh disk; a farm that dies leaves its VM to the next one."""

@@ -45,6 +45,7 @@ import secrets
 import shutil
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 from string import Template
@@ -218,6 +219,20 @@ def kvm_usable() -> str | None:
         return f"/dev/kvm cannot be opened: {e.strerror} (add this user to the kvm group)"
     os.close(fd)
     return None
+
+
+async def _finished_even_if_cancelled(call: Awaitable[Any]) -> Any:
+    """Await a call made in a thread; if the caller is cancelled meanwhile, wait for the thread's
+    call to end before the CancelledError goes on: a thread cannot be stopped, and what it makes
+    (a VM) must exist by the time the caller cleans up."""
+    fut = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait({fut})
+        if not fut.cancelled():
+            fut.exception()  # seen: its failure, if any, is the caller's cleanup's business now
+        raise
 
 
 def domain_name(state_dir: Path, desktop_id: str) -> str:
@@ -480,9 +495,11 @@ class LibvirtProvider:
                 raise ProviderError(f"desktop {desktop_id} is already running")
             await self._kill(desktop_id)
         t0 = time.monotonic()
-        box = await self._boot(desktop_id, spec)
-        handle = self._handle(desktop_id, spec, box)
+        # The boot too: a start cancelled (the farm stopping) while libvirt creates the VM must not
+        # leave that VM running (_kill finds it by its domain name).
         async with discarded_on_failure(desktop_id, lambda: self._kill(desktop_id)):
+            box = await self._boot(desktop_id, spec)
+            handle = self._handle(desktop_id, spec, box)
             await self._wait_ready(handle, box, t0)
             if self.settings.libvirt_reset == "snapshot":
                 t_snap = time.monotonic()
@@ -547,7 +564,7 @@ class LibvirtProvider:
             port = free_loopback_port()
             xml = self.domain_xml(desktop_id, spec, port)
             try:
-                await asyncio.to_thread(self.conn.createXML, xml, 0)
+                await _finished_even_if_cancelled(asyncio.to_thread(self.conn.createXML, xml, 0))
             except self._lv.libvirtError as e:
                 last = e.get_error_message()
                 if "hostfwd" in last or "Address already in use" in last or "Could not set up host forwarding" in last:
