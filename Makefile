@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # elsewhere PyPI's build of it (CUDA) installs. Override: make TORCH='torch==2.5.1'.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test system venv services images bench clean
+.PHONY: demo test lint system venv services images bench clean
 
 system:
 	bash scripts/setup-system.sh
@@ -44,6 +44,10 @@ demo: venv
 
 test: venv images
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# ruff (rules and line length in pyproject.toml): pyflakes, pycodestyle, isort, bugbear, pyupgrade
+lint: venv
+	$(VENV)/bin/ruff check .
 
 bench: venv
 	$(PY) bench/lease_latency.py
