@@ -11,7 +11,6 @@ import re
 import shutil
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, Unk
 from osfarm.farm.metrics import REGISTRY
 from osfarm.farm.pool import LeasePool, new_lease_id
 from osfarm.providers.sandbox import SANDBOX_ENV, SandboxProvider
+from osfarm.providers.sandbox_layout import BOX_PYTHON
 from boxes import box_processes
 from memory_provider import MemoryProvider
 from waiting import async_wait_until as wait_until
@@ -410,7 +410,8 @@ async def test_mark_failed_replaces_desktop(make_pool):
 
 
 async def test_failing_starts_give_503_with_the_reason(make_pool):
-    launcher = [sys.executable, "-c", "import sys; sys.exit('cannot open display: broken on purpose')"]
+    # the box runs its own interpreter (the host's venv is not inside it)
+    launcher = [BOX_PYTHON, "-c", "import sys; sys.exit('cannot open display: broken on purpose')"]
     pool = await make_pool(launcher=launcher, pool_min=1, pool_max=2)
     with pytest.raises(CapacityError) as e:
         await pool.lease(wait_s=30)
