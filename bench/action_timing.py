@@ -25,10 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
 from osfarm.client import Farm, FarmUnreachableError, RemoteDesktop  # noqa: E402
 
 CLICK_DELAY_MS = 60

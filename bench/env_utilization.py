@@ -47,8 +47,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from osfarm.client import AsyncFarm
 from osfarm.agents.base import BaseAgent
+from osfarm.client import AsyncFarm
 from osfarm.runner.episode import EpisodeConfig, EpisodeResult, run_episode
 from osfarm.runner.scheduler import Done, RolloutScheduler, utilisation
 from osfarm.tasks.filecache import suite_cache

@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
+from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
 from osfarm.config import FarmSettings  # noqa: E402
 from osfarm.providers import make_provider  # noqa: E402
 from osfarm.providers.base import DesktopSpec  # noqa: E402

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
 from osfarm.client import Farm  # noqa: E402
 
 # The desktop's python3 (the agent's, with pyautogui), as OSWorld's tasks run it: not this

@@ -17,16 +17,17 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Optional
+from typing import Annotated, Any
 
 import typer
-from typer.core import TyperCommand
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
+from typer.core import TyperCommand
 
 from osfarm.config import ConfigError, FarmSettings, load_settings
 from osfarm.http.errors import error_detail
@@ -81,10 +82,10 @@ err = Console(stderr=True)
 UrlOpt = Annotated[str, typer.Option("--url", envvar="OSFARM_URL", help="farm URL")]
 TokenOpt = Annotated[str, typer.Option("--token", envvar="OSFARM_TOKEN", help="farm token", show_default=False)]
 OwnerOpt = Annotated[
-    Optional[str], typer.Option("--owner", envvar="OSFARM_OWNER", help="lease owner (sent as X-Osfarm-Owner)")
+    str | None, typer.Option("--owner", envvar="OSFARM_OWNER", help="lease owner (sent as X-Osfarm-Owner)")
 ]
 ConfigOpt = Annotated[
-    Optional[Path], typer.Option("--config", "-c", help="YAML settings file (keys as in FarmSettings)", show_default=False)
+    Path | None, typer.Option("--config", "-c", help="YAML settings file (keys as in FarmSettings)", show_default=False)
 ]
 
 
@@ -230,16 +231,16 @@ def _bind(host: str, port: int) -> socket.socket:
 
 @app.command()
 def serve(
-    provider: Annotated[Optional[str], typer.Option(help="desktop provider: sandbox, docker, libvirt", show_default=False)] = None,
-    pool_size: Annotated[Optional[int], typer.Option("--pool-size", help="desktops kept warm (pool_min)", show_default=False)] = None,
-    pool_max: Annotated[Optional[int], typer.Option("--pool-max", help="most desktops alive at once", show_default=False)] = None,
-    host: Annotated[Optional[str], typer.Option(help="address to bind (default 127.0.0.1)", show_default=False)] = None,
-    port: Annotated[Optional[int], typer.Option(help="port to bind (default 8765; 0 = any free)", show_default=False)] = None,
-    token: Annotated[Optional[str], typer.Option(help="API token (default: generated)", show_default=False)] = None,
-    width: Annotated[Optional[int], typer.Option(help="screen width of each desktop", show_default=False)] = None,
-    height: Annotated[Optional[int], typer.Option(help="screen height of each desktop", show_default=False)] = None,
-    state_dir: Annotated[Optional[Path], typer.Option(help="where desktops keep their files", show_default=False)] = None,
-    runs: Annotated[Optional[Path], typer.Option("--runs", help="folder of run dirs the dashboard (/ui) shows",
+    provider: Annotated[str | None, typer.Option(help="desktop provider: sandbox, docker, libvirt", show_default=False)] = None,
+    pool_size: Annotated[int | None, typer.Option("--pool-size", help="desktops kept warm (pool_min)", show_default=False)] = None,
+    pool_max: Annotated[int | None, typer.Option("--pool-max", help="most desktops alive at once", show_default=False)] = None,
+    host: Annotated[str | None, typer.Option(help="address to bind (default 127.0.0.1)", show_default=False)] = None,
+    port: Annotated[int | None, typer.Option(help="port to bind (default 8765; 0 = any free)", show_default=False)] = None,
+    token: Annotated[str | None, typer.Option(help="API token (default: generated)", show_default=False)] = None,
+    width: Annotated[int | None, typer.Option(help="screen width of each desktop", show_default=False)] = None,
+    height: Annotated[int | None, typer.Option(help="screen height of each desktop", show_default=False)] = None,
+    state_dir: Annotated[Path | None, typer.Option(help="where desktops keep their files", show_default=False)] = None,
+    runs: Annotated[Path | None, typer.Option("--runs", help="folder of run dirs the dashboard (/ui) shows",
                                                  show_default=False)] = None,
     config: ConfigOpt = None,
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow binding a non-loopback address")] = False,
@@ -379,7 +380,7 @@ def _cell(v: Any) -> str:
 
 @desktop_app.command("lease")
 def desktop_lease(
-    ttl: Annotated[Optional[float], typer.Option("--ttl", help="lease TTL in seconds (default: the farm's)", show_default=False)] = None,
+    ttl: Annotated[float | None, typer.Option("--ttl", help="lease TTL in seconds (default: the farm's)", show_default=False)] = None,
     wait: Annotated[float, typer.Option("--wait", help="seconds to wait for a free desktop")] = 30.0,
     owner: OwnerOpt = None,
     url: UrlOpt = "http://127.0.0.1:8765",
@@ -494,11 +495,11 @@ def _wait_settled(desk: Any, timeout: float = 5.0) -> bytes:
 @app.command()
 def demo(
     out_dir: Annotated[Path, typer.Option("--out", help="run directory root")] = Path("runs"),
-    url: Annotated[Optional[str], typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)] = None,
-    token: Annotated[Optional[str], typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)] = None,
+    url: Annotated[str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)] = None,
+    token: Annotated[str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)] = None,
     text: Annotated[str, typer.Option("--text", help="command typed into the terminal")] = "echo hello from osfarm",
-    width: Annotated[Optional[int], typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
-    height: Annotated[Optional[int], typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
+    width: Annotated[int | None, typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
+    height: Annotated[int | None, typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
     config: ConfigOpt = None,
 ) -> None:
     """The main job: lease a desktop, open a terminal, type a command, save a screenshot."""

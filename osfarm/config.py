@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import secrets
-from pathlib import Path
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml

@@ -23,7 +23,7 @@ def docker_or_skip() -> Any:
         pytest.skip(f"docker not available: {e}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _build(only: str) -> str:
     from osfarm.images.build import ImageBuilder
     from osfarm.images.cli import default_work_dir

@@ -6,17 +6,20 @@ from __future__ import annotations
 import hashlib
 import io
 import os
+import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from boxes import box_processes
+from farms import H, W
 from PIL import Image, ImageChops
 
-from farms import H, W
-
 from osfarm.farm.server import FarmServer
+from osfarm.providers.sandbox import SANDBOX_ENV
 
 
 @pytest.fixture
@@ -162,7 +165,8 @@ def test_lease_step_observe_screenshot_heartbeat_release(api: httpx.Client) -> N
     assert result["observation"]["screen"] == {"width": W, "height": H}
     assert _step_count(api) == steps_before + 1
 
-    r = api.post(f"/v1/desktops/{lid}/guest/v1/wait_for_file", json={"path": "~/typed.txt", "min_size": 1, "timeout": 20})
+    r = api.post(f"/v1/desktops/{lid}/guest/v1/wait_for_file",
+                 json={"path": "~/typed.txt", "min_size": 1, "timeout": 20})
     assert r.json()["ok"], r.text
     r = api.post(f"/v1/desktops/{lid}/guest/file", data={"file_path": "~/typed.txt"})
     assert r.status_code == 200 and r.content == b"hello from osfarm\n"
@@ -370,7 +374,8 @@ def test_foreign_owner_is_403_everywhere(api: httpx.Client, lease: dict[str, Any
         assert r.status_code == 403, (method, path, r.text)
         assert "another owner" in detail(r)
     # The right owner works, and the foreign DELETE above did not release it.
-    r = api.get(f"/v1/desktops/{lease['id']}/observation", headers={"X-Osfarm-Owner": "alice"}, params={"screenshot": "false"})
+    r = api.get(f"/v1/desktops/{lease['id']}/observation", headers={"X-Osfarm-Owner": "alice"},
+                params={"screenshot": "false"})
     assert r.status_code == 200
 
 
@@ -410,11 +415,21 @@ def test_capacity_429_with_retry_after(farm: FarmServer, api: httpx.Client) -> N
             api.delete(f"/v1/desktops/{lid}")
 
 
-def test_crashed_guest_is_410_and_replaced(api: httpx.Client) -> None:
+def test_crashed_guest_is_410_and_replaced(api: httpx.Client, farm: FarmServer) -> None:
     info = api.post("/v1/desktops", json={"wait_s": 60}).json()
     lid = info["id"]
-    # Kill the desktop's session process (the guest server's parent of this shell) from inside.
-    r = api.post(f"/v1/desktops/{lid}/guest/execute", json={"command": "kill -9 $PPID", "shell": True})
+    # The agent cannot kill its desktop's session (it runs as the box's guest, out of the agent's
+    # reach: tests/security): the session dies from outside, as when the X server crashes.
+    box_dir = f"{farm.settings.state_dir}/sandbox/{info['desktop_id']}"
+    xvfb = [p for p in box_processes(Path(farm.settings.state_dir))
+            if p.name() == "Xvfb" and p.environ().get(SANDBOX_ENV) == box_dir]
+    assert len(xvfb) == 1
+    os.kill(xvfb[0].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    probe = {"command": "true", "shell": True}
+    while (r := api.post(f"/v1/desktops/{lid}/guest/execute", json=probe)).status_code == 200:
+        assert time.monotonic() < deadline, "the crash was not noticed in 30 s"
+        time.sleep(0.2)
     assert r.status_code == 410, r.text
     assert "crashed" in detail(r)
     r = api.post(f"/v1/desktops/{lid}/step", json={"actions": ["WAIT"]})

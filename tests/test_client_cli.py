@@ -16,10 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from farms import H, W
 from PIL import Image
 from typer.testing import CliRunner
-
-from farms import H, W
 
 from osfarm.cli import app
 from osfarm.client import (

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from docker_env import containers, docker_or_skip, ensure_images
+
 from osfarm.config import FarmSettings
 from osfarm.providers.base import DesktopSpec, ProviderError
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import typer
+from asset_server import HF, AssetServer, asset_server
 from typer.testing import CliRunner
 
-from asset_server import HF, AssetServer, asset_server
 from osfarm.farm.server import FarmServer
 from osfarm.http.download import DownloadError, DownloadPolicy, DownloadRefused, download
 from osfarm.runner.cli import eval_command

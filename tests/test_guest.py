@@ -16,11 +16,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from PIL import Image
-
 from asset_server import HF, asset_server
-from osfarm.desktop.process_tree import descendants
+from PIL import Image
 from waiting import wait_until
+
+from osfarm.desktop.process_tree import descendants
 
 TOKEN = "test-token-guest"
 ROOT = Path(__file__).resolve().parent.parent

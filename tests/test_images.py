@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from docker_env import docker_or_skip, ensure_images
+
 from osfarm import __version__
 from osfarm.images import recipes
 from osfarm.images.recipes import Recipe

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from farms import H, W
+
 from osfarm.env import SyncTaskEnv
 from osfarm.farm.server import FarmServer
 from osfarm.tasks.model import parse_task

@@ -22,14 +22,14 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-
 from docker_env import containers, ensure_images
 from farms import H, W, farm_settings, running_farm
+
 from osfarm.farm.server import FarmServer
+from osfarm.images.libvirt_disk import BASE_DISK, build_libvirt_disk, default_image_dir
 from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopSpec
 from osfarm.providers.libvirt import kvm_usable
-from osfarm.images.libvirt_disk import BASE_DISK, build_libvirt_disk, default_image_dir
 
 PROVIDERS = ["sandbox", "docker", "libvirt"]
 # Where KVM cannot boot our VMs (no /dev/kvm, or a nested PVM host), libvirt runs the same tests

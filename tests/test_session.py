@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from waiting import wait_until
 
 from osfarm.desktop.process_tree import descendants
-from waiting import wait_until
 
 TOKEN = "test-token-session"
 ROOT = Path(__file__).resolve().parent.parent

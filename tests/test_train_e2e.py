@@ -211,9 +211,9 @@ def test_server_logprobs_change_after_a_sync(run: dict[str, Any], tmp_path: Path
 
     import httpx
 
-    from osfarm.policy.tiny import tiny_model_dir
     from osfarm.policy.client import PolicyServer
     from osfarm.policy.process import PolicyProcess
+    from osfarm.policy.tiny import tiny_model_dir
     from osfarm.trainer.weight_sync import WeightSync
 
     proc = PolicyProcess(tiny_model_dir(), 0, "policy", tmp_path / "policy.log")

@@ -8,7 +8,7 @@ import secrets
 import signal
 import socket
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -37,7 +37,7 @@ def ui_command(
     runs: Annotated[Path, typer.Option("--runs", help="folder of eval/training run dirs (searched 4 levels deep)")],
     host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port to bind (0 = any free)")] = 8770,
-    token: Annotated[Optional[str], typer.Option("--token", envvar="OSFARM_UI_TOKEN",
+    token: Annotated[str | None, typer.Option("--token", envvar="OSFARM_UI_TOKEN",
                                                  help="login token (default: generated)", show_default=False)] = None,
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow binding a non-loopback address")] = False,
 ) -> None:

@@ -7,7 +7,6 @@ cost once. The guest passthrough, which streams arbitrary OSWorld routes, keeps 
 
 from __future__ import annotations
 
-import asyncio
 import json as jsonlib
 from dataclasses import dataclass, field
 from typing import Any

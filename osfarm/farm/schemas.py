@@ -67,6 +67,11 @@ class LeaseInfo(BaseModel):
         description="people who took control of this desktop from the dashboard (/ui), oldest first: the "
         "episode ran with human help while any span overlaps it",
     )
+    cpu_s: float | None = Field(
+        default=None,
+        description="CPU-seconds the desktop used since the lease was granted (its processes, resets in place "
+        "excluded), as of this answer; null where the provider cannot tell",
+    )
 
 
 class DesktopStatus(BaseModel):

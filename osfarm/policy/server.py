@@ -36,7 +36,6 @@ from osfarm.http.openapi import allowed_methods, document_responses
 from osfarm.policy.engine import Choice, Generation, PolicyEngine, Prepared, RequestError
 from osfarm.policy.processing import MessageError
 from osfarm.policy.sampling import LatencyModel, SamplingParams
-from osfarm.policy.streaming import ChoiceDelta
 from osfarm.policy.schemas import (
     AssistantMessage,
     ChatChoice,
@@ -58,6 +57,7 @@ from osfarm.policy.schemas import (
     Usage,
     error_body,
 )
+from osfarm.policy.streaming import ChoiceDelta
 
 DEFAULT_MAX_TOKENS = 256
 VERSION_HEADER = "X-Policy-Version"

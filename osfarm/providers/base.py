@@ -8,6 +8,7 @@ server inside. The farm's pool owns the lifecycle; a provider only does box work
 from __future__ import annotations
 
 import functools
+import os
 import ssl
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -99,3 +100,23 @@ class Provider(Protocol):
     async def close(self) -> None:
         """Release provider resources (not the boxes)."""
         ...
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu_seconds(pids: list[int]) -> float | None:
+    """CPU-seconds of a set of processes from ``/proc``: each one's user + system time plus
+    that of its children it reaped (a box's top process reaps what dies in it); None without
+    any readable pid. For providers without a cgroup to ask."""
+    total, seen = 0.0, False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        seen = True
+        # after the ")": state is field 3; utime, stime, cutime, cstime are fields 14..17
+        total += sum(int(x) for x in fields[11:15]) / _CLK_TCK
+    return total if seen else None

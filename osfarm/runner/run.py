@@ -47,8 +47,8 @@ from osfarm.runner.results import (
     BlobStore,
     finished_row,
     summarize,
-    write_report,
     write_refused,
+    write_report,
     write_results,
     write_task,
 )

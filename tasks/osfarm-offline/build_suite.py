@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import filecmp
 import importlib.util
-import shutil
 import sys
 import tempfile
 from pathlib import Path

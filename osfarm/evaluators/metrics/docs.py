@@ -25,8 +25,8 @@ from PIL import Image
 from rapidfuzz import fuzz
 
 from osfarm.evaluators.errors import RuleError, UnsupportedOption
-from osfarm.evaluators.metrics.color import delta_e_2000, srgb_to_lab
 from osfarm.evaluators.metrics import ocr
+from osfarm.evaluators.metrics.color import delta_e_2000, srgb_to_lab
 from osfarm.evaluators.metrics.contract import is_file, never_raises
 
 logger = logging.getLogger(__name__)

@@ -1,8 +1,7 @@
 """chrome: Chromium answering as google-chrome, with CDP on 9222 for the evaluators."""
 import json
 
-from suitekit import (DONE, chrome, cmdline, dl, execute, hotkey, poll, press, rule, type_text,
-                      wait_window_code)
+from suitekit import DONE, chrome, cmdline, dl, execute, hotkey, poll, press, rule, type_text, wait_window_code
 
 LOCAL = "0f5d2a10-0000-4000-8000-000000000401"
 TABS = "0f5d2a10-0000-4000-8000-000000000402"

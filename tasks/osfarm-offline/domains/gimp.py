@@ -12,9 +12,24 @@ import os
 from pathlib import Path
 
 from PIL import Image, ImageDraw
-
-from suitekit import (DONE, activate, await_window, cmdline, dl, execute, gold, hotkey, launch, pause, poll,
-                      press, rule, type_text, vm_file, wait_window)
+from suitekit import (
+    DONE,
+    activate,
+    await_window,
+    cmdline,
+    dl,
+    execute,
+    gold,
+    hotkey,
+    launch,
+    pause,
+    poll,
+    press,
+    rule,
+    type_text,
+    vm_file,
+    wait_window,
+)
 
 MIRROR = "0f5d2a10-0000-4000-8000-000000000501"
 SCALE = "0f5d2a10-0000-4000-8000-000000000502"

@@ -1,5 +1,16 @@
 """libreoffice_calc: formulas typed into an xlsx, a sort through the Sort dialog; saved as xlsx."""
-from suitekit import DONE, hotkey, press, wait_window_code, SAVE_KEEP_FORMAT, gold, office_doc, saved_after_mark, type_text, vm_file
+from suitekit import (
+    DONE,
+    SAVE_KEEP_FORMAT,
+    gold,
+    hotkey,
+    office_doc,
+    press,
+    saved_after_mark,
+    type_text,
+    vm_file,
+    wait_window_code,
+)
 
 SUM = "0f5d2a10-0000-4000-8000-000000000101"
 PRODUCT = "0f5d2a10-0000-4000-8000-000000000102"

@@ -10,9 +10,20 @@ from pptx import Presentation
 from pptx.dml.color import RGBColor
 from pptx.enum.text import PP_ALIGN
 from pptx.util import Pt
-
-from suitekit import (DONE, SAVE_KEEP_FORMAT, await_office, await_window, gold, hotkey, office_doc,
-                      pause, press, saved_after_mark, type_text, vm_file)
+from suitekit import (
+    DONE,
+    SAVE_KEEP_FORMAT,
+    await_office,
+    await_window,
+    gold,
+    hotkey,
+    office_doc,
+    pause,
+    press,
+    saved_after_mark,
+    type_text,
+    vm_file,
+)
 
 RETITLE = "0f5d2a10-0000-4000-8000-000000000301"
 NOTES = "0f5d2a10-0000-4000-8000-000000000302"

@@ -5,9 +5,20 @@ round-trip (paragraph texts, direct paragraph and run properties that Writer wri
 a gold takes part, it differs from its input only in the property the task asks for.
 """
 from docx import Document
-
-from suitekit import (DONE, SAVE_KEEP_FORMAT, await_window, gold, hotkey, office_doc, pause, press, rule,
-                      saved_after_mark, type_text, vm_file)
+from suitekit import (
+    DONE,
+    SAVE_KEEP_FORMAT,
+    await_window,
+    gold,
+    hotkey,
+    office_doc,
+    pause,
+    press,
+    rule,
+    saved_after_mark,
+    type_text,
+    vm_file,
+)
 
 CENTER = "0f5d2a10-0000-4000-8000-000000000201"
 SPACING = "0f5d2a10-0000-4000-8000-000000000202"

@@ -1,6 +1,22 @@
 """os: shell and file tasks done in a terminal, and one in the Mousepad editor."""
-from suitekit import (DONE, TERM, activate, cmdline, dl, execute, gold, hotkey, launch, mark, poll,
-                      rule, saved_after_mark, type_text, typed, vm_file, wait_window)
+from suitekit import (
+    DONE,
+    TERM,
+    activate,
+    cmdline,
+    dl,
+    gold,
+    hotkey,
+    launch,
+    mark,
+    poll,
+    rule,
+    saved_after_mark,
+    type_text,
+    typed,
+    vm_file,
+    wait_window,
+)
 
 COUNT = "0f5d2a10-0000-4000-8000-000000000001"
 RENAME = "0f5d2a10-0000-4000-8000-000000000002"

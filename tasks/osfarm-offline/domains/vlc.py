@@ -14,9 +14,21 @@ import tempfile
 from pathlib import Path
 
 from PIL import Image, ImageDraw
-
-from suitekit import (DONE, activate, await_window, dl, execute, hotkey, launch, pause, poll, press, rule,
-                      type_text, wait_window)
+from suitekit import (
+    DONE,
+    activate,
+    await_window,
+    dl,
+    execute,
+    hotkey,
+    launch,
+    pause,
+    poll,
+    press,
+    rule,
+    type_text,
+    wait_window,
+)
 
 PLAY = "0f5d2a10-0000-4000-8000-000000000601"
 FULLSCREEN = "0f5d2a10-0000-4000-8000-000000000602"
