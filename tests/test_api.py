@@ -202,7 +202,8 @@ def test_lease_without_body_uses_defaults(api: httpx.Client) -> None:
 
 def test_step_code_and_done(api: httpx.Client, lease: dict[str, Any]) -> None:
     lid = lease["id"]
-    r = api.post(f"/v1/desktops/{lid}/step", json={"actions": ["import pyautogui; pyautogui.moveTo(100, 120)", {"action_type": "DONE"}]})
+    actions = ["import pyautogui; pyautogui.moveTo(100, 120)", {"action_type": "DONE"}]
+    r = api.post(f"/v1/desktops/{lid}/step", json={"actions": actions})
     assert r.status_code == 200, r.text
     assert r.json()["done"] == "DONE"
     o = api.get(f"/v1/desktops/{lid}/observation", params={"screenshot": "false"}).json()
@@ -300,8 +301,10 @@ BAD_STEPS: list[tuple[Any, int, str]] = [
     ({"actions": []}, 422, "body.actions"),
     ({"actions": [{"action_type": "TELEPORT"}]}, 422, "actions.0.action_type: unknown action type 'TELEPORT'"),
     ({"actions": [{"parameters": {}}]}, 422, "actions.0.action_type: missing"),
-    ({"actions": [{"action_type": "CLICK", "parameters": {"x": 5000, "y": 10}}]}, 422, "actions.0.parameters.x: 5000 is off screen"),
-    ({"actions": ["WAIT", {"action_type": "MOVE_TO", "parameters": {"x": 1, "y": -3}}]}, 422, "actions.1.parameters.y: -3 is off screen"),
+    ({"actions": [{"action_type": "CLICK", "parameters": {"x": 5000, "y": 10}}]}, 422,
+     "actions.0.parameters.x: 5000 is off screen"),
+    ({"actions": ["WAIT", {"action_type": "MOVE_TO", "parameters": {"x": 1, "y": -3}}]}, 422,
+     "actions.1.parameters.y: -3 is off screen"),
     ({"actions": [{"action_type": "MOVE_TO", "parameters": {"x": "left", "y": 1}}]}, 422, "actions.0.parameters.x"),
     ({"actions": [{"action_type": "TYPING"}]}, 422, "actions.0.parameters"),
     ({"actions": [{"action_type": "PRESS", "parameters": {"key": "hyperdrive"}}]}, 422, "actions.0.parameters.key"),
