@@ -206,7 +206,8 @@ def test_check_json_keybindings(tmp_path: Path) -> None:
     path = write(tmp_path / "keybindings.json", commented)
     assert vscode.check_json_keybindings(path, {"expected": binding}) == 1.0
     assert vscode.check_json_keybindings(path, {"expected": {**binding, "key": "ctrl+k"}}) == 0.0
-    assert vscode.check_json_keybindings(write(tmp_path / "obj.json", json.dumps(binding)), {"expected": binding}) == 0.0
+    obj = write(tmp_path / "obj.json", json.dumps(binding))
+    assert vscode.check_json_keybindings(obj, {"expected": binding}) == 0.0
     assert vscode.check_json_keybindings(None, {"expected": binding}) == 0.0
 
 
@@ -491,7 +492,7 @@ def _colored_table(path: Path, colors: dict[str, tuple[int, int, int] | None]) -
     doc = docx.Document()
     doc.add_paragraph("Word table")
     table = doc.add_table(rows=1, cols=len(colors))
-    for cell, (word, rgb) in zip(table.rows[0].cells, colors.items()):
+    for cell, (word, rgb) in zip(table.rows[0].cells, colors.items(), strict=True):
         run = cell.paragraphs[0].add_run(word)
         if rgb is not None:
             run.font.color.rgb = RGBColor(*rgb)

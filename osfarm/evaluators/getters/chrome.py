@@ -335,7 +335,7 @@ def get_url_path_parse(env: EvalEnv, config: dict[str, Any]) -> dict[str, Any] |
     for names, vals in pairwise(segments):
         if "," not in names or "," not in vals:
             continue
-        for k, v in zip((n.strip() for n in names.split(",")), (x.strip() for x in vals.split(","))):
+        for k, v in zip((n.strip() for n in names.split(",")), (x.strip() for x in vals.split(",")), strict=False):
             if k == "Price_discount_range":
                 values[k] = [x.strip() for x in v.split("|")] if v else None
             else:

@@ -51,7 +51,7 @@ def get_vm_file(env: EvalEnv, config: dict[str, Any]) -> str | None | list[str |
         dests = [_with_time_suffix(d, fmt, now) for d in dests]
     gives = set(config.get("gives", [0]))
     out: list[str | None] = []
-    for i, (p, d) in enumerate(zip(paths, dests)):
+    for i, (p, d) in enumerate(zip(paths, dests, strict=False)):
         # streamed to disk with a byte cap; missing, too large or gone: None, the metric scores 0
         local = env.fetch_vm_file(p, d)
         if i in gives:
@@ -68,7 +68,7 @@ def get_cloud_file(env: EvalEnv, config: dict[str, Any]) -> str | None | list[st
     paths, dests = _as_lists(config)
     gives = set(config.get("gives", [0]))
     out: list[str | None] = []
-    for i, (url, d) in enumerate(zip(paths, dests)):
+    for i, (url, d) in enumerate(zip(paths, dests, strict=False)):
         local = env.cache_path(d)
         if not local.exists():
             # the dest names the cached copy, as in OSWorld's cache/<task_id>/<dest>

@@ -160,7 +160,7 @@ def compare_videos(video_path1: Any, video_path2: Any, max_frames_to_check: int 
     if len(f1) == 0 and len(f2) == 0:
         return 0.0
     mismatches = 0
-    for a, b in zip(f1, f2):
+    for a, b in zip(f1, f2, strict=False):
         if int(np.count_nonzero(_phash(a) != _phash(b))) > threshold:
             mismatches += 1
             if mismatches > threshold:

@@ -247,7 +247,7 @@ def compare_htmls(html_path1: Any, html_path2: Any, **options: Any) -> float:
         soup1 = BeautifulSoup(f, "lxml")
     with open(html_path2, encoding="utf-8") as f:
         soup2 = BeautifulSoup(f, "lxml")
-    for e1, e2 in zip(soup1.descendants, soup2.descendants):
+    for e1, e2 in zip(soup1.descendants, soup2.descendants, strict=False):
         if isinstance(e1, Tag) and isinstance(e2, Tag):
             if e1.name != e2.name or e1.text.strip() != e2.text.strip() or e1.attrs != e2.attrs:
                 return 0.0

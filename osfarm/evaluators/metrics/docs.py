@@ -130,7 +130,7 @@ def compare_docx_files(file1: str | None, file2: str | None, **options: Any) -> 
     if options.get("fuzzy_match", False):
         if not p1:
             return 1.0
-        sims = [_ratio(a, b) for a, b in zip(p1, p2)]
+        sims = [_ratio(a, b) for a, b in zip(p1, p2, strict=True)]
         if threshold is not None:
             sims = [float(s >= threshold) for s in sims]
         return sum(sims) / len(sims)
@@ -145,8 +145,8 @@ def compare_docx_files_and_ignore_new_lines(file1: str | None, file2: str | None
 
 def _aligned_runs(doc1: Any, doc2: Any) -> Iterator[tuple[Any, Any]]:
     """Runs at the same place (paragraph i, run j) in both documents, up to the shorter one."""
-    for p1, p2 in zip(doc1.paragraphs, doc2.paragraphs):
-        yield from zip(p1.runs, p2.runs)
+    for p1, p2 in zip(doc1.paragraphs, doc2.paragraphs, strict=False):
+        yield from zip(p1.runs, p2.runs, strict=False)
 
 
 def _doc_if_text_matches(file1: str | None, file2: str | None) -> Any:
@@ -163,7 +163,7 @@ def compare_docx_tables(docx_file1: str | None, docx_file2: str | None) -> float
     d1, d2 = _open(docx_file1), _open(docx_file2)
     if d1 is None or d2 is None or len(d1.tables) != len(d2.tables):
         return 0.0
-    for t1, t2 in zip(d1.tables, d2.tables):
+    for t1, t2 in zip(d1.tables, d2.tables, strict=True):
         if len(t1.rows) != len(t2.rows) or len(t1.columns) != len(t2.columns):
             return 0.0
         for i in range(len(t1.rows)):
@@ -179,7 +179,7 @@ def compare_line_spacing(docx_file1: str | None, docx_file2: str | None) -> floa
     d1, d2 = _doc_if_text_matches(docx_file1, docx_file2), _open(docx_file2)
     if d1 is None or d2 is None or len(d1.paragraphs) != len(d2.paragraphs):
         return 0.0
-    for a, b in zip(d1.paragraphs, d2.paragraphs):
+    for a, b in zip(d1.paragraphs, d2.paragraphs, strict=True):
         if a.paragraph_format.line_spacing != b.paragraph_format.line_spacing:
             return 0.0
     return 1.0
@@ -280,7 +280,7 @@ def compare_docx_images(docx_file1: str | None, docx_file2: str | None) -> float
     b1, b2 = _image_blobs(d1), _image_blobs(d2)
     if len(b1) != len(b2):
         return 0.0
-    for x, y in zip(b1, b2):
+    for x, y in zip(b1, b2, strict=True):
         if Image.open(io.BytesIO(x)).tobytes() != Image.open(io.BytesIO(y)).tobytes():
             return 0.0
     return 1.0
@@ -347,13 +347,13 @@ def check_tabstops(docx_file1: Any, docx_file2: Any, **kwargs: Any) -> float:
         )
 
     minus = 0.0
-    for p1, p2 in zip(para1, para2):
+    for p1, p2 in zip(para1, para2, strict=True):
         tabs1 = [t for t in p1.paragraph_format.tab_stops if kept(t)]
         tabs2 = [t for t in p2.paragraph_format.tab_stops if kept(t)]
         if len(tabs1) != len(tabs2):
             return 0.0
         diff = 0.0
-        for t1, t2 in zip(tabs1, tabs2):
+        for t1, t2 in zip(tabs1, tabs2, strict=True):
             if t1.alignment != t2.alignment:
                 return 0.0
             diff += abs(t1.position - t2.position)
@@ -390,7 +390,7 @@ def compare_references(file1: Any, file2: Any, **options: Any) -> float:
         return 0.0
     if not refs1:
         return 1.0
-    mean = sum(fuzz.ratio(a, b) / 100.0 for a, b in zip(refs1, refs2)) / len(refs1)
+    mean = sum(fuzz.ratio(a, b) / 100.0 for a, b in zip(refs1, refs2, strict=True)) / len(refs1)
     if mean >= base + 0.01:
         return (mean - base) / (1 - base)
     return 0.0

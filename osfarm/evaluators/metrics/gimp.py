@@ -94,7 +94,7 @@ def compare_image_list(pred_img_path_list: Any, gold_img_path_list: Any) -> floa
         pred_img_path_list, gold_img_path_list = [pred_img_path_list], [gold_img_path_list]
     if not isinstance(gold_img_path_list, list) or not pred_img_path_list:
         return 0.0
-    for pred_path, gold_path in zip(pred_img_path_list, gold_img_path_list):
+    for pred_path, gold_path in zip(pred_img_path_list, gold_img_path_list, strict=False):
         if not is_file(pred_path) or not is_file(gold_path):
             return 0.0
         pred, gold = _open_image(pred_path), _open_image(gold_path)

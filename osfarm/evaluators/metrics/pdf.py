@@ -47,7 +47,7 @@ def compare_pdfs(pdf1_path: Any, pdf2_path: Any) -> float:
     if not isinstance(pdf1_path, list) or not pdf2_path:
         return 0.0
     score = 0.0
-    for p1, p2 in zip(pdf1_path, pdf2_path):
+    for p1, p2 in zip(pdf1_path, pdf2_path, strict=False):
         try:
             score += fuzz.ratio(_pdf_text(p1), _pdf_text(p2)) / 100
         except INPUT_ERRORS as e:

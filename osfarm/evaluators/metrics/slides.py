@@ -140,7 +140,7 @@ def _same_underline(a: Any, b: Any) -> bool:
 
 def _compare_runs(runs1: list[Any], runs2: list[Any], opt: dict[str, Any], where: str, table: bool = False) -> None:
     _check(len(runs1) == len(runs2), f"{where}: run count")
-    for r1, r2 in zip(runs1, runs2):
+    for r1, r2 in zip(runs1, runs2, strict=True):
         f1, f2 = r1.font, r2.font
         if not table:
             if opt["examine_font_name"]:
@@ -169,7 +169,7 @@ def _compare_table(t1: Any, t2: Any, opt: dict[str, Any], where: str) -> None:
                 _check(c1.text.strip() == c2.text.strip(), f"{where}[{i},{j}]: cell text")
             p1, p2 = c1.text_frame.paragraphs, c2.text_frame.paragraphs
             _check(len(p1) == len(p2), f"{where}[{i},{j}]: paragraph count")
-            for a, b in zip(p1, p2):
+            for a, b in zip(p1, p2, strict=True):
                 _compare_runs(list(a.runs), list(b.runs), opt, f"{where}[{i},{j}]", table=True)
 
 
@@ -178,7 +178,7 @@ def _compare_text_frame(s1: Any, s2: Any, opt: dict[str, Any], where: str) -> No
         _check(s1.text.strip() == s2.text.strip(), f"{where}: text {s1.text!r} != {s2.text!r}")
     paras1, paras2 = s1.text_frame.paragraphs, s2.text_frame.paragraphs
     _check(len(paras1) == len(paras2), f"{where}: paragraph count")
-    for k, (p1, p2) in enumerate(zip(paras1, paras2)):
+    for k, (p1, p2) in enumerate(zip(paras1, paras2, strict=True)):
         here = f"{where} p{k}"
         if opt["examine_alignment"]:
             # no explicit alignment renders as left
@@ -217,14 +217,14 @@ def _compare_shapes(sh1: Any, sh2: Any, opt: dict[str, Any], tol: float, where: 
     if sh1.shape_type == MSO_SHAPE_TYPE.GROUP and sh2.shape_type == MSO_SHAPE_TYPE.GROUP:
         g1, g2 = list(sh1.shapes), list(sh2.shapes)
         _check(len(g1) == len(g2), f"{where}: group size")
-        for n, (a, b) in enumerate(zip(g1, g2)):
+        for n, (a, b) in enumerate(zip(g1, g2, strict=True)):
             _compare_shapes(a, b, opt, tol, f"{where}/g{n}")
 
 
 def _compare_decks(prs1: Any, prs2: Any, opt: dict[str, Any], tol: float) -> None:
     if opt["examine_number_of_slides"]:
         _check(len(prs1.slides) == len(prs2.slides), "slide count")
-    for i, (s1, s2) in enumerate(zip(prs1.slides, prs2.slides)):
+    for i, (s1, s2) in enumerate(zip(prs1.slides, prs2.slides, strict=False)):
         where = f"slide {i + 1}"
         if opt["examine_background_color"]:
             _check(_background_rgb(s1) == _background_rgb(s2), f"{where}: background")
@@ -232,7 +232,7 @@ def _compare_decks(prs1: Any, prs2: Any, opt: dict[str, Any], tol: float) -> Non
             _check(_notes(s1) == _notes(s2), f"{where}: notes")
         shapes1, shapes2 = list(s1.shapes), list(s2.shapes)
         _check(len(shapes1) == len(shapes2), f"{where}: shape count")
-        for n, (a, b) in enumerate(zip(shapes1, shapes2)):
+        for n, (a, b) in enumerate(zip(shapes1, shapes2, strict=True)):
             _compare_shapes(a, b, opt, tol, f"{where} shape {n}")
         if opt["examine_bullets"]:
             _check(_bullets(s1) == _bullets(s2), f"{where}: bullets")

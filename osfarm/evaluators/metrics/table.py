@@ -513,7 +513,7 @@ def compare_conference_city_in_order(actual_city_list_path: str | None, expected
     cells = [cell.value for row in sheet["C2:C22"] for cell in row]
     if len(wanted) < len(cells):
         return 0.0
-    for got, want in zip(cells, wanted):
+    for got, want in zip(cells, wanted, strict=False):
         options = [want] if isinstance(want, str) else list(want)
         key = _city_key(got)
         if not any(_city_key(o) and _city_key(o) in key for o in options):

@@ -123,7 +123,7 @@ def check_thunderbird_folder(result: Any, reference: Any, **kwargs: Any) -> floa
             out = list(set(out))
         return "\n".join(sorted(out))
 
-    for pred, gold in zip(result, reference):
+    for pred, gold in zip(result, reference, strict=True):
         mine, theirs = messages(pred), messages(gold)
         if mine is None or theirs is None or mine != theirs:
             return 0.0

@@ -141,7 +141,7 @@ def check_qt_slider_colours(actual_config_path: Any, rule: Mapping[str, Any]) ->
         return float(value == rule["expected_qt_slider_colours"])
     if kind == "blackish":
         values = [int(x) for x in value.split(";")]
-        triples = list(zip(values[0::3], values[1::3], values[2::3]))
+        triples = list(zip(values[0::3], values[1::3], values[2::3], strict=False))
         return float(all(all(v < 100 for v in rgb) for rgb in triples))
     raise UnsupportedOption(f"check_qt_slider_colours: unknown rule type {kind!r}")
 
