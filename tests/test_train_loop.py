@@ -138,7 +138,9 @@ def _suite(root: Path) -> Path:
         task = {"id": tid, "instruction": what, **UNSOLVABLE,
                 "osfarm_choices": [f"open('/home/user/answer.txt', 'w').write('v{i:02d}')" for i in range(16)]}
         (suite / "os" / f"{tid}.json").write_text(json.dumps(task))
-    (suite / "test_all.json").write_text(json.dumps({"os": [E_ID, H_ID]}))
+    # H's group is planned first, so its (seeded) episodes run before E's group completes the only
+    # update; in E-first order the update could end the run before any of H's episodes had run
+    (suite / "test_all.json").write_text(json.dumps({"os": [H_ID, E_ID]}))
     return suite
 
 
