@@ -31,8 +31,8 @@ wait_for = functools.partial(wait_until, interval=0.3)
 
 pytestmark = pytest.mark.slow
 
-ST = "{%s}" % a11y.NS["st"]
-CP = "{%s}" % a11y.NS["cp"]
+ST = f"{{{a11y.NS['st']}}}"
+CP = f"{{{a11y.NS['cp']}}}"
 MARKER_ENV = "OSFARM_A11Y_TEST_MARKER"
 
 
@@ -233,7 +233,7 @@ def test_chromium_tree(session: Session) -> None:
     assert "Example link" in {a.get("name") for a in doc.iter("link")}
     button = next(b for b in doc.iter("push-button") if b.get("name") == "Press me")
     assert button.get(CP + "size", "").startswith("(")
-    assert any(k.startswith("{%s}" % a11y.NS["act"]) for k in button.attrib)
+    assert any(k.startswith(f"{{{a11y.NS['act']}}}") for k in button.attrib)
     assert "Probe heading" in {h.get("name") for h in doc.iter("heading")}
 
 

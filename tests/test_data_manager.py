@@ -60,7 +60,8 @@ def make_record(run: Path, task_id: str = "t1", *, status: str = "failure", scor
             "index": i, "observation": {"screenshot": shot, "a11y": None},
             "model": {"request": req, "response_text": text,
                       "response_token_ids": [100 + i, 200 + i, 300 + i] if tokens else None,
-                      "response_logprobs": [logprob, {"token": "token_id:2", "logprob": logprob}, logprob] if tokens else None,
+                      "response_logprobs": ([logprob, {"token": "token_id:2", "logprob": logprob}, logprob]
+                                            if tokens else None),
                       "policy_version": version, "error": model_error},
             "actions": ["pyautogui.click(1, 1)"], "action_error": None, "t_model_ms": 5.0, "t_env_ms": 7.0})
         history += [current, {"role": "assistant", "content": text}]
@@ -284,9 +285,10 @@ def test_high_entropy_selection_over_a_batch(run):
 
 
 def test_trim_context():
-    turn = lambda i: [{"role": "user", "content": [{"type": "text", "text": f"s{i}"},
-                                                   {"type": "image_url", "image_url": {"url": f"/i{i}.png"}}]},
-                      {"role": "assistant", "content": f"a{i}"}]
+    def turn(i: int) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "text", "text": f"s{i}"},
+                                             {"type": "image_url", "image_url": {"url": f"/i{i}.png"}}]},
+                {"role": "assistant", "content": f"a{i}"}]
     current = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/now.png"}}]}
     msgs = [SYSTEM, TASK, *turn(1), *turn(2), *turn(3), current]
     out = trim_context(msgs, turns=1, images=2)

@@ -277,7 +277,7 @@ def test_click_then_key_keeps_order(xsession: dict[str, Any], ctl: InputControll
         act(ctl, {"action_type": "CLICK", "parameters": {"x": w.x + 30 + 20 * i, "y": w.y + 30}})
         act(ctl, {"action_type": "PRESS", "parameters": {"key": "shift"}})
 
-        def order() -> list[str]:
+        def order(m: int = m) -> list[str]:
             return [e["ev"] for e in app.events_since(m) if e["ev"] in ("press", "release", "key")]
 
         _wait(lambda: len(order()) >= 3, 5, lambda: f"click + key, got {order()}")
@@ -460,11 +460,14 @@ def test_coderunner_timeout_restarts(runner: CodeRunner) -> None:
     assert runner.run("1 + 1").output == "2\n"
 
 
-def test_coderunner_pyautogui_types_less_than(xsession: dict[str, Any], ctl: InputController, runner: CodeRunner) -> None:
+def test_coderunner_pyautogui_types_less_than(
+    xsession: dict[str, Any], ctl: InputController, runner: CodeRunner
+) -> None:
     app: TkApp = xsession["app"]
     _focus_text(xsession, ctl)
     _clear_text(ctl, app)
-    r = runner.run("pyautogui.write('a<b>C ü'); pyautogui.press('<'); pyautogui.hotkey('shift', ','); pyautogui.press('enter')")
+    r = runner.run("pyautogui.write('a<b>C ü'); pyautogui.press('<'); pyautogui.hotkey('shift', ','); "
+                   "pyautogui.press('enter')")
     assert r.ok, r.error
     _wait(lambda: app.text() == "a<b>C ü<<\n", 5, lambda: f"pyautogui text, got {app.text()!r}")
 

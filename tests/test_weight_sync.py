@@ -163,7 +163,9 @@ echo $! > "$dir/pid"
 """
 
 
-def test_command_restarts_the_server_on_the_checkpoint(checkpoints: dict[int, Path], tiny: Path, tmp_path: Path) -> None:
+def test_command_restarts_the_server_on_the_checkpoint(
+    checkpoints: dict[int, Path], tiny: Path, tmp_path: Path
+) -> None:
     script = tmp_path / "restart.sh"
     script.write_text(RESTART.format(python=sys.executable))
     script.chmod(0o755)
@@ -319,7 +321,9 @@ def test_resume_against_a_server_that_kept_its_adapters(tiny: Path, tmp_path: Pa
     proc = _start(tiny, tmp_path / "server.log", "--enable-lora")
     try:
         cfg_file = tmp_path / "train.yaml"
-        cfg_file.write_text(TRAIN.format(run=tmp_path / "run", url=proc.url, cpus="").replace("updates: 2", "updates: 1"))
+        cfg_file.write_text(
+            TRAIN.format(run=tmp_path / "run", url=proc.url, cpus="").replace("updates: 2", "updates: 1")
+        )
         assert train(load_train_config(cfg_file))["version"] == 1
         assert "policy-v1" in _served(proc.url)
         first = {e["episode_id"] for e in _episodes(tmp_path / "run")}
@@ -349,7 +353,8 @@ def test_interruptible_rollouts_move_to_the_new_adapter(lora_server: PolicyProce
         server = sync.servers[0]
         assert all(r.ok for r in await sync.sync(checkpoints[1], 1))
         agent = RoutedAgent(make_agent("choice", base_url=lora_server.url, model="policy", choices=["a", "b"],
-                                       temperature=1.0, seed=1), lambda: sync.route(server), interruptible=interruptible)
+                                       temperature=1.0, seed=1),
+                            lambda: sync.route(server), interruptible=interruptible)
         agent.reset(None)
         models = []
         try:
@@ -360,7 +365,7 @@ def test_interruptible_rollouts_move_to_the_new_adapter(lora_server: PolicyProce
                     assert all(r.ok for r in await sync.sync(checkpoints[2], 2))
         finally:
             await agent.aclose()
-            for v in (1, 2):
+            for _ in (1, 2):
                 with contextlib.suppress(Exception):
                     await sync.prune(set())
         return agent.step_versions, models

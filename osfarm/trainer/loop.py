@@ -242,7 +242,8 @@ class Trainer:
         if a.kind == "choice":
             return make_agent("choice", base_url=base_url, model=name, choices=a.choices, temperature=a.temperature,
                               timeout_s=a.timeout_s, screenshot=a.screenshot, seed=seed)
-        return make_agent("vlm", base_url=base_url, model=name, prompt_format=a.prompt_format, observation=a.observation,
+        return make_agent("vlm", base_url=base_url, model=name, prompt_format=a.prompt_format,
+                          observation=a.observation,
                           history_turns=a.history_turns, history_images=a.history_images, temperature=a.temperature,
                           max_tokens=a.max_tokens, timeout_s=a.timeout_s, capture_logprobs=True, seed=seed)
 
@@ -336,7 +337,8 @@ class Trainer:
         """Run blocking learner work on the learner's thread (its own CPUs when pinned)."""
         if self.learner_pool is None and self.ctx.enabled:  # one thread: the ranks' collectives stay in order
             self.learner_pool = ThreadPoolExecutor(1, thread_name_prefix="learner")
-        return await asyncio.get_running_loop().run_in_executor(self.learner_pool, functools.partial(fn, *args, **kwargs))
+        return await asyncio.get_running_loop().run_in_executor(self.learner_pool,
+                                                                functools.partial(fn, *args, **kwargs))
 
     async def _run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -408,7 +410,8 @@ class Trainer:
             self.dm = dm
 
             scheduler: RolloutScheduler[Rollout, EpisodeRecord] = RolloutScheduler(self._run_one_factory(
-                by_id, eval_by_id, suite_cache(suite, Path(cfg.suite), None, self.run_dir, True), eval_cache, url, token,
+                by_id, eval_by_id, suite_cache(suite, Path(cfg.suite), None, self.run_dir, True), eval_cache, url,
+                token,
                 servers, EpisodeConfig(max_steps=ro.max_steps, time_limit_s=ro.episode_time_limit_s, infra_retries=0,
                                        work_dir=self.run_dir / ".work"),
                 LocalBlobStore(self.run_dir), JsonlSink(self.run_dir / "episodes.jsonl"),
@@ -572,7 +575,8 @@ class Trainer:
             if item.exemplar:
                 task = task.model_copy(update={"instruction": task.instruction + item.exemplar})
             cfg = ecfg if item.max_steps is None or evaluating else replace(ecfg, max_steps=item.max_steps)
-            episode = asyncio.ensure_future(run_episode(farm, task, agent, (eval_cache or cache) if evaluating else cache,
+            episode = asyncio.ensure_future(run_episode(farm, task, agent,
+                                                        (eval_cache or cache) if evaluating else cache,
                                                         cfg, self.run_id))
             self.running[key] = (item, episode)
             self.episodes.add(episode)
@@ -701,8 +705,8 @@ class Trainer:
             await asyncio.to_thread(controller.save, train_state_dir(ckpt) / RC_STATE, rc_state)
             await asyncio.to_thread(prune_checkpoints, self.ckpt_root, cfg.keep_checkpoints)
             if not cfg.rollout.interruptible:  # what started before the window can only come back stale
-                self.cancel(lambda r: r.kind == TRAIN and (r.started_version if r.started_version is not None
-                                                           else r.version) < version - eta)
+                self.cancel(lambda r, version=version: r.kind == TRAIN and (
+                    r.started_version if r.started_version is not None else r.version) < version - eta)
             if self.eval.due(version):
                 self._start_eval(version, self.scheduler)
             self.totals["samples"] += len(samples)
