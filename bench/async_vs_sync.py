@@ -101,7 +101,8 @@ def main() -> None:
     ap.add_argument("--suite", type=Path, default=Path(__file__).parent / "fixtures" / "multistep_suite",
                     help="task suite (default: a choice task of 5 policy calls per episode; a GUI agent's "
                          "episodes have many steps, each waiting on the policy)")
-    ap.add_argument("--max-steps", type=int, default=5, help="steps per episode (at least the task's osfarm_choice_steps)")
+    ap.add_argument("--max-steps", type=int, default=5,
+                    help="steps per episode (at least the task's osfarm_choice_steps)")
     ap.add_argument("--screenshot", action=argparse.BooleanOptionalAction, default=False,
                     help="send the screenshot to the policy (the choice task does not need it; on 2 CPUs the tiny "
                          "model's vision pass would be rollout CPU a GPU server does not cost)")

@@ -173,7 +173,8 @@ async def run_mode(args: argparse.Namespace, url: str, token: str, sync: bool, c
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--envs", type=int, default=6, help="environment slots (episodes in flight)")
     ap.add_argument("--spares", type=int, default=None, help="extra warm desktops resetting in the background "
                     "(default envs/2; the farm holds envs + spares desktops)")
@@ -209,12 +210,14 @@ def main() -> None:
             console.print(f"[bold]{mode}[/]: {args.seconds:g} s window ...")
             rows.append(asyncio.run(run_mode(args, server.url, server.token, mode.strip() == "sync", console)))
 
-    t = Table(title=f"environment utilisation: {args.envs} slots + {args.spares} spare desktops, {args.seconds:g} s per mode, policy {args.policy}")
-    for c in ("mode", "slot util.", "desktop util.", "episodes/hour", "episodes", "mean steps", "model ms p50/p99", "env step ms p50",
-              "lease wait s", "infra errors"):
+    t = Table(title=f"environment utilisation: {args.envs} slots + {args.spares} spare desktops, "
+                    f"{args.seconds:g} s per mode, policy {args.policy}")
+    for c in ("mode", "slot util.", "desktop util.", "episodes/hour", "episodes", "mean steps", "model ms p50/p99",
+              "env step ms p50", "lease wait s", "infra errors"):
         t.add_column(c, justify="left" if c == "mode" else "right")
     for r in rows:
-        t.add_row(r["mode"], f"{r['utilisation']:.1%}", f"{r['desktop_utilisation']:.1%}", f"{r['episodes_per_hour']:.0f}", str(r["episodes_in_window"]),
+        t.add_row(r["mode"], f"{r['utilisation']:.1%}", f"{r['desktop_utilisation']:.1%}",
+                  f"{r['episodes_per_hour']:.0f}", str(r["episodes_in_window"]),
                   f"{r['steps_mean']:.1f}", f"{r['model_ms_median']:.0f}/{r['model_ms_p99']:.0f}",
                   f"{r['env_step_ms_median']:.0f}", f"{r['lease_wait_s_mean']:.1f}", str(r["infra_errors"]))
     by = {r["mode"]: r for r in rows}
@@ -222,15 +225,18 @@ def main() -> None:
     if {"sync-batches", "rollout-wise"} <= by.keys():
         s, w = by["sync-batches"], by["rollout-wise"]
         ratios = {"utilisation": w["utilisation"] / s["utilisation"] if s["utilisation"] else None,
-                  "desktop_utilisation": w["desktop_utilisation"] / s["desktop_utilisation"] if s["desktop_utilisation"] else None,
-                  "episodes_per_hour": w["episodes_per_hour"] / s["episodes_per_hour"] if s["episodes_per_hour"] else None}
+                  "desktop_utilisation": (w["desktop_utilisation"] / s["desktop_utilisation"]
+                                          if s["desktop_utilisation"] else None),
+                  "episodes_per_hour": (w["episodes_per_hour"] / s["episodes_per_hour"]
+                                        if s["episodes_per_hour"] else None)}
         t.add_section()
         t.add_row("[bold]rollout-wise / sync[/]", f"[bold]{ratios['utilisation']:.2f}x[/]",
                   f"[bold]{ratios['desktop_utilisation']:.2f}x[/]", f"[bold]{ratios['episodes_per_hour']:.2f}x[/]",
                   "", "", "", "", "", "")
     console.print(t)
     if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        args.json.write_text(json.dumps({"args": {k: str(v) if isinstance(v, Path) else v
+                                                  for k, v in vars(args).items()},
                                          "modes": rows, "ratios": ratios}, indent=2))
 
 

@@ -79,7 +79,8 @@ def main(n_warm: int = 30, n_cold: int = 5) -> None:
     wm = median_ms(warm)
     table.add_row("warm lease (POST /v1/desktops)", str(len(warm)), f"{wm:.1f}", f"{p90_ms(warm):.1f}", "1.0x")
     cm = median_ms(cold)
-    table.add_row("cold desktop start (provider.start)", str(len(cold)), f"{cm:.1f}", f"{p90_ms(cold):.1f}", f"{cm / wm:.0f}x slower")
+    table.add_row("cold desktop start (provider.start)", str(len(cold)), f"{cm:.1f}", f"{p90_ms(cold):.1f}",
+                  f"{cm / wm:.0f}x slower")
     console.print(table)
 
 

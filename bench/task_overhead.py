@@ -96,7 +96,8 @@ def main() -> None:
             dom == "all" or r["domain"] == dom or (dom == "office docs" and r["domain"] in OFFICE))]
         if not recs:
             continue
-        med = {k: statistics.median(r["timings"].get(k, 0.0) for r in recs) for k in ("lease", "setup", "evaluate", "agent")}
+        med = {k: statistics.median(r["timings"].get(k, 0.0) for r in recs)
+               for k in ("lease", "setup", "evaluate", "agent")}
         ov = statistics.median(overhead(r) for r in recs)
         osw = statistics.median(OSWORLD_FIXED_S + OSWORLD_PER_STEP_S * len(r["steps"]) for r in recs)
         tab.add_row(dom, str(len(recs)), f"{med['lease']:.2f}", f"{med['setup']:.2f}", f"{med['evaluate']:.2f}",

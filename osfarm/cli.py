@@ -231,11 +231,19 @@ def _bind(host: str, port: int) -> socket.socket:
 
 @app.command()
 def serve(
-    provider: Annotated[str | None, typer.Option(help="desktop provider: sandbox, docker, libvirt", show_default=False)] = None,
-    pool_size: Annotated[int | None, typer.Option("--pool-size", help="desktops kept warm (pool_min)", show_default=False)] = None,
-    pool_max: Annotated[int | None, typer.Option("--pool-max", help="most desktops alive at once", show_default=False)] = None,
+    provider: Annotated[
+        str | None, typer.Option(help="desktop provider: sandbox, docker, libvirt", show_default=False)
+    ] = None,
+    pool_size: Annotated[
+        int | None, typer.Option("--pool-size", help="desktops kept warm (pool_min)", show_default=False)
+    ] = None,
+    pool_max: Annotated[
+        int | None, typer.Option("--pool-max", help="most desktops alive at once", show_default=False)
+    ] = None,
     host: Annotated[str | None, typer.Option(help="address to bind (default 127.0.0.1)", show_default=False)] = None,
-    port: Annotated[int | None, typer.Option(help="port to bind (default 8765; 0 = any free)", show_default=False)] = None,
+    port: Annotated[
+        int | None, typer.Option(help="port to bind (default 8765; 0 = any free)", show_default=False)
+    ] = None,
     token: Annotated[str | None, typer.Option(help="API token (default: generated)", show_default=False)] = None,
     width: Annotated[int | None, typer.Option(help="screen width of each desktop", show_default=False)] = None,
     height: Annotated[int | None, typer.Option(help="screen height of each desktop", show_default=False)] = None,
@@ -380,7 +388,9 @@ def _cell(v: Any) -> str:
 
 @desktop_app.command("lease")
 def desktop_lease(
-    ttl: Annotated[float | None, typer.Option("--ttl", help="lease TTL in seconds (default: the farm's)", show_default=False)] = None,
+    ttl: Annotated[
+        float | None, typer.Option("--ttl", help="lease TTL in seconds (default: the farm's)", show_default=False)
+    ] = None,
     wait: Annotated[float, typer.Option("--wait", help="seconds to wait for a free desktop")] = 30.0,
     owner: OwnerOpt = None,
     url: UrlOpt = "http://127.0.0.1:8765",
@@ -495,8 +505,12 @@ def _wait_settled(desk: Any, timeout: float = 5.0) -> bytes:
 @app.command()
 def demo(
     out_dir: Annotated[Path, typer.Option("--out", help="run directory root")] = Path("runs"),
-    url: Annotated[str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)] = None,
-    token: Annotated[str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)] = None,
+    url: Annotated[
+        str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)
+    ] = None,
     text: Annotated[str, typer.Option("--text", help="command typed into the terminal")] = "echo hello from osfarm",
     width: Annotated[int | None, typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
     height: Annotated[int | None, typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
@@ -513,7 +527,8 @@ def demo(
     run_dir = out_dir / datetime.now().strftime("%Y%m%d-%H%M%S")
     server = None
     t_all = time.perf_counter()
-    with Progress(SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"), console=err) as progress:
+    with Progress(SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"),
+                  console=err) as progress:
         phase = _Phases(progress)
         try:
             if settings is not None:
@@ -534,7 +549,8 @@ def demo(
                     with phase("launch xfce4-terminal"):
                         desk.guest("POST", "/setup/launch", json={"command": ["xfce4-terminal"], "shell": False})
                     with phase("wait for its window"):
-                        r = desk.guest("POST", "/v1/wait_for_window", json={"wm_class": "xfce4-terminal", "timeout": 30})
+                        r = desk.guest("POST", "/v1/wait_for_window",
+                                       json={"wm_class": "xfce4-terminal", "timeout": 30})
                         if not r.json().get("ok"):
                             raise FarmAPIError(504, f"the terminal window did not appear: {r.json().get('detail')}")
                     with phase(f"type {text!r} + Enter"):

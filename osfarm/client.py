@@ -250,12 +250,14 @@ class AsyncRemoteDesktop:
         """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
         OSWorld paces them (``timing="osworld"``) or as fast as the desktop takes them (``"fast"``)."""
         body = _step_body(actions, observe, code_timeout, timing)
-        r = await self.farm._request("POST", self._path("/step"), json=body, headers=self._headers, timeout=_step_timeout(body))
+        r = await self.farm._request("POST", self._path("/step"), json=body, headers=self._headers,
+                                     timeout=_step_timeout(body))
         return StepResult.model_validate_json(r.content)
 
     async def observe(self, **opts: Any) -> Observation:
         """Screenshot/windows/cursor/a11y now; options as in ObserveOptions."""
-        r = await self.farm._request("GET", self._path("/observation"), params=_observe_params(opts), headers=self._headers)
+        r = await self.farm._request("GET", self._path("/observation"), params=_observe_params(opts),
+                                     headers=self._headers)
         return Observation.model_validate_json(r.content)
 
     async def screenshot(self, fmt: str = "png", scale: float = 1.0, quality: int = 80) -> bytes:
@@ -265,14 +267,16 @@ class AsyncRemoteDesktop:
 
     async def heartbeat(self, ttl_s: float | None = None) -> LeaseInfo:
         body = {"ttl_s": ttl_s} if ttl_s is not None else {}
-        r = await self.farm._request("POST", self._path("/heartbeat"), json=body, headers=self._headers, idempotent=True)
+        r = await self.farm._request("POST", self._path("/heartbeat"), json=body, headers=self._headers,
+                                     idempotent=True)
         self.info = LeaseInfo.model_validate_json(r.content)
         return self.info
 
     def start_heartbeat(self, interval: float | None = None) -> None:
         """Keep the lease alive in the background (every ttl/3 by default) until close()."""
         if self._hb_task is None:
-            self._hb_task = asyncio.get_running_loop().create_task(self._heartbeat_loop(_heartbeat_interval(self.info, interval)))
+            self._hb_task = asyncio.get_running_loop().create_task(
+                self._heartbeat_loop(_heartbeat_interval(self.info, interval)))
 
     async def _heartbeat_loop(self, interval: float) -> None:
         while True:
@@ -292,7 +296,8 @@ class AsyncRemoteDesktop:
         """
         headers = {**self._headers, **kw.pop("headers", {})}
         kw.setdefault("timeout", 300.0)
-        r = await self.farm._request(method, self._path("/guest/" + path.lstrip("/")), headers=headers, check=check, **kw)
+        r = await self.farm._request(method, self._path("/guest/" + path.lstrip("/")), headers=headers, check=check,
+                                     **kw)
         return r
 
     async def close(self) -> None:
@@ -358,7 +363,8 @@ class AsyncFarm:
                     heartbeat: bool | float = False, task_id: str | None = None) -> AsyncRemoteDesktop:
         """Lease a desktop. ``heartbeat=True`` (or an interval in s) keeps it alive in the background;
         ``task_id`` says what it is for (shown on the farm's dashboard)."""
-        r = await self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s, task_id), timeout=wait_s + 120.0)
+        r = await self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s, task_id),
+                                timeout=wait_s + 120.0)
         desk = AsyncRemoteDesktop(self, LeaseInfo.model_validate_json(r.content))
         if heartbeat is not False:
             desk.start_heartbeat(None if heartbeat is True else float(heartbeat))
@@ -428,7 +434,8 @@ class RemoteDesktop:
         """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
         OSWorld paces them (``timing="osworld"``) or as fast as the desktop takes them (``"fast"``)."""
         body = _step_body(actions, observe, code_timeout, timing)
-        r = self.farm._request("POST", self._path("/step"), json=body, headers=self._headers, timeout=_step_timeout(body))
+        r = self.farm._request("POST", self._path("/step"), json=body, headers=self._headers,
+                               timeout=_step_timeout(body))
         return StepResult.model_validate_json(r.content)
 
     def observe(self, **opts: Any) -> Observation:
@@ -530,7 +537,8 @@ class Farm:
               heartbeat: bool | float = False, task_id: str | None = None) -> RemoteDesktop:
         """Lease a desktop. ``heartbeat=True`` (or an interval in s) keeps it alive in the background;
         ``task_id`` says what it is for (shown on the farm's dashboard)."""
-        r = self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s, task_id), timeout=wait_s + 120.0)
+        r = self._request("POST", "/v1/desktops", json=_lease_body(owner, ttl_s, wait_s, task_id),
+                          timeout=wait_s + 120.0)
         desk = RemoteDesktop(self, LeaseInfo.model_validate_json(r.content))
         if heartbeat is not False:
             desk.start_heartbeat(None if heartbeat is True else float(heartbeat))
@@ -569,5 +577,6 @@ class Farm:
 __all__ = [
     "AsyncFarm", "AsyncRemoteDesktop", "AuthError", "DesktopGuestError", "Farm", "FarmAPIError", "FarmCapacityError",
     "FarmUnreachableError", "ForeignLeaseError", "InvalidRequestError",
-    "LeaseGoneError", "LeaseQuotaError", "RemoteDesktop", "RequestTooLargeError", "UnknownDesktopError", "screenshot_bytes", "screenshot_image",
+    "LeaseGoneError", "LeaseQuotaError", "RemoteDesktop", "RequestTooLargeError", "UnknownDesktopError",
+    "screenshot_bytes", "screenshot_image",
 ]  # fmt: skip

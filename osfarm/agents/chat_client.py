@@ -161,8 +161,10 @@ def read_completion(data: Any, headers: httpx.Headers) -> ChatResult:
     ch = body.choices[0]
     lp = ch.logprobs.content if ch.logprobs is not None and ch.logprobs.content is not None else None
     logprobs = [t.logprob for t in lp] if lp is not None else None
-    ids = ch.token_ids if ch.token_ids is not None else (token_ids_from_logprob_tokens([t.token for t in lp]) if lp else None)
-    return ChatResult(text=ch.message.content or "", token_ids=ids, logprobs=logprobs, policy_version=_version(body, headers),
+    ids = ch.token_ids if ch.token_ids is not None else (
+        token_ids_from_logprob_tokens([t.token for t in lp]) if lp else None)
+    return ChatResult(text=ch.message.content or "", token_ids=ids, logprobs=logprobs,
+                      policy_version=_version(body, headers),
                       finish_reason=ch.finish_reason, usage=body.usage, t_ms=0.0, attempts=1,
                       raw=data if isinstance(data, dict) else {})
 

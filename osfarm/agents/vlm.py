@@ -153,7 +153,8 @@ class VLMAgent(BaseAgent):
                        text=self.format.turn_text(table, self.observation))
         messages = build_messages(self.format.head(instruction, self.observation, ctx), self.turns, current,
                                   o.history_turns, o.history_images)
-        call: dict[str, Any] = {"model": o.model, "request": messages, "response_text": None, "response_token_ids": None,
+        call: dict[str, Any] = {"model": o.model, "request": messages, "response_text": None,
+                                "response_token_ids": None,
                                 "response_logprobs": None, "policy_version": None, "t_ms": None, "error": None,
                                 "parse_error": None, "finish_reason": None, "usage": None}
         self.last_model_call = call

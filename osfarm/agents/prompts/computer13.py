@@ -88,7 +88,9 @@ def load_json_lenient(src: str, where: str) -> Any:
         try:
             return ast.literal_eval(src)
         except (ValueError, SyntaxError, MemoryError, RecursionError):
-            raise ParseError(f"{where}: invalid JSON: {first.msg} at line {first.lineno} column {first.colno}") from None
+            raise ParseError(
+                f"{where}: invalid JSON: {first.msg} at line {first.lineno} column {first.colno}"
+            ) from None
 
 
 def _candidates(text: str) -> list[tuple[str, str]]:

@@ -255,7 +255,8 @@ class Emit:
 
     def drag(self, x1: int, y1: int, x2: int, y2: int) -> list[Action]:
         if self.space == "pyautogui":
-            return self._code(f"pyautogui.moveTo({x1}, {y1})", f"pyautogui.dragTo({x2}, {y2}, duration=0.5, button='left')")
+            return self._code(f"pyautogui.moveTo({x1}, {y1})",
+                              f"pyautogui.dragTo({x2}, {y2}, duration=0.5, button='left')")
         return [{"action_type": "MOVE_TO", "parameters": {"x": x1, "y": y1}},
                 {"action_type": "DRAG_TO", "parameters": {"x": x2, "y": y2}}]
 
