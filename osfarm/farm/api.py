@@ -65,7 +65,8 @@ def create_app(settings: FarmSettings, provider: Provider | None = None, ui: UiM
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.start()
-        log.info("farm ready: provider=%s pool_min=%d pool_max=%d", settings.provider, settings.pool_min, settings.pool_max)
+        log.info("farm ready: provider=%s pool_min=%d pool_max=%d", settings.provider, settings.pool_min,
+                 settings.pool_max)
         try:
             yield
         finally:
@@ -135,7 +136,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         headers = exc.headers
         if exc.status_code == 405:
             allowed = allowed_methods(request.app, request.url.path)
-            detail = f"method {request.method} not allowed on {request.url.path} (allowed: {', '.join(allowed)}); see /docs"
+            detail = (f"method {request.method} not allowed on {request.url.path} "
+                      f"(allowed: {', '.join(allowed)}); see /docs")
             headers = {**(headers or {}), "Allow": ", ".join(allowed)}  # every route's methods, not the first's
         return JSONResponse({"detail": str(detail)}, status_code=exc.status_code, headers=headers)
 

@@ -29,7 +29,9 @@ tokens_app = typer.Typer(help="Per-client tokens of the farm API (a tokens file 
 out = Console()
 err = Console(stderr=True)
 
-FileOpt = Annotated[Path, typer.Option("--file", envvar="OSFARM_TOKENS_FILE", help="the tokens file (the farm's tokens_file)")]
+FileOpt = Annotated[
+    Path, typer.Option("--file", envvar="OSFARM_TOKENS_FILE", help="the tokens file (the farm's tokens_file)")
+]
 
 HEADER = """\
 # osfarm tokens file: the farm's tokens_file setting (OSFARM_TOKENS_FILE). One entry per client;
@@ -66,8 +68,12 @@ def add(
     name: Annotated[str, typer.Argument(help="the client's name (shown in logs and lease details)")],
     file: FileOpt,
     role: Annotated[str, typer.Option("--role", help="admin, client or viewer")] = "client",
-    max_leases: Annotated[int | None, typer.Option("--max-leases", help="most leases held at once", show_default=False)] = None,
-    max_ttl: Annotated[float | None, typer.Option("--max-ttl", help="longest lease TTL in s", show_default=False)] = None,
+    max_leases: Annotated[
+        int | None, typer.Option("--max-leases", help="most leases held at once", show_default=False)
+    ] = None,
+    max_ttl: Annotated[
+        float | None, typer.Option("--max-ttl", help="longest lease TTL in s", show_default=False)
+    ] = None,
 ) -> None:
     """Make a token for NAME, add its SHA-256 to the file and print the token (only this once).
     The farm reads the file when it starts."""

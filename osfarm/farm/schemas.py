@@ -40,7 +40,9 @@ class LeaseRequest(_Strict):
 
 
 class HeartbeatRequest(_Strict):
-    ttl_s: float | None = Field(default=None, ge=MIN_TTL_S, le=86400, description="new TTL from now; default: the lease's")
+    ttl_s: float | None = Field(
+        default=None, ge=MIN_TTL_S, le=86400, description="new TTL from now; default: the lease's"
+    )
 
 
 class ControlInfo(BaseModel):

@@ -57,7 +57,8 @@ class FarmServer:
                 raise RuntimeError(f"the farm did not start: {err or 'timed out'}")
             time.sleep(0.02)
         if warm and self.state.pool is not None and self.state.loop is not None:
-            fut = asyncio.run_coroutine_threadsafe(self.state.pool.wait_warm(max(1.0, deadline - time.monotonic())), self.state.loop)
+            fut = asyncio.run_coroutine_threadsafe(
+                self.state.pool.wait_warm(max(1.0, deadline - time.monotonic())), self.state.loop)
             try:
                 fut.result(timeout=max(1.0, deadline - time.monotonic()) + 5)
             except BaseException:

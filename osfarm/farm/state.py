@@ -136,7 +136,8 @@ class FarmState:
             loop = asyncio.get_running_loop()
             loop.create_task(conn.client.aclose())
             loop.create_task(conn.link.aclose())
-        conn = _GuestConn(lease.endpoint, lease.endpoint.client(timeout=GUEST_CALL_TIMEOUT_S), GuestLink(lease.endpoint))
+        conn = _GuestConn(lease.endpoint, lease.endpoint.client(timeout=GUEST_CALL_TIMEOUT_S),
+                          GuestLink(lease.endpoint))
         self._guests[lease.desktop_id] = conn
         return conn
 

@@ -33,29 +33,44 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 
 @policy_app.command("serve")
 def serve(
-    model: Annotated[str, typer.Option("--model", envvar="OSFARM_POLICY_MODEL", help="a local HF model dir, or 'tiny'")],
+    model: Annotated[
+        str, typer.Option("--model", envvar="OSFARM_POLICY_MODEL", help="a local HF model dir, or 'tiny'")
+    ],
     host: Annotated[str, typer.Option("--host", envvar="OSFARM_POLICY_HOST")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", envvar="OSFARM_POLICY_PORT")] = 8000,
     served_model_name: Annotated[
-        str | None, typer.Option("--served-model-name", help="name clients send as `model` (default: 'tiny' or the dir name)")
+        str | None,
+        typer.Option("--served-model-name", help="name clients send as `model` (default: 'tiny' or the dir name)"),
     ] = None,
     tokenizer: Annotated[
         Path | None, typer.Option("--tokenizer", help="dir with the tokenizer and image processor (default: --model)")
     ] = None,
     version: Annotated[int, typer.Option("--version", help="policy version of the initial weights")] = 0,
     delay_ms: Annotated[float, typer.Option("--delay-ms", help="artificial latency per request, mean (ms)")] = 0.0,
-    delay_sigma: Annotated[float, typer.Option("--delay-sigma", help="lognormal sigma of the latency (0 = fixed)")] = 0.0,
+    delay_sigma: Annotated[
+        float, typer.Option("--delay-sigma", help="lognormal sigma of the latency (0 = fixed)")
+    ] = 0.0,
     delay_seed: Annotated[int | None, typer.Option("--delay-seed", help="seed of the latency sampler")] = None,
     logprobs_mode: Annotated[
-        str, typer.Option("--logprobs-mode", help="processed: of the sampling distribution; raw: of the model (docs/policy.md)")
+        str,
+        typer.Option("--logprobs-mode",
+                     help="processed: of the sampling distribution; raw: of the model (docs/policy.md)"),
     ] = "processed",
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16")] = "float32",
-    max_model_len: Annotated[int | None, typer.Option("--max-model-len", help="context limit (prompt + max_tokens)")] = None,
-    threads: Annotated[int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice)")] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option("--max-model-len", help="context limit (prompt + max_tokens)")
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice)")
+    ] = None,
     enable_lora: Annotated[
-        bool, typer.Option("--enable-lora", help="vLLM's runtime LoRA API: POST /v1/load_lora_adapter, /v1/unload_lora_adapter")
+        bool,
+        typer.Option("--enable-lora",
+                     help="vLLM's runtime LoRA API: POST /v1/load_lora_adapter, /v1/unload_lora_adapter"),
     ] = False,
-    max_loras: Annotated[int, typer.Option("--max-loras", help="most LoRA adapters loaded at once (--enable-lora)")] = 8,
+    max_loras: Annotated[
+        int, typer.Option("--max-loras", help="most LoRA adapters loaded at once (--enable-lora)")
+    ] = 8,
     allow_remote: Annotated[bool, typer.Option("--allow-remote", help="allow binding a non-loopback address")] = False,
     token: Annotated[str | None, typer.Option("--token", envvar="OSFARM_POLICY_TOKEN", show_default=False,
                                               help="bearer token every route but /health needs (vLLM's --api-key); "
@@ -136,7 +151,9 @@ def vllm_command(
     max_images: Annotated[int, typer.Option("--max-images", help="at least the agent's history_images")] = 5,
     device: Annotated[list[str] | None, typer.Option("--device", help="cuda:N of this replica (repeat for "
                                                      "tensor parallelism); a trainer's devices.policy entry")] = None,
-    compose: Annotated[bool, typer.Option("--compose", help="compose.yaml's command list (${VAR:-default} values)")] = False,
+    compose: Annotated[
+        bool, typer.Option("--compose", help="compose.yaml's command list (${VAR:-default} values)")
+    ] = False,
 ) -> None:
     """Print the vLLM command line osfarm's agent and trainer need (the one compose.yaml runs)."""
     if compose:

@@ -95,7 +95,8 @@ def resolve_model_path(model: str) -> Path:
         return tiny_model_dir()
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"--model {model}: not a model directory (no config.json); use a local HF dir or 'tiny'")
+        raise FileNotFoundError(
+            f"--model {model}: not a model directory (no config.json); use a local HF dir or 'tiny'")
     return path
 
 
@@ -255,7 +256,9 @@ class PolicyEngine:
             old = self.current
             if version < old.version and not force:
                 raise RequestError(
-                    "version", f"{version} is older than the served version {old.version} (send force=true to roll back)", 409
+                    "version",
+                    f"{version} is older than the served version {old.version} (send force=true to roll back)",
+                    409,
                 )
             self.reloading = True
             try:
@@ -274,7 +277,8 @@ class PolicyEngine:
         ``name`` (blocking; call from a thread). ``load_inplace`` replaces an adapter of that name:
         requests that already started finish on the old weights."""
         if not self.enable_lora:
-            raise RequestError("lora_name", "LoRA adapters are disabled on this server; start it with --enable-lora", 404)
+            raise RequestError("lora_name", "LoRA adapters are disabled on this server; start it with --enable-lora",
+                               404)
         if name == self.served_name:
             raise RequestError("lora_name", f"'{name}' is the base model's served name; give the adapter another name")
         with self._adapter_lock:
@@ -300,7 +304,8 @@ class PolicyEngine:
         """Stop serving adapter ``name``; requests already running on it finish (blocking: it waits
         for an adapter load in progress)."""
         if not self.enable_lora:
-            raise RequestError("lora_name", "LoRA adapters are disabled on this server; start it with --enable-lora", 404)
+            raise RequestError("lora_name", "LoRA adapters are disabled on this server; start it with --enable-lora",
+                               404)
         with self._adapter_lock:
             adapter = self.adapters.get(name)
             if adapter is None:
@@ -339,7 +344,9 @@ class PolicyEngine:
             )
         return Prepared(model, version, inputs, prompt_ids, params)
 
-    def generate(self, messages: list[dict[str, Any]], params: SamplingParams, adapter: str | None = None) -> Generation:
+    def generate(
+        self, messages: list[dict[str, Any]], params: SamplingParams, adapter: str | None = None
+    ) -> Generation:
         """``prepare`` + ``run``: the whole answer at once."""
         return self.run(self.prepare(messages, params, adapter))
 

@@ -134,9 +134,11 @@ class VisionChatProcessor:
 
     def apply_chat_template(self, messages, tokenize: bool = False, add_generation_prompt: bool = True, **kw) -> str:
         if tokenize:
-            raise ValueError("VisionChatProcessor.apply_chat_template renders text only: call it with tokenize=False, then the processor")
+            raise ValueError("VisionChatProcessor.apply_chat_template renders text only: call it with "
+                             "tokenize=False, then the processor")
         return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt, **kw
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            **kw,
         )
 
     def __call__(self, text, images=None, return_tensors: str = "pt", **kw):

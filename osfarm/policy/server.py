@@ -288,7 +288,8 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None, token:
         except Exception as e:  # noqa: BLE001 -- a broken checkpoint must not take the server down: old weights stay
             metrics.reloads.labels("failed").inc()
             metrics.requests.labels(route, "400").inc()
-            return _error(400, f"path: could not load {req.path}: {type(e).__name__}: {e}", "path", engine.current.version)
+            return _error(400, f"path: could not load {req.path}: {type(e).__name__}: {e}", "path",
+                          engine.current.version)
         load_s = time.perf_counter() - t0
         metrics.reloads.labels("ok").inc()
         metrics.reload_s.observe(load_s)
@@ -319,7 +320,8 @@ def create_app(engine: PolicyEngine, latency: LatencyModel | None = None, token:
             metrics.requests.labels(route, str(e.status)).inc()
             return _error(e.status, str(e), e.field)
         except Exception as e:  # noqa: BLE001 -- an adapter that does not fit must not take the server down
-            log.warning("LoRA adapter %r from %s failed to load: %s: %s", req.lora_name, req.lora_path, type(e).__name__, e)
+            log.warning("LoRA adapter %r from %s failed to load: %s: %s", req.lora_name, req.lora_path,
+                        type(e).__name__, e)
             metrics.lora_loads.labels("failed").inc()
             metrics.requests.labels(route, "400").inc()
             message = f"lora_path: could not load the LoRA adapter {req.lora_path}: {type(e).__name__}: {e}"
@@ -363,7 +365,8 @@ def _documented_errors(path: str, method: str, op: dict[str, Any]) -> dict[int, 
     if path != "/health":
         out[401] = "missing or wrong token (when the server has one: --api-key)"
     if method == "post":
-        out[400] = "invalid request; error.param names the field (also: the prompt and max_tokens exceed the model's context, a weights path that is not a model)"
+        out[400] = ("invalid request; error.param names the field (also: the prompt and max_tokens exceed the "
+                    "model's context, a weights path that is not a model)")
         out[404] = "no such model or adapter, or LoRA adapters are disabled (--enable-lora)"
         out[409] = "the request conflicts with the server's state (a reload or adapter change in progress)"
     if path == "/v1/chat/completions":

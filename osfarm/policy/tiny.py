@@ -282,7 +282,8 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
         torch.random.set_rng_state(rng_state)
     # Plain sampling defaults (no top-k 50, no repetition penalty): the server sets its own anyway.
     model.generation_config = GenerationConfig(
-        eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None, do_sample=True, temperature=1.0, top_p=1.0, top_k=0
+        eos_token_id=[eos, pad], pad_token_id=pad, bos_token_id=None, do_sample=True, temperature=1.0, top_p=1.0,
+        top_k=0,
     )
     with hf_progress_bars_off():
         model.save_pretrained(out_dir)
@@ -290,7 +291,8 @@ def build_tiny_model(out_dir: Path, seed: int = 0) -> Path:
     build_image_processor().save_pretrained(out_dir)
     (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     _write_processor_config(out_dir)
-    (out_dir / "osfarm_tiny.json").write_text(json.dumps(tiny_spec(seed) | {"corpus": None, "template": None}, indent=1))
+    (out_dir / "osfarm_tiny.json").write_text(
+        json.dumps(tiny_spec(seed) | {"corpus": None, "template": None}, indent=1))
     return out_dir
 
 

@@ -35,7 +35,8 @@ def _vgg16_bn_features() -> Any:
         if v == "M":
             layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
         else:
-            layers += [nn.Conv2d(channels, int(v), kernel_size=3, padding=1), nn.BatchNorm2d(int(v)), nn.ReLU(inplace=True)]
+            layers += [nn.Conv2d(channels, int(v), kernel_size=3, padding=1), nn.BatchNorm2d(int(v)),
+                       nn.ReLU(inplace=True)]
             channels = int(v)
     return nn.Sequential(*layers)
 
