@@ -47,7 +47,8 @@ class GuestEndpoint:
         # client otherwise, 50-100 ms on the event loop for every box (re)started; a guest is
         # plain HTTP (unix socket or loopback) and never uses it.
         ctx = _shared_ssl_context()
-        transport = httpx.AsyncHTTPTransport(uds=self.uds, verify=ctx) if self.uds else httpx.AsyncHTTPTransport(verify=ctx)
+        transport = (httpx.AsyncHTTPTransport(uds=self.uds, verify=ctx) if self.uds
+                     else httpx.AsyncHTTPTransport(verify=ctx))
         return httpx.AsyncClient(
             base_url=self.base_url,
             transport=transport,

@@ -69,7 +69,8 @@ async def wait_guest_ready(
                 if gone is not None:
                     raise ProviderError(f"desktop {handle.id}: {gone} before it was ready; {await box_log()}")
             if now > deadline:
-                raise ProviderError(f"desktop {handle.id} not ready after {timeout_s:g}s (last: {last}); {await box_log()}")
+                raise ProviderError(f"desktop {handle.id} not ready after {timeout_s:g}s (last: {last}); "
+                                    f"{await box_log()}")
             if claim is not None and not os.path.lexists(claim.dest):
                 if not claim_guest_socket(claim):
                     last = "guest socket not created yet"
@@ -171,8 +172,8 @@ def read_box_file(path: Path, owner_uid: int | None, limit: int = 1 << 20) -> by
 
 
 def password_hash(password: str) -> str:
-    """The agent's password (OSWorld's "password") for its /etc/shadow: a SHA-512 crypt(3) hash, as /etc/shadow holds it (by openssl: Python's crypt module is
-    deprecated and gone in 3.13)."""
+    """The agent's password (OSWorld's "password") for its /etc/shadow: a SHA-512 crypt(3) hash, as
+    /etc/shadow holds it (by openssl: Python's crypt module is deprecated and gone in 3.13)."""
     try:
         out = subprocess.run(["openssl", "passwd", "-6", "-stdin"], input=password, capture_output=True,
                              text=True, check=True, timeout=30)

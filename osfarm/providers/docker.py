@@ -358,7 +358,8 @@ class DockerProvider:
             attrs = await asyncio.to_thread(self.client.api.inspect_container, container.id)
             handle.pid = attrs["State"].get("Pid") or None
         handle.info["start_s"] = f"{time.monotonic() - t0:.3f}"
-        log.info("docker desktop ready id=%s container=%s start_s=%s", desktop_id, container.name, handle.info["start_s"])
+        log.info("docker desktop ready id=%s container=%s start_s=%s", desktop_id, container.name,
+                 handle.info["start_s"])
         return handle
 
     async def _wait_ready(self, handle: DesktopHandle, t0: float) -> None:
@@ -428,10 +429,12 @@ class DockerProvider:
         except DockerException as e:
             return f"docker daemon error while checking {handle.info.get('name')}: {e}"
         if state.get("OOMKilled"):
-            return f"container {handle.info.get('name')}: memory limit {self.settings.docker_memory} reached (out of memory)"
+            return (f"container {handle.info.get('name')}: memory limit {self.settings.docker_memory} reached "
+                    "(out of memory)")
         if state.get("Status") != "running":
             tail = await asyncio.to_thread(self._logs, cid, 3)
-            return f"container {handle.info.get('name')} {state.get('Status')} (exit code {state.get('ExitCode')}): {tail}"
+            return (f"container {handle.info.get('name')} {state.get('Status')} "
+                    f"(exit code {state.get('ExitCode')}): {tail}")
         # A limit hit that docker does not report (the kernel killed a process other than the
         # container's first, a fork was refused): ends the desktop, naming the limit.
         cgroup = self._cgroups.get(cid)

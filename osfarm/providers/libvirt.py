@@ -282,7 +282,8 @@ class LibvirtProvider:
         try:
             self.template = Template(tpl.read_text())
         except OSError as e:
-            raise ProviderError(f"domain template {tpl}: {e.strerror} (set OSFARM_VM_IMAGES to the vm_images dir)") from None
+            raise ProviderError(f"domain template {tpl}: {e.strerror} (set OSFARM_VM_IMAGES to the vm_images dir)"
+                                ) from None
         self.qemu_img = shutil.which("qemu-img")
         if not self.qemu_img:
             raise ProviderError("qemu-img not found: apt-get install qemu-utils")
@@ -518,7 +519,8 @@ class LibvirtProvider:
             spec=spec,
             endpoint=GuestEndpoint(base_url=f"http://127.0.0.1:{box.port}", token=box.token),
             pid=box.qemu_pid,
-            info={"dir": str(ddir), "log": str(ddir / "console.log"), "domain": box.name, "image": str(self.files["base"]),
+            info={"dir": str(ddir), "log": str(ddir / "console.log"), "domain": box.name,
+                  "image": str(self.files["base"]),
                   "accel": self.domain_type, "reset": self.settings.libvirt_reset},
         )  # fmt: skip
 
@@ -536,7 +538,8 @@ class LibvirtProvider:
         )  # fmt: skip
         out, _ = await proc.communicate()
         if proc.returncode != 0:
-            raise ProviderError(f"qemu-img create of the overlay in {ddir} failed: {out.decode(errors='replace').strip()}")
+            raise ProviderError(f"qemu-img create of the overlay in {ddir} failed: "
+                                f"{out.decode(errors='replace').strip()}")
         self._qemu_file(ddir / "disk.qcow2", None, 0o600)
         self._qemu_file(ddir / "console.log", "", 0o600)
 
@@ -711,7 +714,8 @@ class LibvirtProvider:
         if box is None or box.port != _port_of(handle):
             return "VM is not running (stopped or owned by another provider)"
         if not self._qemu_running(box):
-            return f"VM stopped (the desktop session exited or qemu died): {log_tail(handle.info.get('log', ''), 3, what='console log')}"
+            return ("VM stopped (the desktop session exited or qemu died): "
+                    f"{log_tail(handle.info.get('log', ''), 3, what='console log')}")
         return None
 
     def pids(self, handle: DesktopHandle) -> list[int]:

@@ -132,7 +132,8 @@ def _failed_row(task: Any, done: Done[Any, Any], run_id: str) -> dict[str, Any]:
 
 async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, suite: Suite, index: Path | None,
                           url: str | None, token: str | None, cache: FileCache, cfg: EpisodeConfig, run_id: str,
-                          out: Path, blobs: BlobStore) -> Callable[[Any], Awaitable[tuple[dict[str, Any], dict[str, Any] | None]]]:
+                          out: Path, blobs: BlobStore
+                          ) -> Callable[[Any], Awaitable[tuple[dict[str, Any], dict[str, Any] | None]]]:
     """``task -> (row, record)`` for the chosen executor."""
     if opts.executor == "inprocess":
         farm = await stack.enter_async_context(AsyncFarm(url, token))
@@ -155,7 +156,8 @@ async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, su
     ex = CeleryExecutor(opts.broker)
     stack.callback(ex.close)
     agent_options = {k: str(v) if isinstance(v, Path) else v for k, v in opts.agent_options().items()}
-    base = {"run_id": run_id, "suite": str(Path(opts.suite).resolve()), "index": str(Path(index).resolve()) if index else None,
+    base = {"run_id": run_id, "suite": str(Path(opts.suite).resolve()),
+            "index": str(Path(index).resolve()) if index else None,
             "agent": opts.agent, "agent_options": agent_options, "out": str(out.resolve()),
             "cache": str(Path(opts.cache).resolve()) if opts.cache else None, "offline": opts.offline,
             "episode": {"max_steps": opts.max_steps, "time_limit_s": opts.time_limit_s,
@@ -174,7 +176,9 @@ def _progress(console: Console, enabled: bool) -> Progress:
                     TimeElapsedColumn(), console=console, disable=not enabled, transient=False)
 
 
-async def run_async(opts: RunOptions, url: str | None, token: str | None, console: Console | None = None) -> dict[str, Any]:
+async def run_async(
+    opts: RunOptions, url: str | None, token: str | None, console: Console | None = None
+) -> dict[str, Any]:
     console = console or Console(stderr=True)
     index = opts.index
     if index is None and (Path(opts.suite) / OSWORLD_INDEX).is_file():

@@ -29,7 +29,8 @@ err = Console(stderr=True)
 def _line(rec: dict[str, Any], entry_id: str | None = None) -> str:
     head = f"{entry_id}  " if entry_id else ""
     score = rec.get("score")
-    return (f"{head}{rec.get('finished_at', '?')}  {rec.get('status', '?'):<11} score={score if score is not None else '-'}"
+    return (f"{head}{rec.get('finished_at', '?')}  {rec.get('status', '?'):<11} "
+            f"score={score if score is not None else '-'}"
             f"  steps={len(rec.get('steps') or [])}  {rec.get('domain', '?')}/{rec.get('task_id', '?')}"
             f"  attempt={rec.get('attempt')}  episode={rec.get('episode_id')}")
 
@@ -60,7 +61,9 @@ def _show(rec: dict[str, Any], entry_id: str | None, as_json: bool) -> None:
 def tail(
     redis_url: RedisOpt = DEFAULT_REDIS,
     stream: StreamOpt = DEFAULT_STREAM,
-    file: Annotated[Path | None, typer.Option("--file", help="read an episodes.jsonl instead of Redis", show_default=False)] = None,
+    file: Annotated[
+        Path | None, typer.Option("--file", help="read an episodes.jsonl instead of Redis", show_default=False)
+    ] = None,
     n: Annotated[int, typer.Option("-n", "--lines", min=0, help="how many of the last episodes to show")] = 10,
     follow: Annotated[bool, typer.Option("--follow", "-f", help="keep waiting for new episodes (Ctrl-C ends)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print whole records as JSON lines")] = False,
@@ -122,7 +125,8 @@ def stats(
               f"first {s['first_id']}, last {s['last_id']}", highlight=False)
     t = Table("group", "consumers", "pending", "lag", "last delivered")
     for g in s["groups"]:
-        names = ", ".join(f"{c['name']} (pending {c['pending']}, idle {c['idle_ms'] / 1000:.0f} s)" for c in g["consumers"])
+        names = ", ".join(f"{c['name']} (pending {c['pending']}, idle {c['idle_ms'] / 1000:.0f} s)"
+                          for c in g["consumers"])
         t.add_row(g["name"], names or "-", str(g["pending"]), str(g["lag"]), g["last_delivered"])
     out.print(t)
 
@@ -132,7 +136,9 @@ def republish(
     spill: Annotated[Path, typer.Argument(help="spill file written by a producer when the stream was full")],
     redis_url: RedisOpt = DEFAULT_REDIS,
     stream: StreamOpt = DEFAULT_STREAM,
-    max_backlog: Annotated[int, typer.Option("--max-backlog", min=1, help="stop while the stream holds this many unconsumed episodes")] = 10_000,
+    max_backlog: Annotated[
+        int, typer.Option("--max-backlog", min=1, help="stop while the stream holds this many unconsumed episodes")
+    ] = 10_000,
 ) -> None:
     """Publish spilled records again (once per episode id); what still does not fit stays in the file."""
     from osfarm.stream.record import SchemaError

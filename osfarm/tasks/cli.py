@@ -71,7 +71,9 @@ def _load(directory: Path, index: Path | None) -> Suite:
 def validate(directory: DirArg, index: IndexOpt = None) -> None:
     """Check every task (and the index); print each problem as FILE: PATH: message, exit 1 if any.
 
-    Warnings (tasks that load as OSWorld's runner would run them, e.g. a func list shorter than its result list) print as 'warning: FILE: PATH: message' and do not fail."""
+    Warnings (tasks that load as OSWorld's runner would run them, e.g. a func
+    list shorter than its result list) print as 'warning: FILE: PATH: message'
+    and do not fail."""
     try:
         suite = load_suite(directory, index, strict=False)
     except TaskError as e:
@@ -158,8 +160,8 @@ def _print_tables(cov: Coverage) -> None:
 AllowHostOpt = Annotated[
     list[str] | None,
     typer.Option("--allow-host", help="download only from this host (repeatable; .example.org = the domain and its "
-                 "sub-domains); a host named here may also be a private address. Default: $OSFARM_DOWNLOAD_ALLOW_HOSTS, "
-                 "else any host with a public address", show_default=False),
+                 "sub-domains); a host named here may also be a private address. Default: "
+                 "$OSFARM_DOWNLOAD_ALLOW_HOSTS, else any host with a public address", show_default=False),
 ]
 
 
@@ -181,13 +183,21 @@ def fetch_cmd(
     allow_host: AllowHostOpt = None,
     max_mb: Annotated[float, typer.Option("--max-mb", min=0.001, help="largest file accepted, MiB")] = 2048.0,
     timeout: Annotated[float, typer.Option("--timeout", min=1.0, help="seconds per file, retries included")] = 600.0,
-    attempts: Annotated[int, typer.Option("--attempts", min=1, max=10, help="tries per file (a partial file is resumed)")] = 3,
-    verify: Annotated[bool, typer.Option("--verify", help="re-hash cached files against the manifest; fetch again what changed")] = False,
+    attempts: Annotated[
+        int, typer.Option("--attempts", min=1, max=10, help="tries per file (a partial file is resumed)")
+    ] = 3,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="re-hash cached files against the manifest; fetch again what changed")
+    ] = False,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show progress bars")] = True,
 ) -> None:
     """Download every file SUITE's tasks need into --cache, so offline machines can run it.
 
-    Resumable (partial files are continued, cached files skipped), checksummed (SHA-256 in <cache>/fetch-manifest.json), bounded (--concurrency, --max-mb, --timeout). Task files are hostile: only http(s), no redirect to another scheme, no private addresses unless named with --allow-host. Exits 1 when any file could not be fetched (each one listed with its task and JSON path)."""
+    Resumable (partial files are continued, cached files skipped), checksummed
+    (SHA-256 in <cache>/fetch-manifest.json), bounded (--concurrency, --max-mb,
+    --timeout). Task files are hostile: only http(s), no redirect to another
+    scheme, no private addresses unless named with --allow-host. Exits 1 when
+    any file could not be fetched (each one listed with its task and JSON path)."""
     try:
         suite = load_suite(directory, index, strict=False)
     except TaskError as e:
@@ -203,7 +213,8 @@ def fetch_cmd(
     mib = report.bytes_fetched / (1 << 20)
     con.print(f"{len(assets)} files for {len(tasks)} tasks: {report.count('fetched')} fetched ({mib:.1f} MiB), "
               f"{report.count('cached')} already cached, {report.count('linked')} linked, "
-              f"{report.count('failed')} failed, {report.count('refused')} refused; manifest {cache / 'fetch-manifest.json'}")
+              f"{report.count('failed')} failed, {report.count('refused')} refused; "
+              f"manifest {cache / 'fetch-manifest.json'}")
     for r in suite.refused:
         typer.echo(f"refused task file (its files are unknown): {r.file}")
     if report.failed or suite.refused:

@@ -179,7 +179,8 @@ class GuestController:
                     return False
                 if r.status_code >= 400:
                     r.read()
-                    raise GuestError(route, r.status_code, error_detail(r.content, fallback=r.reason_phrase, limit=2000))
+                    raise GuestError(route, r.status_code,
+                                     error_detail(r.content, fallback=r.reason_phrase, limit=2000))
                 announced = r.headers.get("content-length", "")
                 if announced.isdigit() and int(announced) > limit:
                     raise GuestFileTooLarge(route, path, limit, int(announced))
@@ -231,7 +232,8 @@ class GuestController:
         return self._window_op("/setup/close_window", window_name, strict, by_class)
 
     def wait_for_window(self, title: str | None = None, wm_class: str | None = None, timeout: float = 30.0) -> bool:
-        data = self._json("POST", "/v1/wait_for_window", json={"title": title, "wm_class": wm_class, "timeout": timeout},
+        data = self._json("POST", "/v1/wait_for_window",
+                          json={"title": title, "wm_class": wm_class, "timeout": timeout},
                           timeout=timeout + 15)
         return bool(data.get("ok"))
 

@@ -91,7 +91,8 @@ class Need:
 
     @property
     def label(self) -> str:
-        return self.reason or "unsupported" if self.status == "unsupported" else self.status  # reasons read "unsupported, because ..."
+        # reasons read "unsupported, because ..."
+        return self.reason or "unsupported" if self.status == "unsupported" else self.status
 
 
 @dataclass

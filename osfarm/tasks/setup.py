@@ -138,7 +138,8 @@ def made_by_chromium(p):
     try:
         db = sqlite3.connect("file:%s?mode=ro" % p, uri=True, timeout=2)
         try:
-            return db.execute("SELECT count(*) FROM sqlite_master WHERE type='table' AND name='meta'").fetchone()[0] == 1
+            query = "SELECT count(*) FROM sqlite_master WHERE type='table' AND name='meta'"
+            return db.execute(query).fetchone()[0] == 1
         finally:
             db.close()
     except sqlite3.Error:

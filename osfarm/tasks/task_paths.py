@@ -49,7 +49,8 @@ def plain_name_problem(value: Any) -> str | None:
     if not isinstance(value, str) or not value:
         return "must be a non-empty string"
     if value in (".", "..") or "/" in value or "\\" in value or "\0" in value:
-        return f"{value!r} must be a plain name (no slash, backslash or NUL; not '.' or '..'): it names folders on the host"
+        return (f"{value!r} must be a plain name (no slash, backslash or NUL; not '.' or '..'): "
+                "it names folders on the host")
     if len(value.encode()) > _MAX_NAME:
         return f"is longer than {_MAX_NAME} bytes"
     return None

@@ -146,7 +146,8 @@ def collate(encs: Sequence[Encoded], pad_id: int) -> MicroBatch:
     mask = torch.zeros(len(encs), width)
     for i, e in enumerate(encs):
         mask[i, width - e.response_len:] = 1.0
-    return MicroBatch(inputs=inputs, targets=scored[:, -width:], mask=mask, response_lens=[e.response_len for e in encs])
+    return MicroBatch(inputs=inputs, targets=scored[:, -width:], mask=mask,
+                      response_lens=[e.response_len for e in encs])
 
 
 def _left_pad(t: torch.Tensor, length: int, value: int) -> torch.Tensor:

@@ -36,8 +36,8 @@ MASTER_FILE = "master.safetensors"
 
 # the files of a model dir that are not weights or config: tokenizer, processor, chat template
 PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "added_tokens.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
-                   "chat_template.jinja", "chat_template.json")
+                   "added_tokens.json", "preprocessor_config.json", "processor_config.json",
+                   "video_preprocessor_config.json", "chat_template.jinja", "chat_template.json")
 
 
 def model_dir(ckpt: Path) -> Path:

@@ -18,7 +18,9 @@ def train_command(
                                                    show_default=False)] = None,
     run_dir: Annotated[Path | None, typer.Option("--run-dir", help="where checkpoints, episodes and metrics go",
                                                     show_default=False)] = None,
-    updates: Annotated[int | None, typer.Option("--updates", help="stop at this policy version", show_default=False)] = None,
+    updates: Annotated[
+        int | None, typer.Option("--updates", help="stop at this policy version", show_default=False)
+    ] = None,
     eta: Annotated[int | None, typer.Option("--eta", help="max staleness in versions (0 = synchronous)",
                                                show_default=False)] = None,
     envs: Annotated[int | None, typer.Option("--envs", help="episodes at once", show_default=False)] = None,

@@ -38,15 +38,19 @@ class FarmSection(_Strict):
 
 class PolicySection(_Strict):
     servers: list[PolicyServer] = Field(default_factory=list, description="running policy servers to use and sync")
-    spawn: int = Field(default=1, ge=0, description="CPU policy servers to start (osfarm policy serve) when servers is empty")
+    spawn: int = Field(default=1, ge=0,
+                       description="CPU policy servers to start (osfarm policy serve) when servers is empty")
     delay_ms: float = Field(default=0.0, ge=0, description="spawned servers: artificial latency per request")
-    delay_sigma: float = Field(default=0.0, ge=0, description="spawned servers: lognormal sigma of that latency (0: fixed)")
+    delay_sigma: float = Field(default=0.0, ge=0,
+                               description="spawned servers: lognormal sigma of that latency (0: fixed)")
     start_timeout_s: float = Field(default=120.0, gt=0)
     model_name: str = Field(default="policy", description="model name agents send")
 
 
 class AgentSection(_Strict):
-    kind: Literal["vlm", "choice"] = Field(default="choice", description="vlm: H4's VLM agent; choice: one token picks one of `choices`")
+    kind: Literal["vlm", "choice"] = Field(
+        default="choice", description="vlm: H4's VLM agent; choice: one token picks one of `choices`"
+    )
     prompt_format: str = "pyautogui"
     observation: str = "screenshot"
     history_turns: int = Field(default=2, ge=0)
@@ -109,7 +113,8 @@ class TrainConfig(_Strict):
     model: str = Field(default="tiny", description="HF model dir, or `tiny`")
     resume: bool = Field(default=True, description="continue from the run dir's latest checkpoint")
     updates: int = Field(default=4, ge=1, description="stop once the policy reaches this version")
-    max_episodes: int | None = Field(default=None, ge=1, description="also stop after this many episodes (this process)")
+    max_episodes: int | None = Field(default=None, ge=1,
+                                     description="also stop after this many episodes (this process)")
     suite: Path = Field(default=DEFAULT_SUITE)
     tasks: list[str] = Field(default_factory=list, description="task ids (default: all of the suite)")
     keep_checkpoints: int = Field(default=3, ge=1)

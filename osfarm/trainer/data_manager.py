@@ -13,8 +13,10 @@ unless ``group_size`` fixes it. Either way only episodes inside the version wind
 (policy_version ≥ current − window). The group is trimmed to the newest n keeping at least one
 success and one failure when it has them; a group that is all failures swaps its oldest episode
 for the newest stored success of that task from the experience pool (or is dropped this round
-when there is none; failures with differing partial scores already carry a signal and train as they are); a group whose mean reward reaches ``acc_max`` or whose rewards are all
-equal carries no GRPO signal and is dropped (``drop_no_signal=False`` keeps it, with zero advantages). Every episode is used at most once.
+when there is none; failures with differing partial scores already carry a signal and train as
+they are); a group whose mean reward reaches ``acc_max`` or whose rewards are all equal carries
+no GRPO signal and is dropped (``drop_no_signal=False`` keeps it, with zero advantages). Every
+episode is used at most once.
 
 Each episode of a group gets its GRPO advantage (its reward vs the group's; population std, see
 advantages.py; XRPO's novelty sharpening optionally amplifies the successes the policy found
@@ -147,7 +149,8 @@ class DataConfig:
         if self.episode_version not in ("start", "end"):
             raise ValueError(f"episode_version must be 'start' or 'end', got {self.episode_version!r}")
         if self.min_group_size < 2:
-            raise ValueError(f"min_group_size must be >= 2 (a group of one has no advantage), got {self.min_group_size}")
+            raise ValueError(f"min_group_size must be >= 2 (a group of one has no advantage), "
+                             f"got {self.min_group_size}")
 
 
 @dataclass(eq=False)

@@ -94,7 +94,8 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
     """Sum the gradients of a data-parallel replica over the ranks, flattened into one buffer per
     dtype. A parameter no rank has a gradient for keeps none (the optimizer skips it, as on one
     rank); one that some ranks lack counts as 0 there."""
-    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device if params else None)
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                       device=params[0].device if params else None)
     dist.all_reduce(has, op=dist.ReduceOp.SUM)
     by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for p, anywhere in zip(params, has.tolist(), strict=True):

@@ -6,8 +6,8 @@ through the same scheduler as the training rollouts (the farm's desktops are sha
 waits for them) but never reach the data manager. When all of a version's episodes are back its
 result is a row of ``<run>/eval.jsonl`` — ``version``, ``success_rate``, ``reward``, ``episodes``,
 ``infra_errors``, ``policy_versions`` (the versions that answered: a server updated in place may
-already serve a newer one when an episode starts) — printed, sent to TensorBoard / W&B and drawn in ``curves.png`` next to the
-training reward.
+already serve a newer one when an episode starts) — printed, sent to TensorBoard / W&B and drawn
+in ``curves.png`` next to the training reward.
 """
 
 from __future__ import annotations

@@ -100,7 +100,8 @@ class LossOptions(BaseModel):
     dual_clip: float | None = Field(default=None, gt=1)
     aggregation: str = Field(default="token_mean", pattern="^(token_mean|seq_mean)$")
     entropy_coef: float = Field(default=0.0, ge=0.0, description="entropy bonus (0: off)")
-    kl_coef: float = Field(default=0.0, ge=0.0, description="weight of KL(π_θ ‖ π_ref) in the loss (0: off, no reference kept)")
+    kl_coef: float = Field(default=0.0, ge=0.0,
+                           description="weight of KL(π_θ ‖ π_ref) in the loss (0: off, no reference kept)")
     kl_kind: str = Field(default="k3", pattern="^(k1|k2|k3)$", description="KL estimator (Schulman's k1/k2/k3)")
 
 
@@ -114,7 +115,8 @@ class LearnerOptions(BaseModel):
     total_steps: int | None = Field(default=None, ge=1, description="steps the decay runs over (default: the "
                                     "run's updates × minibatches)")
     min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0, description="linear/cosine: lr at the end, as a fraction")
-    minibatches: int = Field(default=1, ge=1, description="optimizer steps per update (proximal ≠ current after the first)")
+    minibatches: int = Field(default=1, ge=1,
+                             description="optimizer steps per update (proximal ≠ current after the first)")
     micro_batch_size: int = Field(default=1, ge=1, description="samples per forward pass (gradient accumulation "
                                   "over the rest of a minibatch bounds memory)")
     dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$",
@@ -132,7 +134,8 @@ class LearnerOptions(BaseModel):
     full_logits: bool = Field(default=False, description="compute logits over the whole sequence (tests; costs memory)")
     reference: Path | None = Field(default=None, description="model dir of the KL reference policy (default: the "
                                    "model the run started from; with LoRA: the base without adapters)")
-    reference_device: str | None = Field(default=None, description="device of the KL reference (default: the learner's)")
+    reference_device: str | None = Field(default=None,
+                                         description="device of the KL reference (default: the learner's)")
     seed: int = 0
 
 
@@ -203,7 +206,8 @@ class Learner:
         self.master_dtype = torch.float32 if self.opts.master_dtype == "float32" else self.compute_dtype
         self.model_path = Path(model_path)
         self.lora = self.opts.lora is not None
-        self.fsdp = self.ctx.enabled and (self.opts.fsdp == "on" or (self.opts.fsdp == "auto" and self.device.type == "cuda"))
+        self.fsdp = self.ctx.enabled and (self.opts.fsdp == "on"
+                                          or (self.opts.fsdp == "auto" and self.device.type == "cuda"))
         self.commands: Commands | None = None
         if self.ctx.enabled:
             self.commands = Commands(self.ctx, init_process_groups(self.ctx, self.device))
@@ -236,7 +240,8 @@ class Learner:
         self.ref_model: Any = None
         self.ref_device = torch.device(self.opts.reference_device) if self.opts.reference_device else self.device
         if self.opts.loss.kl_coef > 0 and not self.lora:
-            self.ref_model = load_model(Path(self.opts.reference or self.model_path), self.compute_dtype).to(self.ref_device)
+            self.ref_model = load_model(Path(self.opts.reference or self.model_path),
+                                        self.compute_dtype).to(self.ref_device)
             self.ref_model.eval().requires_grad_(False)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.opts.lr, weight_decay=self.opts.weight_decay,
@@ -280,8 +285,8 @@ class Learner:
 
     def encode(self, sample: Sample) -> Encoded:
         if sample.turns:
-            raise ValueError(f"sample {sample.episode_id}: trajectory samples (several trained turns) are not supported "
-                             "by the learner yet; use the data manager's step granularity")
+            raise ValueError(f"sample {sample.episode_id}: trajectory samples (several trained turns) are not "
+                             "supported by the learner yet; use the data manager's step granularity")
         return encode_sample(self.processor, sample.messages, self.response_ids(sample))
 
     @contextlib.contextmanager
@@ -292,7 +297,9 @@ class Learner:
         else:
             yield
 
-    def forward(self, mb: MicroBatch, *, model: Any = None, full: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, mb: MicroBatch, *, model: Any = None, full: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [B, T], logits [B, T, V]) of the last T tokens of each sequence (T = the
         micro-batch's longest response; ``mb.mask`` says which are a sample's response tokens).
 
@@ -516,13 +523,15 @@ class Learner:
             self.counters["tokens"] += total_tokens
         else:
             self.counters["skipped_updates"] += 1
-            log.warning("update skipped: every optimizer step had a non-finite gradient (version stays %d)", self.version)
+            log.warning("update skipped: every optimizer step had a non-finite gradient (version stays %d)",
+                        self.version)
         extra = {f"loss/{k}": v for k, v in stat_sums.items()}
         extra["steps_taken"] = float(taken)
         finite = [g for g in grad_norms if math.isfinite(g)]
         return UpdateStats(version=self.version, samples=len(samples), tokens=total_tokens, loss=sums["loss"],
                            entropy=sums["entropy"], kl_prox_behav=sums["drift"] / total_tokens,
-                           grad_norm=max(finite) if finite else float("nan"), seconds=round(time.perf_counter() - t0, 3),
+                           grad_norm=max(finite) if finite else float("nan"),
+                           seconds=round(time.perf_counter() - t0, 3),
                            skipped_steps=skipped, lr=lr, extra=extra)
 
     # -- checkpoints --------------------------------------------------------------------------------

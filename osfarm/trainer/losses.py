@@ -213,7 +213,8 @@ def token_entropy(logits: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
 def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:
     """log π(token_ids[b, t] | ·) from ``logits[b, t]`` (already aligned: logits at t predict token t)."""
     if logits.dim() != 3 or token_ids.shape != logits.shape[:2]:
-        raise ValueError(f"need logits [B, T, V] and token_ids [B, T], got {tuple(logits.shape)} and {tuple(token_ids.shape)}")
+        raise ValueError(f"need logits [B, T, V] and token_ids [B, T], got {tuple(logits.shape)} and "
+                         f"{tuple(token_ids.shape)}")
     outs = []
     for s in range(0, logits.shape[1], max(1, chunk)):
         z = logits[:, s:s + chunk].float()

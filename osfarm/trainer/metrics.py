@@ -132,7 +132,8 @@ class TrainMetrics:
         """A held-out evaluation result (the row is already in eval.jsonl)."""
         sr = row.get("success_rate")
         shown = f"{sr:.3f}" if isinstance(sr, float) else "n/a"
-        self.console.print(f"[bold]eval[/] version={row['version']} success_rate={shown} episodes={row.get('episodes')} "
+        self.console.print(f"[bold]eval[/] version={row['version']} success_rate={shown} "
+                           f"episodes={row.get('episodes')} "
                            f"infra_errors={row.get('infra_errors')}", highlight=False)
         for k, v in _numbers(row).items():
             self._gauge(f"eval_{k}").set(v)

@@ -80,7 +80,9 @@ class StalenessGate:
     rejected normally and only make the bound tighter — or never do).
     """
 
-    def __init__(self, eta: int, batch_size: int, max_concurrent: int | None = None, state: StalenessState | None = None):
+    def __init__(
+        self, eta: int, batch_size: int, max_concurrent: int | None = None, state: StalenessState | None = None
+    ):
         if eta < 0 or batch_size < 1:
             raise ValueError(f"need eta >= 0 and batch_size >= 1, got eta={eta}, batch_size={batch_size}")
         self.eta, self.batch_size, self.max_concurrent = eta, batch_size, max_concurrent
@@ -132,7 +134,8 @@ class StalenessGate:
             raw = json.loads(path.read_text())
             version = int(raw["version"])
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}: not a staleness state file ({e}); delete it to start the counters afresh") from None
+            raise ValueError(f"{path}: not a staleness state file ({e}); delete it to start the counters afresh"
+                             ) from None
         st = StalenessState(version=version, accepted=accepted_after_resume(version, batch_size), running=0,
                             rejected=int(raw.get("rejected", 0)), submitted=int(raw.get("submitted", 0)))
         return cls(eta, batch_size, max_concurrent, st)

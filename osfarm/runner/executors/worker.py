@@ -13,13 +13,28 @@ from rich.console import Console
 
 
 def worker_command(
-    farm: Annotated[str, typer.Option("--farm", envvar="OSFARM_FARM_URL", help="URL of the farm this worker runs episodes on")],
+    farm: Annotated[
+        str, typer.Option("--farm", envvar="OSFARM_FARM_URL", help="URL of the farm this worker runs episodes on")
+    ],
     token: Annotated[str, typer.Option("--token", envvar="OSFARM_TOKEN", help="the farm's token", show_default=False)],
-    broker: Annotated[str, typer.Option("--broker", envvar="OSFARM_BROKER", help="Redis URL: Celery broker, result backend, claims")] = "redis://127.0.0.1:6379/0",
-    concurrency: Annotated[int, typer.Option("--concurrency", "-c", min=1, help="episodes run at once (pool processes)")] = 1,
-    stream: Annotated[str, typer.Option("--stream", envvar="OSFARM_STREAM", help="Redis stream the records go to ('' for none)")] = "osfarm:episodes",
-    out: Annotated[Path | None, typer.Option("--out", envvar="OSFARM_WORKER_OUT", help="write task files under OUT/<run id> instead of the runner's run dir (no shared filesystem)", show_default=False)] = None,
-    name: Annotated[str | None, typer.Option("--name", help="worker name (default osfarm@<host>-<pid>)", show_default=False)] = None,
+    broker: Annotated[
+        str,
+        typer.Option("--broker", envvar="OSFARM_BROKER", help="Redis URL: Celery broker, result backend, claims"),
+    ] = "redis://127.0.0.1:6379/0",
+    concurrency: Annotated[
+        int, typer.Option("--concurrency", "-c", min=1, help="episodes run at once (pool processes)")
+    ] = 1,
+    stream: Annotated[
+        str, typer.Option("--stream", envvar="OSFARM_STREAM", help="Redis stream the records go to ('' for none)")
+    ] = "osfarm:episodes",
+    out: Annotated[
+        Path | None,
+        typer.Option("--out", envvar="OSFARM_WORKER_OUT", help="write task files under OUT/<run id> instead of the "
+                     "runner's run dir (no shared filesystem)", show_default=False),
+    ] = None,
+    name: Annotated[
+        str | None, typer.Option("--name", help="worker name (default osfarm@<host>-<pid>)", show_default=False)
+    ] = None,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "info",
 ) -> None:
     """Run episodes queued by `osfarm eval --executor celery` on the farm at --farm."""
