@@ -52,19 +52,24 @@ def build(kit) -> None:
              [dl(BOOKMARK, "recipes.html", f"{D}/recipes.html"), dl(BOOKMARK, "news.html", f"{D}/news.html"),
               dl(BOOKMARK, "Bookmarks", "/home/user/.config/google-chrome/Default/Bookmarks")] + chrome(url),
              # Chromium writes the Bookmarks file a few seconds after a change
-             {"postconfig": [execute(poll("grep -qs recipes.html /home/user/.config/google-chrome/Default/Bookmarks", 150) + "true")],
+             {"postconfig": [execute(poll("grep -qs recipes.html /home/user/.config/google-chrome/Default/Bookmarks",
+                                          150) + "true")],
               "func": "is_expected_bookmarks", "result": {"type": "bookmarks"},
               "expected": rule(type="bookmark_bar_websites_urls", urls=[existing, url])},
              [hotkey("ctrl", "d"), press("enter"), DONE], ["chrome"])
 
     kit.text(SAVE_PAGE, "offer.html", page("Special offer", "<h1>Offer</h1><p id='code'>Voucher code OSF-2417-KX</p>"))
     target = "/home/user/Downloads/offer_saved.html"
-    kit.task("chrome", SAVE_PAGE, "Save the web page open in the browser into the Downloads folder as offer_saved.html.",
-             [dl(SAVE_PAGE, "offer.html", f"{D}/offer.html"), execute("mkdir -p /home/user/Downloads")] + chrome(f"file://{D}/offer.html"),
+    kit.task("chrome", SAVE_PAGE,
+             "Save the web page open in the browser into the Downloads folder as offer_saved.html.",
+             [dl(SAVE_PAGE, "offer.html", f"{D}/offer.html"), execute("mkdir -p /home/user/Downloads")]
+             + chrome(f"file://{D}/offer.html"),
              {"func": "check_include_exclude",
-              "result": cmdline(poll(f"grep -qs OSF-2417-KX {target}") + f"grep -o 'Voucher code OSF-2417-KX' {target}"),
+              "result": cmdline(poll(f"grep -qs OSF-2417-KX {target}")
+                                + f"grep -o 'Voucher code OSF-2417-KX' {target}"),
               "expected": rule(include=["Voucher code OSF-2417-KX"], exclude=[])},
              # GTK's file chooser takes a full path in its name field
              # the file chooser can take a few seconds to appear the first time: the agent waits
-             [hotkey("ctrl", "s") + [wait_window_code("Save File")], hotkey("ctrl", "a") + type_text("offer_saved.html"),
+             [hotkey("ctrl", "s") + [wait_window_code("Save File")],
+              hotkey("ctrl", "a") + type_text("offer_saved.html"),
               hotkey("alt", "s"), DONE], ["chrome"])  # Alt+S: the dialog has no default button for Enter

@@ -7,4 +7,5 @@ def build(kit) -> None:
     kit.infeasible("libreoffice_calc", "0f5d2a10-0000-4000-8000-000000000902",
                    "In LibreOffice Calc, use the built-in ChatGPT button to summarise my spreadsheet into a poem.")
     kit.infeasible("chrome", "0f5d2a10-0000-4000-8000-000000000903",
-                   "Install the Internet Explorer 6 rendering engine into the browser so old intranet pages display correctly.")
+                   "Install the Internet Explorer 6 rendering engine into the browser so old intranet pages display "
+                   "correctly.")

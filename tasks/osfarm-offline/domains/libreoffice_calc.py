@@ -43,20 +43,25 @@ def calc_task(kit, tid: str, name: str, instruction: str, steps: list, gold_extr
 
 def build(kit) -> None:
     calc_task(kit, SUM, "sales.xlsx",
-              "In sales.xlsx, put the total of the Units column in cell B7 (just below the data) and save the file, keeping its format.",
+              "In sales.xlsx, put the total of the Units column in cell B7 (just below the data) and save the file, "
+              "keeping its format.",
               goto("B7") + [type_text("=SUM(B2:B6)\n")], {"B7": sum(r[1] for r in SALES[1:])})
     calc_task(kit, PRODUCT, "revenue.xlsx",
-              "Add a column D titled \"Revenue\" holding Units times Price for every region of revenue.xlsx, then save it in its current format.",
-              goto("D1") + [type_text("Revenue\n") + [f"pyautogui.write('=B{r}*C{r}\\n', interval=0.01)" for r in range(2, 7)]],
+              "Add a column D titled \"Revenue\" holding Units times Price for every region of revenue.xlsx, then "
+              "save it in its current format.",
+              goto("D1") + [type_text("Revenue\n")
+                            + [f"pyautogui.write('=B{r}*C{r}\\n', interval=0.01)" for r in range(2, 7)]],
               gold_rows=[r + (("Revenue",) if i == 0 else (r[1] * r[2],)) for i, r in enumerate(SALES)])
     calc_task(kit, AVG, "prices.xlsx",
-              "In prices.xlsx, write the average Price of the five regions into cell C7 and save the file (keep the xlsx format).",
+              "In prices.xlsx, write the average Price of the five regions into cell C7 and save the file (keep the "
+              "xlsx format).",
               goto("C7") + [type_text("=AVERAGE(C2:C6)\n")], {"C7": sum(r[2] for r in SALES[1:]) / 5})
     calc_task(kit, MAX, "units.xlsx",
               "In units.xlsx, put the largest value of the Units column into cell E1 and save the file as xlsx.",
               goto("E1") + [type_text("=MAX(B2:B6)\n")], {"E1": max(r[1] for r in SALES[1:])})
     calc_task(kit, SORT, "regions.xlsx",
-              "Sort the table in regions.xlsx by Units, largest first (keep the header row on top), and save it as xlsx.",
+              "Sort the table in regions.xlsx by Units, largest first (keep the header row on top), and save it as "
+              "xlsx.",
               # Data > Sort: the dialog opens on the current region with its header detected
               goto("B2") + [hotkey("alt", "d"), ["pyautogui.press('s')"], [wait_window_code("Sort")],
                             press("tab"), press("down"), press("enter")],

@@ -152,7 +152,8 @@ def build(kit) -> None:
               slide("content", "Channels", ("Newsletter", "Local radio", "Farmers market stand"))]
     impress_task(kit, BOLD, "launch.pptx",
                  "Make the title on the first slide of launch.pptx bold and save the file in its current format.",
-                 launch, [FOCUS, *EDIT_FIRST_SHAPE, EDITING + hotkey("shift", "home") + hotkey("ctrl", "b")] + LEAVE_TEXT,
+                 launch,
+                 [FOCUS, *EDIT_FIRST_SHAPE, EDITING + hotkey("shift", "home") + hotkey("ctrl", "b")] + LEAVE_TEXT,
                  [slide("title", "Product Launch", launch[0]["body"], bold=True), launch[1]])
 
     talk = [slide("title", "Composting at Home", ("Evening talk at the library",)),
@@ -180,4 +181,5 @@ def build(kit) -> None:
                             "result": vm_file("/home/user/poster.pptx")})
 
     kit.infeasible("libreoffice_impress", INFEASIBLE,
-                   "Export this presentation from LibreOffice Impress as an MP4 video with my recorded voice narration.")
+                   "Export this presentation from LibreOffice Impress as an MP4 video with my recorded voice "
+                   "narration.")

@@ -96,7 +96,8 @@ def build(kit) -> None:
              "Trees also catch rainwater, which eases the load on storm drains during heavy showers.",
              "Finally, residents report that tree-lined streets feel calmer and safer to walk along."]
     writer_task(kit, SPACING, "essay.docx",
-                "Make the first two paragraphs of essay.docx double-spaced (line spacing 2) and save it as a Word document.",
+                "Make the first two paragraphs of essay.docx double-spaced (line spacing 2) and save it as a Word "
+                "document.",
                 [[{"line_spacing": 1.0}, t] for t in essay],
                 [hotkey("ctrl", "home"), hotkey("ctrl", "shift", "down") + hotkey("ctrl", "shift", "down"),
                  # Format > Spacing > Line Spacing: 2
@@ -191,4 +192,5 @@ def build(kit) -> None:
                 letter)
 
     kit.infeasible("libreoffice_writer", INFEASIBLE,
-                   "Turn on LibreOffice Writer's built-in voice dictation so that I can speak my letter instead of typing it.")
+                   "Turn on LibreOffice Writer's built-in voice dictation so that I can speak my letter instead of "
+                   "typing it.")
