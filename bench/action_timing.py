@@ -17,6 +17,7 @@ saves per step. Prints both tables. Usage: python bench/action_timing.py [ROUNDS
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -148,4 +149,6 @@ def main(rounds: int = 10) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rounds", nargs="?", type=int, default=10, help="episodes per timing mode")
+    main(ap.parse_args().rounds)

@@ -17,9 +17,9 @@ step itself (bench/step_latency.py) takes ~130 ms. Usage: python bench/api_overh
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -109,4 +109,6 @@ def main(n: int = 20000) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 20000)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("requests", nargs="?", type=int, default=20000, help="requests per setting")
+    main(ap.parse_args().requests)

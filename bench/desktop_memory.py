@@ -6,8 +6,8 @@ and divides the machine's available memory by the mean. Usage: python bench/desk
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import sys
 import tempfile
 from pathlib import Path
 
@@ -66,4 +66,6 @@ def main(k: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("desktops", nargs="?", type=int, default=3, help="desktops to start")
+    main(ap.parse_args().desktops)

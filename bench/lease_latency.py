@@ -10,6 +10,7 @@ Usage: python bench/lease_latency.py [N_WARM] [N_COLD]
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 import tempfile
@@ -85,5 +86,8 @@ def main(n_warm: int = 30, n_cold: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    args = [int(a) for a in sys.argv[1:3]]
-    main(*args)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("n_warm", nargs="?", type=int, default=30, help="warm leases")
+    ap.add_argument("n_cold", nargs="?", type=int, default=5, help="cold desktop starts")
+    a = ap.parse_args()
+    main(a.n_warm, a.n_cold)

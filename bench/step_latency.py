@@ -12,6 +12,7 @@ Prints medians and the speedup over the OSWorld-style path. Usage: python bench/
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 import time
@@ -91,4 +92,6 @@ def main(n: int = 20) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 20)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("rounds", nargs="?", type=int, default=20, help="interleaved rounds per path")
+    main(ap.parse_args().rounds)
