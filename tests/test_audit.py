@@ -27,7 +27,8 @@ TASKS = {
     # the desktop already is as the task wants: noop scores 1
     "free": _task("free", {"func": "exact_match", "result": ECHO, "expected": RULE}),
     # noop 0, fail 0
-    "fine": _task("fine", {"func": "exact_match", "result": ECHO, "expected": {"type": "rule", "rules": {"expected": "no"}}}),
+    "fine": _task("fine", {"func": "exact_match", "result": ECHO,
+                           "expected": {"type": "rule", "rules": {"expected": "no"}}}),
     "infeasible": _task("infeasible", {"func": "infeasible"}),
     # a setup step that fails on a fresh desktop
     "badsetup": _task("badsetup", {"func": "exact_match", "result": ECHO, "expected": RULE},
@@ -37,16 +38,19 @@ TASKS = {
     "app": _task("app", {"func": "exact_match", "result": ECHO, "expected": RULE},
                  [{"type": "launch", "parameters": {"command": ["no-such-editor-xyz", "--new-window"]}}]),
     "drive": _task("drive", {"func": "exact_match", "result": ECHO, "expected": RULE},
-                   [{"type": "googledrive", "parameters": {"settings_file": "x", "operation": ["delete"], "args": [{}]}}]),
+                   [{"type": "googledrive",
+                     "parameters": {"settings_file": "x", "operation": ["delete"], "args": [{}]}}]),
     "nometric": _task("nometric", {"func": "no_such_metric", "result": ECHO}),
     "download": _task("download", {"func": "exact_match", "result": ECHO, "expected": RULE},
                       [{"type": "download", "parameters": {"files": [
-                          {"url": "https://hf-mirror.com/datasets/x/resolve/main/a.xlsx", "path": "/home/user/a.xlsx"}]}}]),
+                          {"url": "https://hf-mirror.com/datasets/x/resolve/main/a.xlsx",
+                           "path": "/home/user/a.xlsx"}]}}]),
     "web": _task("web", {"func": "exact_match", "result": ECHO, "expected": RULE},
                  [{"type": "chrome_open_tabs", "parameters": {"urls_to_open": ["https://www.example.org/x"]}}]),
     "apt": _task("apt", {"func": "exact_match", "result": ECHO, "expected": RULE},
-                 [{"type": "execute", "parameters": {"command": "echo {CLIENT_PASSWORD} | sudo -S apt-get install -y jq",
-                                                     "shell": True}}]),
+                 [{"type": "execute",
+                   "parameters": {"command": "echo {CLIENT_PASSWORD} | sudo -S apt-get install -y jq",
+                                  "shell": True}}]),
 }
 
 
@@ -98,3 +102,25 @@ def test_audit_without_runnable_tasks_needs_no_desktop(tmp_path: Path) -> None:
     assert r.exit_code == 0, r.output
     data = json.loads((out / "audit.json").read_text())
     assert data["counts"]["needs-network"] == 2 and data["counts"]["unsupported"] == 1
+
+
+def test_vscode_tasks_are_unsupported_with_the_reason(tmp_path: Path) -> None:
+    """A task that starts `code` (or asks it in a getter) is unsupported, before its downloads are
+    looked at, with the reason the desktop has no VS Code."""
+    from osfarm.runner.audit import NO_VSCODE, needs_vscode, static_verdict
+    from osfarm.tasks.filecache import FileCache
+    from osfarm.tasks.model import parse_task
+
+    launch = _task("vs1", {"func": "exact_match", "result": ECHO, "expected": RULE},
+                   [{"type": "download", "parameters": {"files": [
+                       {"url": "https://hf-mirror.com/datasets/x/resolve/main/a.py", "path": "/home/user/a.py"}]}},
+                    {"type": "launch", "parameters": {"command": ["code", "/home/user/a.py"]}}])
+    getter = _task("vs2", {"func": "check_include_exclude", "result": {
+        "type": "vm_command_line", "command": ["code", "--list-extensions", "|", "grep", "x.y"]},
+        "expected": {"type": "rule", "rules": {"include": ["x.y"]}}})
+    plain = parse_task(TASKS["fine"])
+    assert needs_vscode(parse_task(launch)) and needs_vscode(parse_task(getter)) and not needs_vscode(plain)
+    cache = FileCache(tmp_path / "cache")
+    assert static_verdict(parse_task(launch), cache) == ("unsupported", NO_VSCODE)
+    assert static_verdict(parse_task(getter), cache) == ("unsupported", NO_VSCODE)
+    assert "code-server" in NO_VSCODE and "npm" in NO_VSCODE

@@ -89,7 +89,8 @@ def eval_args(out: Path, *extra: str) -> list[str]:
 
 
 def run_eval(out: Path, *extra: str) -> dict:
-    r = subprocess.run(eval_args(out, *extra), cwd=ROOT, env=_env(), check=False, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(eval_args(out, *extra), cwd=ROOT, env=_env(), check=False, capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads((out / "results.json").read_text())
 
@@ -194,7 +195,8 @@ def test_redis_restarted_mid_run_workers_reconnect_and_no_episode_is_lost(
 
 @pytest.mark.timeout(900)
 def test_a_job_that_kills_its_worker_every_time_is_dead_lettered_after_the_cap(
-        farm: FarmServer, broker: RedisServer, workers: Workers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        farm: FarmServer, broker: RedisServer, workers: Workers, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The out-of-memory case: the kernel kills the pool process running the episode, Celery hands
     the job out again (reject_on_worker_lost), the next run dies the same way. After
     OSFARM_MAX_DELIVERIES starts the job ends as an infra_error saying why, with one record."""
@@ -236,7 +238,8 @@ def test_worker_and_executor_refuse_bad_settings(tmp_path: Path) -> None:
                         "--broker", "amqp://x"], cwd=ROOT, check=False, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--broker must be a Redis URL" in r.stderr and "Traceback" not in r.stderr
     r = subprocess.run(eval_args(tmp_path / "x", "--executor", "celery", "--broker", "redis://127.0.0.1:1/0",
-                                 "--time-limit", "600"), cwd=ROOT, env=_env(), check=False, capture_output=True, text=True, timeout=120)
+                                 "--time-limit", "600"),
+                       cwd=ROOT, env=_env(), check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "visibility timeout" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -176,7 +176,8 @@ def test_cli_desktop_commands(farm: FarmServer, tmp_path: Path) -> None:
     assert info["owner"] == "dave" and info["screen"] == {"width": W, "height": H}
 
     shot = tmp_path / "shots" / "s.jpg"
-    r = osfarm("desktop", "screenshot", lid, "-o", str(shot), "--format", "jpeg", "--scale", "0.5", "--owner", "dave", env=env)
+    r = osfarm("desktop", "screenshot", lid, "-o", str(shot), "--format", "jpeg", "--scale", "0.5", "--owner", "dave",
+               env=env)
     assert r.returncode == 0, r.stderr
     img = Image.open(shot)
     assert img.format == "JPEG" and img.size == (W // 2, H // 2)
@@ -201,7 +202,9 @@ def test_cli_desktop_commands(farm: FarmServer, tmp_path: Path) -> None:
     assert r.returncode == 1 and "invalid token" in r.stderr
 
 
-def test_cli_takes_lease_ids_that_begin_with_dash(farm: FarmServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_takes_lease_ids_that_begin_with_dash(
+    farm: FarmServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every command that takes a lease id takes any id, also one that begins with '-' (older farms
     made one in 64 so): written in place as any other id, or after '--'. The farm runs in this
     process, so the next lease id is pinned here to one that starts with '-'."""
@@ -306,7 +309,8 @@ def test_serve_runs_and_stops_cleanly() -> None:
 
 def test_demo_produces_png(tmp_path: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="osfd") as d:
-        env = cli_env(None, OSFARM_STATE_DIR=d, OSFARM_PRIVATE_NETWORK="true", OSFARM_WIDTH=str(W), OSFARM_HEIGHT=str(H))
+        env = cli_env(None, OSFARM_STATE_DIR=d, OSFARM_PRIVATE_NETWORK="true", OSFARM_WIDTH=str(W),
+                      OSFARM_HEIGHT=str(H))
         r = osfarm("demo", "--out", str(tmp_path / "runs"), env=env, timeout=240)
     assert r.returncode == 0, (r.stdout, r.stderr)
     pngs = list((tmp_path / "runs").glob("*/screenshot.png"))

@@ -96,7 +96,8 @@ def test_max_steps_truncates_and_evaluates(farm: FarmServer, suite: Any) -> None
             await env.reset(suite[MKDIR])
             _, reward, terminated, truncated, info = await env.step([])  # an empty step waits
             assert (reward, terminated, truncated) == (0.0, False, False) and info["actions"] == ["WAIT"]
-            _, reward, terminated, truncated, info = await env.step(["pyautogui.write('mkdir -p ~/projects/osfarm\\n')"])
+            _, reward, terminated, truncated, info = await env.step(
+                ["pyautogui.write('mkdir -p ~/projects/osfarm\\n')"])
             assert (terminated, truncated) == (False, True)
             assert reward == 1.0 and info["score"] == 1.0  # evaluated at the cut: the folder is there
 

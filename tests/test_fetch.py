@@ -78,7 +78,8 @@ def test_hostile_answers_are_refused(srv: AssetServer, tmp_path: Path, path: str
 def test_a_body_over_the_cap_is_cut_and_dropped(srv: AssetServer, tmp_path: Path) -> None:
     # no Content-Length: the cap must stop the stream itself, and keep nothing
     with pytest.raises(DownloadRefused, match="over the 1048576-byte limit"):
-        get(srv.url("/huge-unannounced"), tmp_path / "h", DownloadPolicy(allowed_hosts=("127.0.0.1",), max_bytes=1 << 20))
+        get(srv.url("/huge-unannounced"), tmp_path / "h",
+            DownloadPolicy(allowed_hosts=("127.0.0.1",), max_bytes=1 << 20))
     assert not (tmp_path / "h").exists() and not (tmp_path / "h.part").exists()
 
 
@@ -151,8 +152,10 @@ def _write_suite(root: Path, srv: AssetServer) -> tuple[str, str, str]:
                 {"url": u(f"/redirect/2{HF}/libreoffice_calc/t1/sheet.xlsx"), "path": "/home/user/Desktop/Sheet.xlsx"},
                 {"url": "assets/local.txt", "path": "/home/user/local.txt"}]}},
             {"type": "open", "parameters": {"path": "/home/user/Desktop/Sheet.xlsx"}}],
-            {"func": "compare_table", "result": {"type": "vm_file", "path": "/home/user/Desktop/Sheet.xlsx", "dest": "s.xlsx"},
-             "expected": {"type": "cloud_file", "path": u(f"{HF}/libreoffice_calc/t1/gold.xlsx"), "dest": "gold_renamed.xlsx"}}),
+            {"func": "compare_table",
+             "result": {"type": "vm_file", "path": "/home/user/Desktop/Sheet.xlsx", "dest": "s.xlsx"},
+             "expected": {"type": "cloud_file", "path": u(f"{HF}/libreoffice_calc/t1/gold.xlsx"),
+                          "dest": "gold_renamed.xlsx"}}),
         ("vlc", t2): _task(t2, [
             {"type": "download", "parameters": {"files": [
                 {"url": u(f"{HF}/vlc/t2/big.mp4"), "path": "/home/user/big.mp4"},

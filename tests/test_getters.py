@@ -115,7 +115,8 @@ def test_rule_and_relative_time(env: EvalEnv) -> None:
                      "expected": {"time": "{DoW}, {Month} {Day0D}, {Year}", "x": 1}}}
     assert get("rule_relativeTime", env, cfg)["expected"] == {"time": "Sun, Jan 05, 2025", "x": 1}
     assert cfg["rules"]["expected"]["time"].startswith("{DoW}")  # the task is not modified
-    cfg = {"rules": {"relativeTime": {"from": "tomorrow"}, "expected": {"time": "{Year}-{Month0D}-{Day0D} {MonthFull}"}}}
+    cfg = {"rules": {"relativeTime": {"from": "tomorrow"},
+                     "expected": {"time": "{Year}-{Month0D}-{Day0D} {MonthFull}"}}}
     assert get("rule_relativeTime", env, cfg)["expected"]["time"] == "2024-12-19 December"
     cfg = {"rules": {"relativeTime": {"from": "next Monday", "to": "next Friday"},
                      "expected": {"from": "{month} {DayD}", "to": "{MonthD}/{DayD}"}}}
@@ -123,13 +124,15 @@ def test_rule_and_relative_time(env: EvalEnv) -> None:
     cfg = {"rules": {"relativeTime": {"from": "this Saturday", "to": "this Sunday"},
                      "expected": {"from": "{DayD}", "to": "{DayD}"}}}
     assert get("rule_relativeTime", env, cfg)["expected"] == {"from": "21", "to": "22"}
-    cfg = {"rules": {"relativeTime": {"from": "first monday four months later"}, "expected": {"time": "{Year}-{Month0D}-{Day0D}"}}}
+    cfg = {"rules": {"relativeTime": {"from": "first monday four months later"},
+                     "expected": {"time": "{Year}-{Month0D}-{Day0D}"}}}
     assert get("rule_relativeTime", env, cfg)["expected"]["time"] == "2025-04-07"
 
 
 def _history_db(path: Path) -> bytes:
     with sqlite3.connect(path) as c:
-        c.execute("CREATE TABLE urls (id INTEGER PRIMARY KEY, url TEXT, title TEXT, visit_count INT, last_visit_time INT)")
+        c.execute("CREATE TABLE urls (id INTEGER PRIMARY KEY, url TEXT, title TEXT, visit_count INT, "
+                  "last_visit_time INT)")
         c.execute("INSERT INTO urls (url, title, visit_count, last_visit_time) VALUES ('https://a.org/', 'A', 1, 1300)")
         c.execute("CREATE TABLE cookies (host_key TEXT, name TEXT, value TEXT)")
         c.execute("INSERT INTO cookies VALUES ('.amazon.com', 'session-id', '1')")
@@ -185,7 +188,8 @@ def test_vlc_and_gimp(env: EvalEnv) -> None:
     assert get("vlc_playing_info", env, {"dest": "status.xml"}) is None  # no VLC listening
     assert get("gimp_config_file", env, {"file_name": "no-such-rc", "dest": "x"}) is None
     env.controller.upload_file("/home/user/.config/GIMP/2.10/gimprc", b"(theme \"Dark\")\n")
-    assert Path(get("gimp_config_file", env, {"file_name": "gimprc", "dest": "gimprc"})).read_bytes() == b"(theme \"Dark\")\n"
+    gimprc = get("gimp_config_file", env, {"file_name": "gimprc", "dest": "gimprc"})
+    assert Path(gimprc).read_bytes() == b"(theme \"Dark\")\n"
 
 
 @pytest.mark.slow

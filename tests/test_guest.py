@@ -236,7 +236,8 @@ def test_execute_with_verification(guest: Guest) -> None:
 
 
 def test_run_python(guest: Guest) -> None:
-    r = guest.c.post("/run_python", json={"code": "import pyautogui, os\nprint(os.environ['DISPLAY'], pyautogui.size())"})
+    r = guest.c.post("/run_python",
+                     json={"code": "import pyautogui, os\nprint(os.environ['DISPLAY'], pyautogui.size())"})
     body = r.json()
     assert body["status"] == "success" and body["return_code"] == 0
     assert body["output"].strip() == f"{guest.state['display']} Size(width={W}, height={H})"
@@ -291,7 +292,8 @@ def test_setup_download_file(guest: Guest) -> None:
         assert (guest.tmp / "home" / "dl" / "a.bin").read_bytes() == b"x" * 70_000 and srv.ranges == ["bytes=35000-"]
         assert sorted(p.name for p in (guest.tmp / "home" / "dl").iterdir()) == ["a.bin"]  # nothing else left
         r = guest.c.post("/setup/download_file", json={"url": srv.url(HF + "/gone"), "path": "~/dl/gone"})
-        assert r.status_code == 500 and r.text.startswith(f"Failed to download {srv.url(HF + '/gone')}. No retries left.")
+        assert r.status_code == 500 and r.text.startswith(
+            f"Failed to download {srv.url(HF + '/gone')}. No retries left.")
         assert "HTTP 404" in r.text and not list((guest.tmp / "home" / "dl").glob("gone*"))
         for url, words in ((srv.url("/to-file"), "url: only http and https URLs are downloaded, not 'file'"),
                            ("file:///etc/passwd", "url: only http and https"),
@@ -421,7 +423,8 @@ def test_step_code_done_and_first_error(guest: Guest) -> None:
     assert [x["ok"] for x in body["results"]] == [True] * 5
     assert body["results"][2]["output"] == "hi\n"
     assert guest.c.get("/cursor_position").json() == [50, 60]  # the action after DONE did not run
-    r = guest.c.post("/v1/step", json={"actions": ["raise RuntimeError('boom')", {"action_type": "MOVE_TO", "parameters": {"x": 5, "y": 5}}],
+    r = guest.c.post("/v1/step", json={"actions": ["raise RuntimeError('boom')",
+                                                   {"action_type": "MOVE_TO", "parameters": {"x": 5, "y": 5}}],
                                        "observe": {"format": "jpeg", "scale": 0.5, "windows": False}})
     body = r.json()
     assert len(body["results"]) == 1 and not body["results"][0]["ok"]
@@ -439,8 +442,10 @@ def test_step_code_done_and_first_error(guest: Guest) -> None:
     ({"actions": "CLICK"}, 422, "actions: "),
     ({"actions": []}, 422, "actions: "),
     ({"actions": [{"action_type": "FLY"}]}, 422, "actions.0.action_type: unknown action type 'FLY'"),
-    ({"actions": [{"action_type": "CLICK", "parameters": {"x": W, "y": 10}}]}, 422, "actions.0.parameters.x: 1280 is off screen"),
-    ({"actions": ["WAIT", {"action_type": "MOVE_TO", "parameters": {"x": 1, "y": -1}}]}, 422, "actions.1.parameters.y: -1 is off screen"),
+    ({"actions": [{"action_type": "CLICK", "parameters": {"x": W, "y": 10}}]}, 422,
+     "actions.0.parameters.x: 1280 is off screen"),
+    ({"actions": ["WAIT", {"action_type": "MOVE_TO", "parameters": {"x": 1, "y": -1}}]}, 422,
+     "actions.1.parameters.y: -1 is off screen"),
     ({"actions": [{"action_type": "MOVE_TO", "parameters": {"x": "a", "y": 1}}]}, 422, "actions.0.parameters.x: "),
     ({"actions": [{"action_type": "PRESS", "parameters": {"key": "nokey"}}]}, 422, "actions.0.parameters.key: "),
     ({"actions": [7]}, 422, "actions.0: expected a computer_13 object"),
@@ -557,7 +562,8 @@ def test_pyautogui_route(guest: Guest) -> None:
     body = guest.c.post("/v1/pyautogui", json={"code": "1/0"}).json()
     assert not body["ok"] and "ZeroDivisionError" in body["error"]
     # agent code often reads the screen through pyautogui (scrot underneath on Linux)
-    body = guest.c.post("/v1/pyautogui", json={"code": "print(pyautogui.screenshot().size, len(pyautogui.pixel(5, 5)))"}).json()
+    body = guest.c.post("/v1/pyautogui",
+                        json={"code": "print(pyautogui.screenshot().size, len(pyautogui.pixel(5, 5)))"}).json()
     assert body["ok"], body
     assert body["output"].strip() == f"({W}, {H}) 3", body
     r = guest.c.post("/v1/pyautogui", json={"code": ""})
@@ -595,7 +601,8 @@ def test_recording(guest: Guest) -> None:
     assert guest.c.post("/start_recording").status_code == 400
     # move the pointer around so frames differ, then stop
     for i in range(10):
-        guest.c.post("/v1/step", json={"actions": [{"action_type": "MOVE_TO", "parameters": {"x": 100 + 40 * i, "y": 300}}]})
+        guest.c.post("/v1/step",
+                     json={"actions": [{"action_type": "MOVE_TO", "parameters": {"x": 100 + 40 * i, "y": 300}}]})
         png(guest)
     r = guest.c.post("/end_recording")
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4"

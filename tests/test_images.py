@@ -133,7 +133,8 @@ def test_desktop_image_looks_like_osworlds_vm(built: str) -> None:
         "echo password | sudo -S -k true 2>/dev/null && echo sudo-ok; "
         "python -c 'import importlib.util as u; print(all(u.find_spec(m) for m in (\"pyautogui\", \"pyatspi\")))'; "
         "python3 --version; command -v google-chrome; command -v chromium; command -v soffice; command -v gimp; "
-        "command -v vlc; command -v thunderbird; command -v xfce4-terminal; command -v Xvfb; osfarm --help >/dev/null && echo cli-ok"
+        "command -v vlc; command -v thunderbird; command -v xfce4-terminal; command -v Xvfb; "
+        "osfarm --help >/dev/null && echo cli-ok"
     )
     r = run_in("osfarm/desktop:latest", script)
     assert r.returncode == 0, r.stdout + r.stderr

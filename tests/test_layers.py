@@ -94,7 +94,8 @@ LAZY_THIRD_PARTY = {
 # osfarm modules a function may import lazily, each because importing it at module level would
 # load one of LAZY_THIRD_PARTY (or start something) for callers that never use it.
 LAZY_OSFARM: dict[str, str] = {
-    "osfarm.providers.sandbox": "make_provider: each provider's module only when chosen (psutil, namespace and cgroup checks)",
+    "osfarm.providers.sandbox": ("make_provider: each provider's module only when chosen (psutil, namespace and "
+                                 "cgroup checks)"),
     "osfarm.providers.docker": "make_provider: the docker provider only when chosen",
     "osfarm.providers.libvirt": "make_provider: the libvirt provider (and its libvirt binding) only when chosen",
     "osfarm.stream.redis_stream": "imports redis",

@@ -324,8 +324,8 @@ def _weights(lrn: Learner) -> dict[str, torch.Tensor]:
 
 def test_fp32_master_weights_keep_small_updates_that_bf16_rounds_away(model_dir: Path) -> None:
     """Full fine-tuning with bf16 weights: an AdamW step of lr 1e-6 is far below bf16's resolution
-    (2^-8 relative) on any weight of magnitude 0.01 and more, and rounds to nothing. With fp32 master weights (the default) and bf16 compute
-    (autocast) the same step moves the weights."""
+    (2^-8 relative) on any weight of magnitude 0.01 and more, and rounds to nothing. With fp32 master
+    weights (the default) and bf16 compute (autocast) the same step moves the weights."""
     moved = {}
     for master in ("same", "float32"):
         lrn = Learner(model_dir, LearnerOptions(lr=1e-6, dtype="bfloat16", master_dtype=master))

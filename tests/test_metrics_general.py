@@ -232,7 +232,8 @@ def test_compare_time_in_speedtest_results(tmp_path: Path) -> None:
 
 def test_is_included_all_json_objects(tmp_path: Path) -> None:
     gold = write(tmp_path, "gold.json", json.dumps({"a": 1, "b": [2]}))
-    assert g.is_included_all_json_objects(gold, write(tmp_path, "r1.json", json.dumps({"a": 1, "b": [2], "c": 3}))) == 1.0
+    r1 = write(tmp_path, "r1.json", json.dumps({"a": 1, "b": [2], "c": 3}))
+    assert g.is_included_all_json_objects(gold, r1) == 1.0
     assert g.is_included_all_json_objects(gold, write(tmp_path, "r2.json", json.dumps({"a": 1, "b": [3]}))) == 0.0
 
 

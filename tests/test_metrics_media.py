@@ -326,8 +326,9 @@ def test_vlcrc_checks(tmp_path: Path) -> None:
     assert vlc_m.check_qt_slider_colours(p, {"type": "match", "expected_qt_slider_colours": "1;2;3"}) == 0.0
     assert vlc_m.check_global_key_play_pause(p, {"expected_global_key_play_pause": 1}) == 1.0
     assert vlc_m.check_global_key_play_pause(p, {"expected_global_key_play_pause": 0}) == 0.0
-    assert vlc_m.check_one_instance_when_started_from_file(p, {"expected_one_instance_when_started_from_file": 0}) == 1.0
-    assert vlc_m.check_one_instance_when_started_from_file(p, {"expected_one_instance_when_started_from_file": 1}) == 0.0
+    check = vlc_m.check_one_instance_when_started_from_file
+    assert check(p, {"expected_one_instance_when_started_from_file": 0}) == 1.0
+    assert check(p, {"expected_one_instance_when_started_from_file": 1}) == 0.0
     assert vlc_m.check_play_and_exit(p, {"expected_play_and_exit": 0}) == 1.0
     assert vlc_m.check_play_and_exit(p, {"expected_play_and_exit": 1}) == 0.0
     default_rc = tmp_path / "vlcrc2"
@@ -414,7 +415,8 @@ def test_check_mp3_meta(tmp_path: Path) -> None:
 def make_video(tmp_path: Path, name: str, source: str, seconds: float = 1.0) -> str:
     out = tmp_path / name
     subprocess.run(
-        [FFMPEG, "-nostdin", "-v", "error", "-y", "-f", "lavfi", "-i", f"{source}=size=64x48:rate=10:duration={seconds}",
+        [FFMPEG, "-nostdin", "-v", "error", "-y", "-f", "lavfi",
+         "-i", f"{source}=size=64x48:rate=10:duration={seconds}",
          "-c:v", "mpeg4", "-q:v", "3", str(out)],
         check=True,
     )
@@ -532,7 +534,8 @@ def test_compare_zip_files(tmp_path: Path) -> None:
 def make_epub(path: Path, chapters: dict[str, str], ident: str) -> str:
     toc = "<ncx>\n<navMap>\n"
     toc += "".join(f'<navPoint id="{n}"><content src="{n}"/></navPoint>\n' for n in chapters) + "</navMap>\n</ncx>\n"
-    opf = f"<package>\n<metadata>\n<dc:identifier>{ident}</dc:identifier>\n<dc:title>Book</dc:title>\n</metadata>\n</package>\n"
+    opf = (f"<package>\n<metadata>\n<dc:identifier>{ident}</dc:identifier>\n<dc:title>Book</dc:title>\n"
+           "</metadata>\n</package>\n")
     members = {"mimetype": b"application/epub+zip", "toc.ncx": toc.encode(), "content.opf": opf.encode()}
     for name, body in chapters.items():
         members[name] = f"<html><body>\n{body}\n</body></html>".encode()

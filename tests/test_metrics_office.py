@@ -46,8 +46,10 @@ DATA = [["Name", "Score"], ["a", 1.00001], ["b", 2.5]]
 def books(tmp_path: Path) -> dict[str, str]:
     return {
         "gold": make_xlsx(tmp_path / "gold.xlsx", {"Sheet1": DATA, "Other": [["x"]]}),
-        "same": make_xlsx(tmp_path / "same.xlsx", {"Sheet1": [["Name", "Score"], ["a", 1.00002], ["b", 2.5]], "Other": [["x"]]}),
-        "diff": make_xlsx(tmp_path / "diff.xlsx", {"Sheet1": [["Name", "Score"], ["a", 1.0], ["b", 3.5]], "Other": [["x"]]}),
+        "same": make_xlsx(tmp_path / "same.xlsx",
+                          {"Sheet1": [["Name", "Score"], ["a", 1.00002], ["b", 2.5]], "Other": [["x"]]}),
+        "diff": make_xlsx(tmp_path / "diff.xlsx",
+                          {"Sheet1": [["Name", "Score"], ["a", 1.0], ["b", 3.5]], "Other": [["x"]]}),
         "renamed": make_xlsx(tmp_path / "renamed.xlsx", {"Data": DATA, "Other": [["x"]]}),
     }
 
@@ -113,7 +115,8 @@ def test_compare_table_check_cell(tmp_path: Path) -> None:
         "bgcolor": {"method": "eq", "ref": "FFFF0000"},
     }}]
     assert table_m.compare_table(path, rules=good) == 1.0
-    bad = [{"type": "check_cell", "sheet_idx": 0, "coordinate": "B2", "props": {"value": {"method": "approx:0.5", "ref": 41}}}]
+    bad = [{"type": "check_cell", "sheet_idx": 0, "coordinate": "B2",
+            "props": {"value": {"method": "approx:0.5", "ref": 41}}}]
     assert table_m.compare_table(path, rules=bad) == 0.0
     # a coordinate on a sheet that does not exist fails the rule instead of raising
     assert table_m.compare_table(path, rules=[dict(good[0], sheet_idx="RNNope")]) == 0.0
@@ -588,6 +591,7 @@ def test_unexpected_inputs_score_zero_instead_of_raising(tmp_path: Path) -> None
     deck = make_pptx(tmp_path / "d.pptx")
     # rules of the wrong shape / out-of-range indexes
     assert docs_m.compare_font_names(doc, None) == 0.0  # type: ignore[arg-type]
-    assert slides_m.check_strikethrough(deck, {"slide_index_s": [9], "shape_index_s": [0], "paragraph_index_s": [0]}) == 0.0
+    where = {"slide_index_s": [9], "shape_index_s": [0], "paragraph_index_s": [0]}
+    assert slides_m.check_strikethrough(deck, where) == 0.0
     assert slides_m.check_transition(deck, {"slide_idx": "x"}) == 0.0
     assert table_m.compare_table(make_xlsx(tmp_path / "t.xlsx", {"S": [[1]]}), rules=[{"type": "check_cell"}]) == 0.0

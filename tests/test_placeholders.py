@@ -29,7 +29,8 @@ def test_placeholders_take_the_desktops_values(farm: FarmServer, tmp_path: Path)
             "result": {"type": "vm_command_line", "command": "cat ~/list.txt ~/shell.txt ~/launch.txt ~/post.txt",
                        "shell": True},
             "expected": {"type": "rule", "rules": {"expected": "".join(
-                [f"{W}x{H} {W // 2}x{H // 2} password\n"] * 2 + ["{SCREEN_WIDTH}\n", f"{W}x{H} {W // 2}x{H // 2} password\n"])}}},
+                [f"{W}x{H} {W // 2}x{H // 2} password\n"] * 2
+                + ["{SCREEN_WIDTH}\n", f"{W}x{H} {W // 2}x{H // 2} password\n"])}}},
     })
     assert (W, H) != (1920, 1080)  # OSWorld's default size would not tell the values apart
     with SyncTaskEnv(farm.url, farm.token, work_dir=tmp_path / "w") as env:

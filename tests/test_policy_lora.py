@@ -238,7 +238,8 @@ def test_bad_adapters_are_400_naming_lora_path_and_the_server_goes_on(
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "notes.txt").write_text("not an adapter")
     misfit = misfit_adapter(adapters["A"][0], tmp_path / "misfit")
-    cases = [(tmp_path / "nope", "does not exist"), (tmp_path / "junk", "adapter_config.json"), (misfit, "size mismatch")]
+    cases = [(tmp_path / "nope", "does not exist"), (tmp_path / "junk", "adapter_config.json"),
+             (misfit, "size mismatch")]
     for path, why in cases:
         message = _refused(_load(server, "pol-bad", path), 400, "lora_path")
         assert message.startswith("lora_path") and str(path) in message and why in message, message

@@ -57,7 +57,8 @@ SCREEN = _screenshot_url()
 def _chat(text: str = "Click the Save button.") -> list[dict]:
     return [
         {"role": "system", "content": "You are a GUI agent."},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": SCREEN}}, {"type": "text", "text": text}]},
+        {"role": "user",
+         "content": [{"type": "image_url", "image_url": {"url": SCREEN}}, {"type": "text", "text": text}]},
     ]
 
 
@@ -294,7 +295,8 @@ def test_stop_string_cuts_text_and_keeps_generated_ids(server: httpx.Client, ref
         ({"max_tokens": 30000}, 400, "max_tokens"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages[0].role"),
         ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, 400, "messages[0].content"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+        ({"messages": [{"role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
          400, "messages[0].content[0].image_url.url"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]}]},
          400, "messages[0].content[0].image_url.url"),

@@ -117,7 +117,8 @@ def test_stream_n2_logprobs_usage_equals_the_whole_answer(api: Any, http: httpx.
     assert all(ch.model_extra["policy_version"] == full.model_extra["policy_version"] for ch in chunks)
     # the prompt's token ids ride on the first chunks (vLLM's return_token_ids), once per choice
     with_prompt = [ch for ch in chunks if (ch.model_extra or {}).get("prompt_token_ids")]
-    assert len(with_prompt) == 2 and with_prompt[0].model_extra["prompt_token_ids"] == full.model_extra["prompt_token_ids"]
+    assert len(with_prompt) == 2
+    assert with_prompt[0].model_extra["prompt_token_ids"] == full.model_extra["prompt_token_ids"]
     # the text came in pieces as it was generated, not in one piece at the end
     assert all(p["pieces"] > 1 for p in per.values())
     for p in per.values():

@@ -102,7 +102,8 @@ def load_task(task_id: str) -> tuple[dict[str, Any], list[list[str]]]:
 @pytest.fixture(scope="module", params=PROVIDERS)
 def farm(request: pytest.FixtureRequest) -> Iterator[FarmServer]:
     name = request.param
-    with running_farm(prefix=f"ofc{name[:2]}", start_timeout_s=desktop_wait_s(name) + 60, **farm_options(name)) as server:
+    with running_farm(prefix=f"ofc{name[:2]}", start_timeout_s=desktop_wait_s(name) + 60,
+                      **farm_options(name)) as server:
         yield server
 
 

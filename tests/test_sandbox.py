@@ -24,7 +24,8 @@ from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopHandle, DesktopSpec, ProviderError
 from osfarm.providers.sandbox import SandboxProvider
 
-SPEC = DesktopSpec(width=1024, height=768, private_network=False)  # the shared-network path: X display numbers must not clash
+# the shared-network path: X display numbers must not clash
+SPEC = DesktopSpec(width=1024, height=768, private_network=False)
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -69,7 +70,8 @@ async def provider():
 def test_missing_tools_are_named(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", str(tmp_path))
     settings = FarmSettings(state_dir=tmp_path / "st")
-    with pytest.raises(ProviderError, match=r"missing unshare, setpriv, nsenter, Xvfb: apt-get install util-linux xvfb"):
+    with pytest.raises(ProviderError,
+                       match=r"missing unshare, setpriv, nsenter, Xvfb: apt-get install util-linux xvfb"):
         make_provider(settings)
     for tool in ("unshare", "setpriv", "nsenter"):
         (tmp_path / tool).symlink_to(shutil.which(tool, path="/usr/bin:/bin"))

@@ -327,7 +327,8 @@ def test_chrome_open_and_close_tabs(guest: GuestController, cache: FileCache) ->
         guest.upload_file(path, f"<html><head><title>page {n}</title></head><body>{n}</body></html>".encode())
         pages[n] = f"file://{path}"
     with pytest.raises(SetupFailed, match="DevTools not reachable"):
-        executor(guest, cache, cdp_wait=0.3).run([{"type": "chrome_open_tabs", "parameters": {"urls_to_open": [pages["b"]]}}])
+        executor(guest, cache, cdp_wait=0.3).run(
+            [{"type": "chrome_open_tabs", "parameters": {"urls_to_open": [pages["b"]]}}])
     ex = executor(guest, cache)
     ex.run([
         {"type": "launch", "parameters": {"command": ["chromium", *CHROME_FLAGS, pages["a"]]}},

@@ -29,8 +29,9 @@ PNG = b"\x89PNG\r\n\x1a\n" + b"pixels"
 
 
 def record(n: int = 1, blobs: LocalBlobStore | None = None, status: str = "success") -> dict:
-    shot = (blobs or LocalBlobStore(Path("/nonexistent"))).put(PNG + bytes([n % 256]), "png", "image/png") if blobs else {
-        "sha256": "a" * 64, "path": f"blobs/aa/{'a' * 64}.png", "media_type": "image/png", "size": 10}
+    shot = ((blobs or LocalBlobStore(Path("/nonexistent"))).put(PNG + bytes([n % 256]), "png", "image/png")
+            if blobs else {"sha256": "a" * 64, "path": f"blobs/aa/{'a' * 64}.png", "media_type": "image/png",
+                           "size": 10})
     return {
         "schema": SCHEMA, "episode_id": f"ep-{n}", "run_id": "run-1", "task_id": f"task-{n}", "domain": "os",
         "group_id": f"task-{n}", "attempt": 1, "agent": "replay",
@@ -172,11 +173,13 @@ def test_entries_of_a_dead_consumer_are_claimed(redis_session: RedisServer, stre
     assert alive.forget_idle_consumers(min_idle_ms=0) == ["dead"]
     st = stream_stats(alive.r, stream)
     g = st["groups"][0]
-    assert st["length"] == 3 and g["pending"] == 1 and g["lag"] == 0 and [c["name"] for c in g["consumers"]] == ["alive"]
+    assert st["length"] == 3 and g["pending"] == 1 and g["lag"] == 0
+    assert [c["name"] for c in g["consumers"]] == ["alive"]
 
 
-def test_a_full_stream_makes_the_producer_wait_then_spill_never_drop(redis_session: RedisServer, stream: str,
-                                                                      tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_full_stream_makes_the_producer_wait_then_spill_never_drop(
+    redis_session: RedisServer, stream: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     spill = tmp_path / "spill.jsonl"
     sink = RedisStreamSink(redis_session.url, stream, max_backlog=2, wait_s=0.5, poll_s=0.05, spill=spill)
     src = RedisStreamSource(redis_session.url, stream, group="slow", consumer="c")
@@ -195,7 +198,9 @@ def test_a_full_stream_makes_the_producer_wait_then_spill_never_drop(redis_sessi
     assert [e.record["episode_id"] for e in src.read(count=10, block_ms=100)] == ["ep-2", "ep-3"]
 
 
-def test_a_waiting_producer_publishes_once_the_consumer_acks(redis_session: RedisServer, stream: str, tmp_path: Path) -> None:
+def test_a_waiting_producer_publishes_once_the_consumer_acks(
+    redis_session: RedisServer, stream: str, tmp_path: Path
+) -> None:
     import threading
 
     sink = RedisStreamSink(redis_session.url, stream, max_backlog=1, wait_s=30, poll_s=0.05, spill=tmp_path / "s.jsonl")

@@ -10,8 +10,10 @@ Two runs:
   seed derived from the config's seed and the rollout's number, at η = 0 every rollout of version v
   samples from weights v, the prompt has no screenshot (a desktop's pixels, e.g. its clock, differ
   from run to run), groups are planned (fixed n), a batch lists them in plan order and their
-  episodes by content, and the CPU update is deterministic — so the run makes the same episodes and the same updates each
-  time, and the assertion cannot pass or fail by chance (the η = 1 run's reward depends on which
+  episodes by content, and the CPU update is deterministic — so the run makes the same episodes and
+  the same updates each time, and the assertion cannot pass or fail by chance (the η = 1 run's
+  reward depends on which version each request happens to reach, so it is not asserted there).
+  Only an infra error (a desktop that failed, retried with a new seed) changes the sequence.
   version each request happens to reach, so it is not asserted there). Only an infra error (a
   desktop that failed, retried with a new seed) changes the sequence.
 """
@@ -113,7 +115,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     try:
         while not any(r["version"] >= KILL_AFTER for r in _rows(run_dir)):
             if proc.poll() is not None:
-                pytest.fail(f"osfarm train exited {proc.returncode} before version {KILL_AFTER}:\n{log.read_text()[-3000:]}")
+                pytest.fail(f"osfarm train exited {proc.returncode} before version {KILL_AFTER}:\n"
+                            f"{log.read_text()[-3000:]}")
             if time.monotonic() > deadline:
                 pytest.fail(f"no version {KILL_AFTER} in 900 s:\n{log.read_text()[-3000:]}")
             time.sleep(1)

@@ -261,7 +261,8 @@ def test_a_killed_policy_server_is_started_again(tmp_path: Path) -> None:
     log = tmp_path / "train.log"
     env = {**os.environ, "OSFARM_STATE_DIR": str(tmp_path / "state")}
     with log.open("ab") as out:
-        proc = subprocess.Popen([sys.executable, "-c", "from osfarm.cli import app; app()", "train", "--config", str(cfg)],
+        proc = subprocess.Popen([sys.executable, "-c", "from osfarm.cli import app; app()",
+                                 "train", "--config", str(cfg)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 600

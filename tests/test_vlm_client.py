@@ -89,8 +89,10 @@ def test_agent_options_are_validated_with_clear_messages() -> None:
     with pytest.raises(ValueError, match="prompt format 'uitars' shows only screenshot"):
         make_agent("vlm", base_url="http://127.0.0.1:1", model="m", prompt_format="uitars", observation="a11y")
     with pytest.raises(ValueError, match="use --action-space computer_13"):
-        make_agent("vlm", base_url="http://127.0.0.1:1", model="m", prompt_format="computer_13", action_space="pyautogui")
-    a = make_agent("vlm", base_url="http://127.0.0.1:1", model="m", action_space="computer_13", observation="screenshot_a11y")
+        make_agent("vlm", base_url="http://127.0.0.1:1", model="m", prompt_format="computer_13",
+                   action_space="pyautogui")
+    a = make_agent("vlm", base_url="http://127.0.0.1:1", model="m", action_space="computer_13",
+                   observation="screenshot_a11y")
     assert a.action_space == "computer_13" and a.format.name == "computer_13" and a.wants_a11y
     assert parse_agent_opts(["history_turns=2", "temperature=0.5", "observation=a11y", "seed=null"]) == {
         "history_turns": 2, "temperature": 0.5, "observation": "a11y", "seed": None}
@@ -156,7 +158,8 @@ async def test_a_4xx_is_not_retried(policy: str) -> None:
 async def test_a_server_that_keeps_failing_is_unavailable_after_the_retries(policy: str) -> None:
     with FaultProxy(policy, fail_first=100, fault="503") as proxy:
         async with ChatClient(proxy.url, "tiny", retries=2, **FAST) as c:
-            with pytest.raises(PolicyUnavailable, match=r"policy server unreachable: .*HTTP 503.*after 3 attempts") as e:
+            with pytest.raises(PolicyUnavailable,
+                               match=r"policy server unreachable: .*HTTP 503.*after 3 attempts") as e:
                 await c.complete(_messages(), max_tokens=4)
     assert proxy.requests == 3 and e.value.infra
 

@@ -78,14 +78,17 @@ def test_vlm_agent_drives_a_desktop_through_the_policy_server(farm: FarmServer, 
 
 
 @pytest.mark.timeout(600)
-def test_policy_server_down_is_an_infra_error_and_the_run_goes_on(farm: FarmServer, policy: str, tmp_path: Path) -> None:
+def test_policy_server_down_is_an_infra_error_and_the_run_goes_on(
+    farm: FarmServer, policy: str, tmp_path: Path
+) -> None:
     # nobody listens: both episodes end as infra errors naming the cause; the run still finishes
     out = tmp_path / "down"
     res = run_eval(out, farm, closed_port_url(), [INFEASIBLE, HELLO], "--max-steps", "2", "--retries", "0",
                    *FAST_RETRIES)
     assert res["n_tasks"] == 2 and res["infra_errors"] == 2
     for t in res["tasks"]:
-        assert t["status"] == "infra_error" and "policy server unreachable: " in t["error"] and "ConnectError" in t["error"]
+        assert t["status"] == "infra_error" and "policy server unreachable: " in t["error"]
+        assert "ConnectError" in t["error"]
     assert not (out / "os" / HELLO / "result.txt").exists()  # --resume runs them again
 
     # the server goes away mid-episode: the first step is recorded, then the episode is an infra error

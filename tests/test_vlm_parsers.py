@@ -59,7 +59,8 @@ def test_corpus_reply_parses_as_expected(path: Path) -> None:
 
 def test_uitars_thought_is_kept() -> None:
     fmt = make_format("uitars")
-    p = fmt.parse("Thought: The icon is at the top.\nIt opens Chrome.\nAction: wait()", StepContext((1920, 1080), "pyautogui"))
+    p = fmt.parse("Thought: The icon is at the top.\nIt opens Chrome.\nAction: wait()",
+                  StepContext((1920, 1080), "pyautogui"))
     assert p.thought == "The icon is at the top.\nIt opens Chrome." and p.actions == ["WAIT"]
 
 
@@ -168,7 +169,8 @@ def test_request_images_become_blob_refs_and_back() -> None:
 
     def put(data: bytes, ext: str, media_type: str) -> dict:
         store[str(len(store))] = data
-        return {"sha256": "x" * 64, "path": f"blobs/{len(store) - 1}.{ext}", "media_type": media_type, "size": len(data)}
+        return {"sha256": "x" * 64, "path": f"blobs/{len(store) - 1}.{ext}", "media_type": media_type,
+                "size": len(data)}
 
     cur = Turn(screenshot=b"\x89PNG fake", text="look")
     msgs = build_messages([{"role": "system", "content": "s"}], [], cur, 1, 1)

@@ -46,7 +46,8 @@ def policy_server(start_timeout_s: float = 240.0, extra: tuple[str, ...] = ()) -
         deadline = time.monotonic() + start_timeout_s
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"policy server exited with {proc.returncode} (set OSFARM_TEST_POLICY_LOG to see why)")
+                raise RuntimeError(f"policy server exited with {proc.returncode} "
+                                   "(set OSFARM_TEST_POLICY_LOG to see why)")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break

@@ -105,7 +105,8 @@ breaches, held = [], []
 for p in PATHS:
     q = shlex.quote(p)
     for root in (False, True):
-        rc, out = _run("if [ -e %s ]; then (cat -- %s 2>/dev/null || ls -A -- %s 2>/dev/null) | head -c 80; fi" % (q, q, q),
+        rc, out = _run("if [ -e %s ]; then (cat -- %s 2>/dev/null || ls -A -- %s 2>/dev/null) | head -c 80; fi"
+                       % (q, q, q),
                        root, out_only=True)
         if rc == 0 and out.strip():
             breaches.append("%s %s: %r" % ("root" if root else "user", p, out[:60]))
@@ -166,7 +167,8 @@ register(Probe(
     code=lambda ctx: _code(r'''
 breaches, held = [], []
 me = os.getuid()
-rc, out = _run("for p in /proc/[0-9]*; do echo ${p#/proc/} $(awk '/^Uid:/{print $2}' $p/status 2>/dev/null); done", True,
+rc, out = _run("for p in /proc/[0-9]*; do echo ${p#/proc/} $(awk '/^Uid:/{print $2}' $p/status 2>/dev/null); done",
+               True,
                out_only=True)
 foreign = [l.split()[0] for l in out.splitlines() if len(l.split()) == 2 and l.split()[1] not in ("0", str(me))]
 for pid in foreign[:40] + ["1"]:
@@ -176,7 +178,8 @@ for pid in foreign[:40] + ["1"]:
     rc, o = _run("head -c 40 /proc/%s/environ" % pid, True, out_only=True)
     if rc == 0 and o.strip():
         breaches.append("root reads pid %s's environment" % pid)
-    rc, o = _run("python3 -c 'import ctypes,sys; sys.exit(0 if ctypes.CDLL(None).ptrace(16, %s, 0, 0) == 0 else 1)'" % pid, True)
+    rc, o = _run("python3 -c 'import ctypes,sys; sys.exit(0 if ctypes.CDLL(None).ptrace(16, %s, 0, 0) == 0 "
+                 "else 1)'" % pid, True)
     if rc == 0:
         breaches.append("root traces pid %s" % pid)
 held.append("%d guest processes visible; none signalled, traced or read (pid 1 included)" % len(foreign))
@@ -355,7 +358,8 @@ for _name, _title, _node in (
     ("task_host_paths", ("task file names host paths: absolute/.. dest, id with / or .., stdout /etc/cron.d/x, "
                          "cache_file .., upload_file /etc/shadow (refused naming file + JSON path)"),
      _TASKS + "test_hostile_paths_are_refused_naming_file_and_json_path"),
-    ("suite_escape", "a suite's files or index reach out of the suite", _TASKS + "test_a_suite_refuses_hostile_files_and_indexes"),
+    ("suite_escape", "a suite's files or index reach out of the suite",
+     _TASKS + "test_a_suite_refuses_hostile_files_and_indexes"),
     ("file_url_assets", "file:///etc/passwd, /etc/passwd and ../ local paths as task assets",
      _TASKS + "test_file_urls_and_local_paths_only_from_the_cache_and_suite"),
     ("suite_cache_symlinks", "a suite cache with symlinks out of it, a planted .part symlink",
@@ -370,17 +374,20 @@ for _name, _title, _node in (
      _TASKS + "test_an_eval_run_records_hostile_tasks_as_infra_errors"),
     ("foreign_lease", "another client's lease id (GET, step, heartbeat, passthrough, evaluate, DELETE): 404 as unknown",
      _API + "test_another_clients_lease_is_a_404_like_an_unknown_id"),
-    ("pool_lease_ids", "/v1/pool lists lease ids to admins and holders only", _API + "test_pool_shows_lease_ids_to_admins_and_holders_only"),
+    ("pool_lease_ids", "/v1/pool lists lease ids to admins and holders only",
+     _API + "test_pool_shows_lease_ids_to_admins_and_holders_only"),
     ("viewer_writes", "a viewer token leases or drives a desktop", _API + "test_a_viewer_is_read_only"),
     ("lease_quota", "a client leases past its quota (also with racing requests)", _API + "test_lease_quota_per_client"),
     ("lease_ttl", "a lease or heartbeat TTL beyond the client's max", _API + "test_ttl_beyond_the_clients_max_is_422"),
     ("huge_bodies", "100 GB announced, chunked and passthrough request bodies: 413 before reading",
      _API + "test_huge_bodies_are_413_without_being_read"),
     ("guest_huge_bodies", "huge request bodies to the guest server", _API + "test_the_guest_server_limits_bodies_too"),
-    ("bad_tokens", "unknown tokens, a digest as token, broken token files", _API + "test_unknown_tokens_and_bad_token_sources"),
+    ("bad_tokens", "unknown tokens, a digest as token, broken token files",
+     _API + "test_unknown_tokens_and_bad_token_sources"),
     ("api_host_paths", "cache_dir=/etc, offline, hostile ids/stdout/dest/upload paths in reset/evaluate calls",
      _API + "test_task_routes_take_no_host_path"),
-    ("api_file_url", "a file:///etc/passwd asset through the farm API", _API + "test_a_file_url_outside_the_task_cache_is_refused"),
+    ("api_file_url", "a file:///etc/passwd asset through the farm API",
+     _API + "test_a_file_url_outside_the_task_cache_is_refused"),
     ("policy_without_token", "the policy server's routes without its token",
      "tests/security/test_policy_token.py::test_routes_need_the_token"),
 ):

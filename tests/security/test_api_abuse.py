@@ -259,7 +259,8 @@ TASK = {"id": "sec-1", "instruction": "i", "evaluator": {"func": "infeasible"}}
      "$.config[0].parameters.stdout"),
     ({"task": {**TASK, "config": [{"type": "upload_file", "parameters": {"files": [
         {"local_path": "/etc/passwd", "path": "/home/user/p"}]}}]}}, "$.config[0].parameters.files[0].local_path"),
-    ({"task": {**TASK, "evaluator": {"func": "exact_match", "result": {"type": "vm_file", "path": "/a", "dest": "../../x"},
+    ({"task": {**TASK, "evaluator": {"func": "exact_match",
+                                     "result": {"type": "vm_file", "path": "/a", "dest": "../../x"},
                                      "expected": {"type": "rule", "rules": {"expected": "x"}}}}},
      "$.evaluator.result.dest"),
 ])
@@ -289,13 +290,15 @@ def test_tokens_cli_keeps_only_digests(tmp_path: Path) -> None:
     from osfarm.farm.api import farm_tokens
 
     file = tmp_path / "tokens.yaml"
-    r = CliRunner().invoke(app, ["tokens", "add", "carol", "--file", str(file), "--max-leases", "2", "--max-ttl", "900"])
+    r = CliRunner().invoke(app, ["tokens", "add", "carol", "--file", str(file), "--max-leases", "2",
+                                 "--max-ttl", "900"])
     assert r.exit_code == 0, r.output
     token = r.stdout.strip().splitlines()[-1]
     assert len(token) >= 40 and token not in file.read_text() and token_digest(token) in file.read_text()
     assert file.stat().st_mode & 0o077 == 0  # 0600
     carol = farm_tokens(FarmSettings(token=ADMIN, tokens_file=file, state_dir=tmp_path)).resolve(token)
-    assert carol is not None and (carol.name, carol.role, carol.max_leases, carol.max_ttl_s) == ("carol", "client", 2, 900)
+    assert carol is not None
+    assert (carol.name, carol.role, carol.max_leases, carol.max_ttl_s) == ("carol", "client", 2, 900)
     r = CliRunner().invoke(app, ["tokens", "add", "carol", "--file", str(file)])
     assert r.exit_code == 2 and "exists" in r.output
     r = CliRunner().invoke(app, ["tokens", "hash"], input=token + "\n")

@@ -61,7 +61,8 @@ HOSTILE: list[tuple[str, dict[str, Any], str]] = [
     ("upload absolute", task(config=[{"type": "upload_file", "parameters": {"files": [
         {"local_path": "/etc/shadow", "path": "/home/user/s"}]}}]), "$.config[0].parameters.files[0].local_path"),
     ("upload ..", task(config=[{"type": "upload_file", "parameters": {"files": [
-        {"local_path": "../../../etc/shadow", "path": "/home/user/s"}]}}]), "$.config[0].parameters.files[0].local_path"),
+        {"local_path": "../../../etc/shadow", "path": "/home/user/s"}]}}]),
+     "$.config[0].parameters.files[0].local_path"),
     ("dest absolute", task(**vm_file("/etc/cron.d/osfarm-x")), "$.evaluator.result.dest"),
     ("dest ..", task(**vm_file("../../escaped")), "$.evaluator.result.dest"),
     ("multi dest", task(func="compare_table", result={"type": "vm_file", "multi": True, "path": ["/a", "/b"],
