@@ -159,12 +159,7 @@ class Templates:
             (tmp / "share").mkdir()
             (tmp / "bin" / "python").symlink_to("/usr/bin/python3")
             if system:
-                site = tmp / "lib" / system / "dist-packages"
-                site.mkdir(parents=True)
-                for paths in found.values():
-                    for p in paths:
-                        copy = shutil.copytree if p.is_dir() else shutil.copy2
-                        copy(p, site / p.name)
+                _copy_modules(found, tmp / "lib" / system / "dist-packages")
             _publish(tmp, dest)
         return dest, note
 
@@ -189,6 +184,39 @@ class Templates:
             (dest / name).write_text(text)
             (dest / name).chmod(0o644)
         return dest
+
+
+def install_agent_modules(local: Path = Path("/usr/local")) -> Path:
+    """Copy pyautogui and what it imports from this interpreter's packages into ``local``'s
+    ``lib/python3.X/dist-packages`` for the system ``python3``, and link ``bin/python`` to it:
+    the agent's Python in the Docker image, as in sandbox boxes (OSWorld's VM has a system
+    ``python3`` with pyautogui, nothing of osfarm's). Fails when the versions differ."""
+    system = _system_python_version()
+    mine = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if system != mine:
+        raise RuntimeError(f"the system python3 is {system or 'missing'}, this interpreter {mine}: "
+                           "their packages cannot be shared")
+    site = local / "lib" / system / "dist-packages"
+    found = {m: _module_dirs(m) for m in AGENT_MODULES}
+    missing = sorted(m for m, paths in found.items() if not paths)
+    if missing:
+        raise RuntimeError(f"modules the agent's python3 needs are not installed here: {missing}")
+    _copy_modules(found, site)
+    (local / "bin").mkdir(parents=True, exist_ok=True)
+    for name in ("python", "python3"):
+        link = local / "bin" / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+    (local / "bin" / "python").symlink_to("/usr/bin/python3")
+    return site
+
+
+def _copy_modules(found: dict[str, list[Path]], site: Path) -> None:
+    site.mkdir(parents=True, exist_ok=True)
+    for paths in found.values():
+        for p in paths:
+            copy = shutil.copytree if p.is_dir() else shutil.copy2
+            copy(p, site / p.name)
 
 
 def guest_python_paths() -> dict:
