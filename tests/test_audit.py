@@ -9,7 +9,10 @@ import typer
 from typer.testing import CliRunner
 
 from osfarm.farm.server import FarmServer
+from osfarm.runner.audit import NO_VSCODE, needs_vscode, static_verdict
 from osfarm.runner.audit_cli import audit_command
+from osfarm.tasks.filecache import FileCache
+from osfarm.tasks.model import parse_task
 
 tasks_app = typer.Typer()
 tasks_app.command("audit")(audit_command)
@@ -107,10 +110,6 @@ def test_audit_without_runnable_tasks_needs_no_desktop(tmp_path: Path) -> None:
 def test_vscode_tasks_are_unsupported_with_the_reason(tmp_path: Path) -> None:
     """A task that starts `code` (or asks it in a getter) is unsupported, before its downloads are
     looked at, with the reason the desktop has no VS Code."""
-    from osfarm.runner.audit import NO_VSCODE, needs_vscode, static_verdict
-    from osfarm.tasks.filecache import FileCache
-    from osfarm.tasks.model import parse_task
-
     launch = _task("vs1", {"func": "exact_match", "result": ECHO, "expected": RULE},
                    [{"type": "download", "parameters": {"files": [
                        {"url": "https://hf-mirror.com/datasets/x/resolve/main/a.py", "path": "/home/user/a.py"}]}},
