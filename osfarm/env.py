@@ -241,6 +241,8 @@ class TaskEnv:
         # people who took control of the desktop from the dashboard during this episode (the
         # lease's control spans, read when the desktop is released): the score had human help
         self.controlled_by: list[dict[str, Any]] = []
+        # what the episode's desktop cost (read when it is released): {"cpu_s": CPU-seconds}
+        self.desktop_usage: dict[str, float] = {}
 
     # -- gymnasium surface ---------------------------------------------------------------------
 
@@ -255,6 +257,7 @@ class TaskEnv:
         task = task if isinstance(task, Task) else parse_task(task, file="task")
         await self._release()
         self.controlled_by.clear()
+        self.desktop_usage.clear()
         self.task, self.steps, self.last_action, self.last_step = task, 0, None, None
         self.score, self._ended, self._timed_out = None, False, False
         self.timings = {}
@@ -453,6 +456,8 @@ class TaskEnv:
             with contextlib.suppress(FarmAPIError):
                 info = await desk.heartbeat()  # the lease's latest info: who took control, if anyone
                 self.controlled_by[:] = [c.model_dump() for c in info.control]
+                if info.cpu_s is not None:
+                    self.desktop_usage["cpu_s"] = info.cpu_s
             with contextlib.suppress(FarmAPIError):
                 await desk.close()
 

@@ -54,6 +54,7 @@ def lease_info(lease: Lease) -> LeaseInfo:
         image=lease.image,
         client=lease.principal,
         control=[ControlInfo(by=c.by, started_at=c.started_at, ended_at=c.ended_at) for c in lease.control],
+        cpu_s=lease.cpu_s,
     )
 
 

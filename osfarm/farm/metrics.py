@@ -38,3 +38,26 @@ STEP_SECONDS = Histogram(
 DESKTOP_FAILURES = Counter(
     "osfarm_desktop_failures_total", "desktops that failed, by reason", ["reason"], registry=REGISTRY
 )
+
+# CPU accounting per desktop (its cgroup, else its process tree): the cost that grows with every
+# episode. phase: start (a new box to ready), reset (a released box to ready again), episode
+# (a lease, from grant to release or expiry).
+DESKTOP_CPU = Counter(
+    "osfarm_desktop_cpu_seconds_total", "CPU-seconds desktops used, by phase", ["phase"], registry=REGISTRY
+)
+_CPU_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1, 2, 3, 5, 10, 30, 60, 300)
+RESET_CPU = Histogram(
+    "osfarm_reset_cpu_seconds", "CPU-seconds of one reset, by mode (warm, cold)", ["mode"],
+    buckets=_CPU_BUCKETS, registry=REGISTRY,
+)
+EPISODE_CPU = Histogram(
+    "osfarm_episode_cpu_seconds", "CPU-seconds a desktop used during one lease", buckets=_CPU_BUCKETS,
+    registry=REGISTRY,
+)
+RESETS = Counter("osfarm_resets_total", "desktop resets, by mode (warm, cold)", ["mode"], registry=REGISTRY)
+# A warm reset that could not prove a clean desktop (fingerprint differs from the cold start's,
+# an error, its deadline) and ended in a cold restart; reason: mismatch, error, timeout, every_n.
+WARM_FALLBACKS = Counter(
+    "osfarm_warm_reset_fallbacks_total", "warm resets that fell back to a cold restart, by reason", ["reason"],
+    registry=REGISTRY,
+)

@@ -38,7 +38,7 @@ from osfarm.farm import metrics
 from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, QuotaExceeded, ResetFailed, UnknownDesktop
 from osfarm.farm.registry import FarmRegistry, SavedLease, Snapshot
 from osfarm.http.errors import error_detail
-from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider
+from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider, tree_cpu_seconds
 
 log = logging.getLogger("osfarm.farm.pool")
 
@@ -91,6 +91,11 @@ class Lease:
     principal: str | None = None  # the client (token) holding it; only it and admins see the lease
     task_id: str | None = None  # the task of the last reset to a task (shown on the dashboard)
     control: list[ControlSpan] = field(default_factory=list)  # people who took control (dashboard)
+    # CPU-seconds the desktop used for this lease (its boxes' processes, resets in place
+    # excluded): ``cpu_acc`` of earlier boxes plus the current box's since ``cpu_mark``.
+    cpu_mark: float | None = None
+    cpu_acc: float = 0.0
+    cpu_s: float | None = None  # the latest reading (heartbeat, release): the runner records it
 
 
 @dataclass
@@ -430,6 +435,7 @@ class LeasePool:
             provider=d.handle.provider,
             image=d.handle.info.get("image"),
             principal=principal,
+            cpu_mark=self.cpu_seconds(d.handle),
         )
         d.lease_id = lease.id
         self._leases[lease.id] = lease
@@ -480,8 +486,9 @@ class LeasePool:
             lease = self.get(lease_id)
         except LeaseGone:
             return  # it expired just now; expiry already recycles the desktop
-        self._end_lease(lease, f"lease {lease_id} was released; lease a new desktop")
         d = self._desktops.get(lease.desktop_id)
+        self._episode_cpu(lease, d)
+        self._end_lease(lease, f"lease {lease_id} was released; lease a new desktop")
         if d is not None and d.state == LEASED:
             self._recycle(d)
         if self.registry is not None:  # a restart must not bring the lease back
@@ -496,7 +503,50 @@ class LeasePool:
             if self.registry is not None and d is not None:  # a restart gives it this TTL again
                 self._save_lease(lease, d.handle)
         lease.expires_at = self.clock.time() + lease.ttl_s
+        self.lease_cpu_seconds(lease)
         return lease
+
+    # -- CPU accounting -----------------------------------------------------------------------
+
+    def cpu_seconds(self, handle: DesktopHandle | None) -> float | None:
+        """CPU-seconds a box used since it started (its cgroup, else its process tree); None
+        where the provider cannot tell."""
+        if handle is None:
+            return None
+        try:
+            fn = getattr(self.provider, "cpu_seconds", None)
+            return fn(handle) if fn is not None else tree_cpu_seconds(self.provider.pids(handle))
+        except Exception:  # noqa: BLE001 - accounting never fails a lease
+            return None
+
+    def lease_cpu_seconds(self, lease: Lease) -> float | None:
+        """CPU-seconds of the lease's desktop since the lease was granted (``lease.cpu_s``)."""
+        d = self._desktops.get(lease.desktop_id)
+        now = self.cpu_seconds(d.handle) if d is not None and d.lease_id == lease.id else None
+        if now is not None and lease.cpu_mark is not None:
+            lease.cpu_s = round(lease.cpu_acc + max(0.0, now - lease.cpu_mark), 4)
+        return lease.cpu_s
+
+    def _episode_cpu(self, lease: Lease, d: _Desktop | None) -> None:
+        if d is not None and d.lease_id == lease.id and self.lease_cpu_seconds(lease) is not None:
+            metrics.EPISODE_CPU.observe(lease.cpu_s)
+            metrics.DESKTOP_CPU.labels("episode").inc(lease.cpu_s)
+
+    def _reset_cpu(self, before: float | None, handle: DesktopHandle) -> None:
+        """Count a reset: its mode, a warm reset's fallback, and its CPU-seconds (a warm reset:
+        what the box used during it; a cold one: what the new box used to start)."""
+        mode = handle.info.get("reset_mode", "cold")
+        metrics.RESETS.labels(mode).inc()
+        if handle.info.get("reset_fallback"):
+            metrics.WARM_FALLBACKS.labels(handle.info.get("reset_fallback_kind", "error")).inc()
+        after = self.cpu_seconds(handle)
+        if after is None:
+            return
+        used = after - before if mode == "warm" and before is not None else after
+        used = max(0.0, used)
+        handle.info["reset_cpu_s"] = f"{used:.4f}"
+        metrics.RESET_CPU.labels(mode).observe(used)
+        metrics.DESKTOP_CPU.labels("reset").inc(used)
 
     async def reset_lease(self, lease_id: str) -> Lease:
         """Give the lease a fresh desktop in place (a provider reset), for a new task.
@@ -515,6 +565,9 @@ class LeasePool:
         self._drop_client(d.id)
         self._set(d, RESETTING)
         t0 = self.clock.monotonic()
+        cpu_before = self.cpu_seconds(old)
+        if cpu_before is not None and lease.cpu_mark is not None:
+            lease.cpu_acc += max(0.0, cpu_before - lease.cpu_mark)
         try:
             handle = await self.provider.reset(old)
         except BaseException as e:
@@ -529,6 +582,8 @@ class LeasePool:
                 raise
             raise ResetFailed(f"desktop reset failed ({why}); the lease has ended, lease a new desktop") from None
         metrics.RESET_SECONDS.observe(self.clock.monotonic() - t0)
+        self._reset_cpu(cpu_before, handle)
+        lease.cpu_mark = self.cpu_seconds(handle)
         d.resets += 1
         log.info("leased desktop reset desktop=%s reset_s=%.3f", d.id, self.clock.monotonic() - t0)
         if lease.id not in self._leases or d.lease_id != lease.id:
@@ -689,6 +744,7 @@ class LeasePool:
             d.lease_id = None
 
     def _expire(self, lease: Lease) -> None:
+        self._episode_cpu(lease, self._desktops.get(lease.desktop_id))
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(lease.expires_at))
         self._end_lease(
             lease,
@@ -773,6 +829,9 @@ class LeasePool:
             return
         dt = self.clock.monotonic() - t0
         metrics.START_SECONDS.observe(dt)
+        started_cpu = self.cpu_seconds(handle)
+        if started_cpu is not None:
+            metrics.DESKTOP_CPU.labels("start").inc(started_cpu)
         log.info("desktop ready desktop=%s start_s=%.3f", d.id, dt)
         self._box_ready(d, handle)
 
@@ -786,6 +845,7 @@ class LeasePool:
     async def _reset_box(self, d: _Desktop) -> None:
         assert d.handle is not None
         t0 = self.clock.monotonic()
+        cpu_before = self.cpu_seconds(d.handle)
         try:
             handle = await self.provider.reset(d.handle)
         except Exception as e:
@@ -795,6 +855,7 @@ class LeasePool:
             return
         dt = self.clock.monotonic() - t0
         metrics.RESET_SECONDS.observe(dt)
+        self._reset_cpu(cpu_before, handle)
         d.resets += 1
         log.info("desktop reset desktop=%s reset_s=%.3f", d.id, dt)
         self._box_ready(d, handle)

@@ -30,6 +30,7 @@ from osfarm.providers.base import ProviderError
 
 CGROUP_FS = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
+V1_OPTIONAL = ("cpuacct",)  # CPU-seconds per desktop (its own hierarchy, or co-mounted with cpu)
 
 
 def parse_size(text: str) -> int:
@@ -121,6 +122,21 @@ class DesktopCgroup:
                     "(processes and threads count)")
         return None
 
+    def cpu_seconds(self) -> float | None:
+        """CPU time (user + system) every process of the cgroup used since it was made, dead
+        ones included (double-forked daemons and reaped children alike); None without the
+        accounting controller (v1 without cpuacct)."""
+        try:
+            if self.v2:
+                d = self.dirs.get("unified")
+                if d is None:
+                    return None
+                return self._read("cpu", "cpu.stat").get("usage_usec", 0) / 1e6
+            d = self.dirs.get("cpuacct")
+            return None if d is None else int((d / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            return None
+
     def pids(self) -> list[int]:
         out: set[int] = set()
         for d in self.dirs.values():
@@ -171,6 +187,9 @@ class CgroupRoot:
                 missing.append(c)
                 continue
             bases[c] = mounts[c] / own.get(c, "/").lstrip("/")
+        for c in V1_OPTIONAL:
+            if c in mounts:
+                bases[c] = mounts[c] / own.get(c, "/").lstrip("/")
         if missing:
             raise ProviderError(f"cgroup v1 controllers not mounted: {', '.join(missing)} "
                                 f"(needed for per-desktop limits; mounts under {CGROUP_FS})")
@@ -182,7 +201,7 @@ class CgroupRoot:
         cg = DesktopCgroup(dirs, self.v2, limits)
         cg.remove()
         try:
-            for d in dirs.values():
+            for d in dict.fromkeys(dirs.values()):  # cpu and cpuacct may share one mount
                 d.mkdir()
             if self.v2:
                 d = dirs["unified"]
@@ -229,7 +248,7 @@ def _v1_mounts() -> dict[str, Path]:
             continue
         mount_point = Path(left.split()[4])
         for opt in fields[2].split(","):
-            if opt in V1_CONTROLLERS and opt not in out:
+            if opt in (*V1_CONTROLLERS, *V1_OPTIONAL) and opt not in out:
                 out[opt] = mount_point
     return out
 

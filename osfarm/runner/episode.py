@@ -90,6 +90,7 @@ class EpisodeResult:
     recording_error: str | None = None  # a failed recording is noted, never the episode's failure
     action_timing: ActionTiming = "osworld"  # how the actions were paced (EpisodeConfig.action_timing)
     controlled_by: list[dict[str, Any]] = field(default_factory=list)  # dashboard take-overs (TaskEnv.controlled_by)
+    desktop_usage: dict[str, float] = field(default_factory=dict)  # the desktop's CPU-seconds (TaskEnv.desktop_usage)
 
 
 def episode_id(run_id: str, task_id: str) -> str:
@@ -115,6 +116,7 @@ async def _attempt(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, 
                   settle_s=agent.settle_s, record=cfg.record, lease_ttl_s=cfg.lease_ttl_s,
                   lease_wait_s=cfg.lease_wait_s, code_timeout_s=cfg.code_timeout_s, action_timing=cfg.action_timing)
     res.controlled_by = env.controlled_by  # the same list: the env fills it when it releases the desktop
+    res.desktop_usage = env.desktop_usage  # the same dict, filled on release too
     async with env:
         try:
             obs, _ = await env.reset(task)

@@ -107,6 +107,8 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "steps": steps,
         # someone took control of the desktop from the dashboard: the outcome had human help
         **({"controlled_by": res.controlled_by} if res.controlled_by else {}),
+        # CPU-seconds the desktop used during the episode (its cgroup), where the farm tells
+        **({"desktop_cpu_s": res.desktop_usage["cpu_s"]} if "cpu_s" in res.desktop_usage else {}),
     }
 
 
@@ -157,6 +159,8 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
         row["recording_error"] = res.recording_error
     if res.controlled_by:
         row["controlled_by"] = [c.get("by") for c in res.controlled_by]
+    if "cpu_s" in res.desktop_usage:
+        row["desktop_cpu_s"] = res.desktop_usage["cpu_s"]
     (d / "episode.json").write_text(json.dumps(row, indent=2))
     rec = episode_record(res, run_id, blobs)
     if emit is not None:
