@@ -454,6 +454,29 @@ def desktop_exec(
     raise typer.Exit(int(reply.get("returncode") or 0))
 
 
+@desktop_app.command("fingerprint", cls=LeaseIdCommand)
+def desktop_fingerprint(
+    lease_id: LeaseIdArg,
+    timeout: Annotated[float, typer.Option("--timeout", help="HTTP timeout in seconds")] = 60.0,
+    owner: OwnerOpt = None,
+    url: UrlOpt = "http://127.0.0.1:8765",
+    token: TokenOpt = "",
+) -> None:
+    """Print a leased desktop's fingerprint as JSON: processes by command line, hashes of the
+    writable trees (home, /tmp, /var/tmp, /dev/shm), the agent's /etc and mounts, X state (root
+    window properties, selections, pressed keys, pointer, keyboard mapping, windows) and its
+    ``digest``. A warm reset must give the cold start's digest (osfarm/desktop/warm.py).
+
+    Example: osfarm desktop fingerprint ID | jq .digest
+    """
+    farm = _client(url, token)
+    with farm, _farm_errors():
+        r = farm.desktop(lease_id, owner=owner).guest("GET", "/v1/session/fingerprint", timeout=timeout, check=False)
+    if r.status_code >= 400:
+        raise _fail(f"{r.status_code}: {error_detail(r.content)}")
+    sys.stdout.write(json.dumps(r.json(), indent=1, sort_keys=True) + "\n")
+
+
 @desktop_app.command("release", cls=LeaseIdCommand)
 def desktop_release(
     lease_id: LeaseIdArg,

@@ -86,6 +86,15 @@ class FarmSettings(BaseSettings):
                                   description="first host uid of the sandboxes' uid slots (131072 ids per desktop)")
     health_interval_s: float = Field(default=2.0, gt=0)
     start_timeout_s: float = Field(default=60.0, gt=0)
+    # --- reset (osfarm/desktop/warm.py; the sandbox provider) ---
+    reset_mode: Literal["warm", "cold"] = Field(
+        default="cold", description="warm: end the task's processes and put files and X state back, keeping the "
+        "session (falls back to cold when the fingerprint differs, on an error or past warm_reset_timeout_s); "
+        "cold: a new box",
+    )
+    cold_every: int = Field(default=0, ge=0, description="with reset_mode warm: every Nth reset is cold (0: never)")
+    warm_reset_timeout_s: float = Field(default=10.0, gt=0, description="a warm reset that takes longer is "
+                                        "abandoned for a cold restart")
     # --- docker provider ---
     docker_image: str = Field(default="osfarm/desktop:latest", description="desktop image (osfarm image build)")
     docker_network: Literal["none", "host"] = Field(

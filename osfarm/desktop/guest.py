@@ -42,6 +42,7 @@ from osfarm.desktop.guest_state import Desktop
 from osfarm.http.auth import BearerAuth
 from osfarm.http.body_limit import BodyLimit, BodyRule
 from osfarm.http.openapi import allowed_methods
+from osfarm.http.principals import ADMIN_NAME, Principal, TokenTable
 
 # Request bodies: actions and commands are small; uploads (a task's input files) may be large, and
 # are spooled to disk by the form parser, never held in memory. Over the limit: 413.
@@ -91,7 +92,10 @@ def create_app(
     app.state.desktop = desk
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, setting="the guest's MAX_BODY_BYTES",
                        rules=[BodyRule(r"/setup/upload$", MAX_UPLOAD_BYTES, "the guest's MAX_UPLOAD_BYTES")])
-    app.add_middleware(BearerAuth, token=token)  # added last = runs first: no body is read before the token
+    tokens = TokenTable()
+    tokens.add_token(token, Principal(ADMIN_NAME, "admin"))
+    app.state.tokens = tokens  # a warm reset re-arms the guest with a new token (native_routes)
+    app.add_middleware(BearerAuth, tokens=tokens)  # added last = runs first: no body is read before the token
 
     # ---- error shapes
 

@@ -4,6 +4,7 @@ dependency that hands it to a route (``desk: DesktopDep``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -11,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Generic, Protocol, TypeVar
+from typing import Annotated, Any, Generic, Protocol, TypeVar
 
 import psutil
 from fastapi import Depends, Request
@@ -89,6 +90,7 @@ class Desktop:
             lambda: Recorder(self.display, self.screen_size(), self.work_dir, env=self.env()), self._lock)
         self.step_lock = threading.Lock()
         self.wallpaper: str | None = None
+        self.warm_baseline: Any = None  # osfarm.desktop.warm.Baseline, once the farm asked for warm resets
         self._a11y_ok = False
         self._a11y_checked = 0.0
         self._a11y_refreshing = False
@@ -108,6 +110,31 @@ class Desktop:
     @property
     def recorder(self) -> Recorder:
         return self._recorder.get()
+
+    def reset_helpers(self) -> None:
+        """Stop the interpreter, the recorder and the input controller (a warm reset); each is
+        made again on its next use."""
+        with self._lock:
+            for obj in (self._recorder, self._runner, self._input):
+                obj.close()
+            self._runner = _OnFirstUse(
+                lambda: CodeRunner(env=self.env(), python=self.code_python, agent=self.agent), self._lock)
+            self._recorder = _OnFirstUse(
+                lambda: Recorder(self.display, self.screen_size(), self.work_dir, env=self.env()), self._lock)
+            self._input = _OnFirstUse(lambda: InputController(self.display), self._lock)
+
+    def runner_pid(self) -> int | None:
+        obj = self._runner._obj
+        return obj.pid if obj is not None else None
+
+    def restart_runner(self) -> None:
+        """Start the interpreter again in the background, as the cold start does."""
+
+        def go() -> None:
+            with contextlib.suppress(Exception):
+                self.runner.start()
+
+        threading.Thread(target=go, daemon=True, name="warm-code-runner").start()
 
     def apps_cpu_seconds(self) -> float:
         """CPU seconds used so far by the desktop's processes (the X server, the window manager,

@@ -12,9 +12,10 @@ from typing import TypeVar
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from osfarm.desktop import warm
 from osfarm.desktop.a11y import accessibility_tree
 from osfarm.desktop.actions import Action, ActionError, CodeAction, is_terminal, parse_actions
 from osfarm.desktop.capture import encode_frame
@@ -37,6 +38,7 @@ from osfarm.desktop.models import (
 )
 from osfarm.desktop.request_fields import expand
 from osfarm.desktop.windows import wait_for_window as find_window_within
+from osfarm.http.principals import ADMIN_NAME, Principal
 
 OSWORLD_PAUSE_S = 0.1  # pyautogui.PAUSE's default: OSWorld's pause after each pyautogui call
 MEDIA_TYPES: dict[ImageFormat, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
@@ -232,3 +234,40 @@ async def wait_for_file(req: WaitForFile) -> WaitResult:
             time.sleep(min(0.05, req.timeout - waited))
 
     return await run_in_threadpool(work)
+
+
+# ---- warm reset (osfarm.desktop.warm): the farm's, with the guest's token
+
+
+class WarmResetRequest(BaseModel):
+    token: str = Field(min_length=16, description="the guest's new bearer token: the old one stops working")
+
+
+@router.get("/v1/session/fingerprint")
+async def session_fingerprint(desk: DesktopDep) -> JSONResponse:
+    """The desktop's state as a warm reset must leave it (processes, writable trees, X state)."""
+    try:
+        return JSONResponse(await run_in_threadpool(warm.fingerprint, desk))
+    except warm.WarmResetError as e:
+        raise HTTPException(500, str(e)) from None
+
+
+@router.post("/v1/session/baseline")
+async def session_baseline(desk: DesktopDep) -> JSONResponse:
+    """Record the state warm resets go back to (right after a cold start); its fingerprint."""
+    try:
+        return JSONResponse(await run_in_threadpool(warm.take_baseline, desk))
+    except warm.WarmResetError as e:
+        raise HTTPException(500, str(e)) from None
+
+
+@router.post("/v1/session/warm_reset")
+async def session_warm_reset(body: WarmResetRequest, request: Request, desk: DesktopDep) -> JSONResponse:
+    """Back to the baseline without restarting the session, re-armed with ``token``; the new
+    fingerprint. 409: this desktop cannot be put back warm (restart it cold)."""
+    try:
+        fp = await run_in_threadpool(warm.warm_reset, desk)
+    except warm.WarmResetError as e:
+        raise HTTPException(409, str(e)) from None
+    request.app.state.tokens.replace_token(body.token, Principal(ADMIN_NAME, "admin"))
+    return JSONResponse(fp)

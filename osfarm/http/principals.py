@@ -111,6 +111,13 @@ class TokenTable:
             raise ValueError(f"{principal.name}: the token must not be empty")
         self.add(token_digest(token), principal)
 
+    def replace_token(self, token: str, principal: Principal) -> None:
+        """Make ``token`` the table's only one (a guest re-armed by a warm reset: the old token
+        stops working at once)."""
+        if not token:
+            raise ValueError(f"{principal.name}: the token must not be empty")
+        self._by_digest = {token_digest(token): principal}
+
     def resolve(self, token: str) -> Principal | None:
         return self._by_digest.get(token_digest(token))
 

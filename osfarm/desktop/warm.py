@@ -1,0 +1,544 @@
+"""Warm reset and the desktop's fingerprint, guest side (``/v1/session/*`` routes).
+
+A **fingerprint** says what state a desktop is in, in the terms a task or an agent could notice:
+the processes by command line (guest's and agent's), the writable trees (``/home/user``,
+``/tmp``, ``/var/tmp``, ``/dev/shm``: names, types, modes, owners, sizes, content hashes), the
+agent's ``/etc`` and mount table, the X server's state (screen size, root window properties,
+selection owners, pressed keys and buttons, pointer, keyboard mapping, top-level windows) and the
+guest's own scratch dir. Random names (temp dirs, window ids, bus addresses) are normalised, so
+two cold starts give the same fingerprint; ``digest`` is its hash.
+
+A **warm reset** gives a used desktop back the state it had once its cold start was ready, without
+restarting Xvfb, the window manager, the panel, the buses or the guest: :func:`take_baseline`
+(right after the cold start) records what to go back to; :func:`warm_reset` kills every agent
+process that was not there then (SIGKILL, in rounds, until none is left: double-forked daemons
+are still in the box's PID namespace, a process ignoring SIGTERM gets no choice), puts the home
+back from the baseline's copy and removes what was added to the other writable trees (as the
+agent's root, in the agent's namespaces), puts the X state back (keys and buttons released,
+pointer, selections, windows of dead clients, root properties), restarts the guest's
+interpreter, re-arms the guest with a new token and returns the new fingerprint. The farm
+compares it to the baseline's and restarts the box cold where they differ.
+
+What a warm reset cannot undo is refused (:class:`WarmResetError`, the farm then restarts cold):
+a changed screen size, a wallpaper set, an agent process that survives the kill rounds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from Xlib import X, Xatom
+from Xlib import display as xdisplay
+from Xlib.ext import xtest
+
+if TYPE_CHECKING:
+    from osfarm.desktop.guest_state import Desktop
+
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+KILL_ROUNDS = 50
+HELPER_TIMEOUT_S = 20.0
+# Root window properties the window manager keeps up to date itself.
+WM_MANAGED = frozenset({"_NET_CLIENT_LIST", "_NET_CLIENT_LIST_STACKING", "_NET_ACTIVE_WINDOW"})
+SELECTIONS = ("PRIMARY", "SECONDARY", "CLIPBOARD", "WM_S0", "_NET_SYSTEM_TRAY_S0")
+_RANDOM = [
+    (re.compile(r"osfarm-(a11y|guest|run|code)-[A-Za-z0-9_]+"), r"osfarm-\1-*"),
+    (re.compile(r"dbus-[A-Za-z0-9]{6,}"), "dbus-*"),
+    (re.compile(r"guid=[0-9a-f]+"), "guid=*"),
+    (re.compile(r"/proc/\d+/fd/\d+"), "/proc/*/fd/*"),
+    (re.compile(r"bus_\d+"), "bus_*"),
+]
+
+
+class WarmResetError(RuntimeError):
+    """The desktop cannot be put back warm; the farm restarts it cold. The message says why."""
+
+
+def normalise(text: str) -> str:
+    for pattern, repl in _RANDOM:
+        text = pattern.sub(repl, text)
+    return text
+
+
+# -- the agent's side: one helper run as the agent's root in its namespaces --------------------------
+
+# Standard library only: it runs with the box's python3, in the agent's world.
+_HELPER = r'''
+import hashlib, io, json, os, shutil, stat, sys, tarfile
+mode, home = sys.argv[1], sys.argv[2]
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+
+def sha(p):
+    h = hashlib.sha256()
+    try:
+        with open(p, "rb", buffering=0) as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError as e:
+        return "unreadable:%s" % e.errno
+    return h.hexdigest()[:24]
+
+def walk(root, content=lambda st: True):
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(dirs + files):
+            p = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(p)
+            except OSError:
+                continue
+            e = [os.path.relpath(p, root), stat.S_IFMT(st.st_mode) >> 12, stat.S_IMODE(st.st_mode),
+                 st.st_uid, st.st_gid]
+            if stat.S_ISREG(st.st_mode):
+                e.append(st.st_size)
+                if content(st):
+                    e.append(sha(p))
+            elif stat.S_ISLNK(st.st_mode):
+                e.append(os.readlink(p))
+            out.append(e)
+    return out
+
+def mounts():
+    out = []
+    for line in open("/proc/self/mountinfo"):
+        left, _, right = line.partition(" - ")
+        f, r = left.split(), right.split()
+        out.append([f[4], f[5], r[0], r[2] if len(r) > 2 else ""])
+    return sorted(out)
+
+def scan():
+    try:
+        agent_dev = os.lstat("/etc/passwd").st_dev
+    except OSError:
+        agent_dev = -1
+    etc = walk("/etc", content=lambda st: st.st_dev == agent_dev)
+    return {"home": walk(home), **{t: walk(t) for t in WRITABLE if os.path.isdir(t)}, "etc": etc,
+            "mounts": mounts()}
+
+def remove(p):
+    try:
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+    except OSError:
+        pass
+
+if mode == "scan":
+    json.dump(scan(), sys.stdout)
+elif mode == "snapshot":
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in sorted(os.listdir(home)):
+            tar.add(os.path.join(home, name), arcname=name)
+    sys.stdout.buffer.write(buf.getvalue())
+elif mode == "restore":
+    keep = json.loads(sys.argv[3])
+    data = sys.stdin.buffer.read()
+    for name in os.listdir(home):
+        remove(os.path.join(home, name))
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
+        try:
+            tar.extractall(home, numeric_owner=True, filter="tar")
+        except TypeError:
+            tar.extractall(home, numeric_owner=True)
+    for top in WRITABLE:
+        wanted = set(keep.get(top, []))
+        for dirpath, dirs, files in os.walk(top, topdown=True):
+            for name in list(dirs) + files:
+                p = os.path.join(dirpath, name)
+                if os.path.relpath(p, top) not in wanted:
+                    remove(p)
+                    if name in dirs:
+                        dirs.remove(name)
+    json.dump(scan(), sys.stdout)
+'''
+
+
+def _agent_root_argv(desk: Desktop, *args: str) -> list[str]:
+    """The helper as the agent's root in the agent's namespaces (a plain desktop: this process)."""
+    py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
+    argv = [py, "-I", "-c", _HELPER, *args]
+    world = desk.agent
+    if world is None:
+        return argv
+    return [world.nsenter, f"--user=/proc/{world.holder_pid}/fd/{world.userns_fd}",
+            f"--mount=/proc/{world.holder_pid}/fd/{world.mntns_fd}", "--setuid=0", "--setgid=0", "--wd=/", "--",
+            *argv]
+
+
+def _helper(desk: Desktop, *args: str, stdin: bytes = b"") -> bytes:
+    proc = subprocess.run(_agent_root_argv(desk, *args), input=stdin, capture_output=True,
+                          timeout=HELPER_TIMEOUT_S, check=False, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+    if proc.returncode != 0:
+        raise WarmResetError(f"agent-side helper {args[0]} failed ({proc.returncode}): "
+                             f"{proc.stderr.decode(errors='replace')[-500:]}")
+    return proc.stdout
+
+
+# The guest interpreter's scratch dir in /tmp: made anew with each interpreter (a warm reset
+# restarts it in the background); what the agent writes into it is still counted.
+_SCRATCH = re.compile(r"osfarm-code-\*$")
+
+
+def _files(scan: dict[str, list[list[Any]]]) -> dict[str, list[list[Any]]]:
+    out = {}
+    for k, v in scan.items():
+        rows = [[normalise(x) if isinstance(x, str) else x for x in e] for e in v]
+        out[k] = [e for e in rows if not (_SCRATCH.match(e[0]) or e[0].startswith("osfarm-code-*/"))]
+    return out
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def _proc_table() -> dict[int, tuple[int, str, float]]:
+    """pid -> (uid, command line, start ticks) of every process this guest can see (the box's)."""
+    out: dict[int, tuple[int, str, float]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                uid = next(int(ln.split()[1]) for ln in f if ln.startswith("Uid:"))
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if fields[0] == b"Z":
+                continue
+            out[pid] = (uid, cmd, float(fields[19]))
+        except (OSError, StopIteration, IndexError, ValueError):
+            continue
+    return out
+
+
+def _processes(desk: Desktop) -> list[str]:
+    me, guest_uid, runner = os.getpid(), os.getuid(), desk.runner_pid()
+    rows = []
+    for pid, (uid, cmd, _) in _proc_table().items():
+        if pid in (me, runner) or not cmd:
+            continue
+        who = "guest" if uid == guest_uid else "agent"
+        rows.append(f"{who} {normalise(cmd)}")
+    return sorted(rows)
+
+
+def _agent_pids(baseline: set[tuple[int, float]] | None = None) -> list[int]:
+    """The agent's processes (not the guest's uid) that are not in ``baseline`` ((pid, start))."""
+    guest_uid = os.getuid()
+    return [pid for pid, (uid, _, start) in _proc_table().items()
+            if uid != guest_uid and (baseline is None or (pid, start) not in baseline)]
+
+
+def kill_agent_processes(baseline: set[tuple[int, float]]) -> int:
+    """SIGKILL every agent process that is not in ``baseline``, in rounds until none is left (a
+    process that forks meanwhile is caught in the next round). Returns how many were killed."""
+    killed: set[int] = set()
+    for _ in range(KILL_ROUNDS):
+        victims = _agent_pids(baseline)
+        if not victims:
+            return len(killed)
+        for pid in victims:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+            killed.add(pid)
+        time.sleep(0.005)
+    raise WarmResetError(f"agent processes survived {KILL_ROUNDS} kill rounds: {_agent_pids(baseline)[:10]}")
+
+
+# -- X --------------------------------------------------------------------------------------------
+
+
+def _x_state(display: str) -> dict[str, Any]:
+    d = xdisplay.Display(display)
+    try:
+        root = d.screen().root
+        s = d.screen()
+        props: dict[str, Any] = {}
+        for atom in root.list_properties():
+            name = d.get_atom_name(atom)
+            p = root.get_full_property(atom, X.AnyPropertyType)
+            if p is None:
+                continue
+            tname = d.get_atom_name(p.property_type) if p.property_type else ""
+            value: Any
+            if name in WM_MANAGED or p.property_type in (Xatom.WINDOW, Xatom.PIXMAP):
+                value = sum(1 for v in p.value if v)
+                if name in WM_MANAGED and not value:
+                    continue  # no active window, an empty list, or none at all: the same to a task
+                if name == "_NET_ACTIVE_WINDOW":
+                    try:
+                        w = d.create_resource_object("window", p.value[0])
+                        g = w.get_geometry()
+                        value = [list(w.get_wm_class() or []), normalise(str(w.get_wm_name() or "")), g.width, g.height]
+                    except Exception:  # noqa: BLE001 - a window that is gone: no active window
+                        continue
+            elif p.format == 8:
+                raw = p.value if isinstance(p.value, bytes) else str(p.value).encode()
+                value = normalise(raw.decode(errors="replace"))
+            elif p.property_type == Xatom.ATOM:
+                value = sorted(d.get_atom_name(v) for v in p.value)
+            else:
+                value = list(p.value)
+            props[name] = [tname, p.format, value]
+        selections = {}
+        for sel in SELECTIONS:
+            selections[sel] = bool(d.get_selection_owner(d.intern_atom(sel)))
+        ptr = root.query_pointer()
+        keymap = d.query_keymap()
+        pressed = [i * 8 + b for i, byte in enumerate(keymap) for b in range(8) if byte & (1 << b)]
+        first, last = d.display.info.min_keycode, d.display.info.max_keycode
+        keysyms = [list(k) for k in d.get_keyboard_mapping(first, last - first + 1)]
+        mapping = hashlib.sha256(json.dumps(keysyms).encode()).hexdigest()[:24]
+        windows = []
+        for w in root.query_tree().children:
+            try:
+                attrs = w.get_attributes()
+                geo = w.get_geometry()
+                cls = w.get_wm_class()
+                windows.append([attrs.map_state, list(cls) if cls else [], geo.width, geo.height])
+            except Exception:  # noqa: BLE001 - a window that went away meanwhile
+                continue
+        return {
+            "screen": [s.width_in_pixels, s.height_in_pixels],
+            "root_properties": props,
+            "selections": selections,
+            "pointer": [ptr.root_x, ptr.root_y, ptr.mask],
+            "pressed_keys": pressed,
+            "keyboard_mapping": mapping,
+            "windows": sorted(windows, key=json.dumps),
+        }
+    finally:
+        d.close()
+
+
+def _wait_wm(display: str, want: dict[str, Any], timeout: float = 3.0) -> dict[str, Any]:
+    """The X state once the window manager has caught up with the windows that went away (its
+    client list and active window are updated asynchronously)."""
+    deadline = time.monotonic() + timeout
+    keys = [k for k in WM_MANAGED if k in want.get("root_properties", {})]
+    while True:
+        state = _x_state(display)
+        props = state["root_properties"]
+        same = all(props.get(k) == want["root_properties"].get(k) for k in WM_MANAGED) if want else True
+        if same or time.monotonic() > deadline:
+            return state
+        del keys
+        keys = []
+        time.sleep(0.02)
+
+
+def _raw_root_properties(d: Any) -> dict[str, tuple[int, int, Any]]:
+    root = d.screen().root
+    out = {}
+    for atom in root.list_properties():
+        p = root.get_full_property(atom, X.AnyPropertyType)
+        if p is not None:
+            out[d.get_atom_name(atom)] = (p.property_type, p.format, p.value)
+    return out
+
+
+def _x_reset(display: str, base: Baseline) -> None:
+    """Release keys and buttons, pointer back, selections dropped, windows of clients that were
+    not there at the baseline killed, root properties back to the baseline's."""
+    d = xdisplay.Display(display)
+    try:
+        root = d.screen().root
+        keymap = d.query_keymap()
+        for i, byte in enumerate(keymap):
+            for b in range(8):
+                if byte & (1 << b):
+                    xtest.fake_input(d, X.KeyRelease, i * 8 + b)
+        mask = root.query_pointer().mask
+        for button, bit in ((1, X.Button1Mask), (2, X.Button2Mask), (3, X.Button3Mask), (4, X.Button4Mask),
+                            (5, X.Button5Mask)):
+            if mask & bit:
+                xtest.fake_input(d, X.ButtonRelease, button)
+        d.sync()
+        for sel in ("PRIMARY", "SECONDARY", "CLIPBOARD"):
+            atom = d.intern_atom(sel)
+            if d.get_selection_owner(atom):
+                d.set_selection_owner(atom, X.NONE, X.CurrentTime)
+        for w in root.query_tree().children:
+            if w.id not in base.windows:
+                with contextlib.suppress(Exception):
+                    d.kill_client(w.id)
+        d.sync()
+        now = _raw_root_properties(d)
+        for name, (ptype, fmt, value) in now.items():
+            if name in WM_MANAGED:
+                continue
+            if name not in base.root_properties:
+                root.delete_property(d.intern_atom(name))
+            elif base.root_properties[name] != (ptype, fmt, value):
+                btype, bfmt, bvalue = base.root_properties[name]
+                root.change_property(d.intern_atom(name), btype, bfmt, bvalue)
+        for name, (btype, bfmt, bvalue) in base.root_properties.items():
+            if name not in now and name not in WM_MANAGED:
+                root.change_property(d.intern_atom(name), btype, bfmt, bvalue)
+        xtest.fake_input(d, X.MotionNotify, x=base.pointer[0], y=base.pointer[1])
+        if "_NET_ACTIVE_WINDOW" not in base.active:
+            # nothing had the focus at the cold start: give it back to the root (the window
+            # manager then clears its active window, as after a cold start)
+            d.set_input_focus(X.PointerRoot, X.RevertToPointerRoot, X.CurrentTime)
+            root.delete_property(d.intern_atom("_NET_ACTIVE_WINDOW"))
+        d.sync()
+    finally:
+        d.close()
+
+
+# -- baseline, fingerprint, reset ---------------------------------------------------------------
+
+
+@dataclass
+class Baseline:
+    agent_procs: set[tuple[int, float]]
+    home_tar: bytes
+    keep: dict[str, list[str]]  # writable tree -> the relative paths it held
+    root_properties: dict[str, tuple[int, int, Any]]
+    windows: set[int]
+    pointer: tuple[int, int]
+    screen: tuple[int, int]
+    exchange: set[str]
+    active: set[str] = field(default_factory=set)  # the WM-managed root properties set at the baseline
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+
+_lock = threading.Lock()
+
+
+def fingerprint(desk: Desktop, scan: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The desktop's state (see the module doc) with its ``digest``."""
+    if scan is None:
+        scan = json.loads(_helper(desk, "scan", desk.home))
+    exchange = sorted(os.listdir(desk.exchange_dir)) if desk.exchange_dir else []
+    fp: dict[str, Any] = {
+        "processes": _processes(desk),
+        "files": _files(scan),
+        "x": _x_state(desk.display),
+        "guest": {"exchange": exchange, "wallpaper": desk.wallpaper is not None},
+    }
+    fp["digest"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
+    return fp
+
+
+def take_baseline(desk: Desktop) -> dict[str, Any]:
+    """Record the state a warm reset goes back to (call once the cold start is ready, before any
+    agent action); returns its fingerprint."""
+    with _lock:
+        _wait_settled(desk)
+        home_tar = _helper(desk, "snapshot", desk.home)
+        scan = json.loads(_helper(desk, "scan", desk.home))
+        keep = {t: [e[0] for e in scan.get(t, [])] for t in WRITABLE}
+        d = xdisplay.Display(desk.display)
+        try:
+            root = d.screen().root
+            props = _raw_root_properties(d)
+            windows = {w.id for w in root.query_tree().children}
+            ptr = root.query_pointer()
+            s = d.screen()
+            screen = (s.width_in_pixels, s.height_in_pixels)
+        finally:
+            d.close()
+        base = Baseline(
+            agent_procs={(pid, start) for pid, (uid, _, start) in _proc_table().items() if uid != os.getuid()},
+            home_tar=home_tar, keep=keep, root_properties=props, windows=windows,
+            pointer=(ptr.root_x, ptr.root_y), screen=screen,
+            active={k for k in WM_MANAGED if k in props and any(props[k][2])},
+            exchange=set(os.listdir(desk.exchange_dir)) if desk.exchange_dir else set(),
+        )
+        base.fingerprint = fingerprint(desk, scan)
+        desk.warm_baseline = base
+        return base.fingerprint
+
+
+def _wait_settled(desk: Desktop, timeout: float = 15.0) -> None:
+    """Wait until the session's start is over: the AT-SPI registry runs (where there is an AT-SPI
+    bus) and the processes and windows stay the same for a moment."""
+    def look() -> tuple[list[str], list[tuple[int, int, int]]]:
+        d = xdisplay.Display(desk.display)
+        try:
+            wins = []
+            for w in d.screen().root.query_tree().children:
+                with contextlib.suppress(Exception):
+                    g = w.get_geometry()
+                    wins.append((w.get_attributes().map_state, g.width, g.height))
+            width = d.screen().width_in_pixels
+        finally:
+            d.close()
+        procs = _processes(desk)
+        # the panel maps its window about a second after it starts
+        panel = not any("tint2" in p for p in procs) or any(m and w == width for m, w, _ in wins)
+        return procs, sorted(wins) if panel else []
+
+    deadline = time.monotonic() + timeout
+    last = look()
+    while time.monotonic() < deadline:
+        time.sleep(0.15)
+        now = look()
+        registry = not any("at-spi-bus-launcher" in p for p in now[0]) or any("registryd" in p for p in now[0])
+        if now == last and now[1] and registry:
+            return
+        last = now
+
+
+def warm_reset(desk: Desktop) -> dict[str, Any]:
+    """Put the desktop back to its baseline (see the module doc); returns the new fingerprint.
+    Raises WarmResetError where it cannot (the farm restarts the box cold)."""
+    base: Baseline | None = getattr(desk, "warm_baseline", None)
+    if base is None:
+        raise WarmResetError("no baseline: the desktop was not prepared for warm resets")
+    with _lock:
+        if desk.wallpaper is not None:
+            raise WarmResetError("a wallpaper was set")
+        desk.reset_helpers()  # the interpreter (an agent process), recorder, input bindings
+        kill_agent_processes(base.agent_procs)
+        scan = json.loads(_helper(desk, "restore", desk.home, json.dumps(base.keep), stdin=base.home_tar))
+        if desk.exchange_dir:
+            for name in set(os.listdir(desk.exchange_dir)) - base.exchange:
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(desk.exchange_dir, name))
+        _x_reset(desk.display, base)
+        state = _wait_wm(desk.display, base.fingerprint.get("x", {}))
+        if tuple(state["screen"]) != base.screen:
+            raise WarmResetError(f"the screen size changed to {state['screen']}")
+        desk.restart_runner()
+        return fingerprint(desk, scan)
+
+
+def differences(a: dict[str, Any], b: dict[str, Any], limit: int = 8) -> list[str]:
+    """Where two fingerprints differ, as short paths (for the log and the fallback's reason)."""
+    out: list[str] = []
+
+    def walk(x: Any, y: Any, path: str) -> None:
+        if len(out) >= limit or x == y:
+            return
+        if isinstance(x, dict) and isinstance(y, dict):
+            for k in sorted(set(x) | set(y)):
+                walk(x.get(k), y.get(k), f"{path}.{k}" if path else k)
+        elif isinstance(x, list) and isinstance(y, list) and path.count(".") < 2:
+            sx = {json.dumps(e, sort_keys=True) for e in x}
+            sy = {json.dumps(e, sort_keys=True) for e in y}
+            for e in sorted(sx - sy)[:3]:
+                out.append(f"{path}: only before {e[:160]}")
+            for e in sorted(sy - sx)[:3]:
+                out.append(f"{path}: only after {e[:160]}")
+            if sx == sy:
+                out.append(f"{path}: order")
+        else:
+            out.append(f"{path}: {json.dumps(x)[:120]} != {json.dumps(y)[:120]}")
+
+    walk({k: v for k, v in a.items() if k != "digest"}, {k: v for k, v in b.items() if k != "digest"}, "")
+    return out[:limit]

@@ -1,0 +1,160 @@
+"""Fast reset (issue 15): warm resets of sandbox desktops, their fingerprint, and CPU accounting.
+
+One farm with ``reset_mode: warm`` and one desktop: each test dirties it through the guest (as an
+agent would: files, a double-forked daemon, a process ignoring SIGTERM, the clipboard, a held
+modifier key, windows, root properties), releases it, and checks that the warm reset gave back
+the cold start's fingerprint, with no fallback. The hanging reset gets a farm of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+from farms import running_farm
+
+from osfarm.desktop.warm import differences
+from osfarm.farm import metrics
+from osfarm.farm.server import FarmServer
+
+pytestmark = pytest.mark.timeout(600)
+
+DIRTY = r"""
+import os, subprocess, pyautogui
+home = os.path.expanduser("~")
+open(os.path.join(home, "Desktop", "dirty.txt"), "w").write("x")
+os.makedirs(os.path.join(home, ".config", "dirtyapp"), exist_ok=True)
+open(os.path.join(home, ".config", "dirtyapp", "rc"), "w").write("y")
+open(os.path.join(home, ".bashrc"), "a").write("# dirt\n")
+open("/tmp/dirty.tmp", "w").write("z")
+os.makedirs("/dev/shm/dirtdir", exist_ok=True)
+# a double-forked daemon and a process that ignores SIGTERM
+subprocess.Popen(["sh", "-c", "(sleep 1000 &) ; exit 0"])
+subprocess.Popen(["sh", "-c", "trap '' TERM; while true; do sleep 1; done"], start_new_session=True)
+# clipboard, X root property, a window, a held modifier, the pointer
+OWNER = ("from Xlib import display, X; import time; d = display.Display(); "
+         "w = d.screen().root.create_window(0, 0, 1, 1, 0, 0); "
+         "[w.set_selection_owner(d.intern_atom(s), X.CurrentTime) for s in ('CLIPBOARD', 'PRIMARY')]; "
+         "d.flush(); time.sleep(1000)")
+subprocess.Popen(["python3", "-c", OWNER])
+subprocess.run(["xprop", "-root", "-f", "DIRTY_PROP", "8s", "-set", "DIRTY_PROP", "dirt"], check=False)
+subprocess.Popen(["xterm", "-T", "dirty-window"]) if os.path.exists("/usr/bin/xterm") else None
+subprocess.Popen(["xmessage", "dirty"]) if os.path.exists("/usr/bin/xmessage") else None
+pyautogui.keyDown("shift")
+pyautogui.mouseDown(300, 300)
+pyautogui.moveTo(17, 23)
+"""
+
+
+@pytest.fixture(scope="module")
+def warm_farm() -> Iterator[FarmServer]:
+    with running_farm(prefix="osfw", pool_min=1, pool_max=1, reset_mode="warm", warm_reset_timeout_s=3.0) as server:
+        yield server
+
+
+def _client(farm: FarmServer) -> httpx.Client:
+    return httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {farm.token}"}, timeout=180)
+
+
+def _lease(c: httpx.Client) -> str:
+    r = c.post("/v1/desktops", json={"ttl_s": 300, "wait_s": 120})
+    r.raise_for_status()
+    return r.json()["id"]
+
+
+def _fingerprint(c: httpx.Client, lease: str) -> dict:
+    r = c.get(f"/v1/desktops/{lease}/guest/v1/session/fingerprint")
+    r.raise_for_status()
+    return r.json()
+
+
+def _code(c: httpx.Client, lease: str, code: str) -> None:
+    r = c.post(f"/v1/desktops/{lease}/guest/v1/pyautogui", json={"code": code, "timeout": 60})
+    r.raise_for_status()
+    assert r.json()["ok"], r.json()
+
+
+def _count(name: str, label: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, {"reason" if "fallback" in name else "mode": label}) or 0.0
+
+
+def test_dirty_then_warm_reset_equals_cold_start(warm_farm: FarmServer) -> None:
+    with _client(warm_farm) as c:
+        lease = _lease(c)
+        cold = _fingerprint(c, lease)
+        _code(c, lease, DIRTY)
+        time.sleep(1.0)
+        dirty = _fingerprint(c, lease)
+        assert dirty["digest"] != cold["digest"]
+        diff = differences(cold, dirty, limit=50)
+        for part in ("files.home", "files./tmp", "processes", "x.pressed_keys", "x.selections", "x.root_properties"):
+            assert any(d.startswith(part) for d in diff), (part, diff)
+        warm_before = _count("osfarm_resets_total", "warm")
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+        lease = _lease(c)
+        after = _fingerprint(c, lease)
+        assert after["digest"] == cold["digest"], differences(cold, after)
+        assert _count("osfarm_resets_total", "warm") == warm_before + 1
+        # the desktop still works: code runs, the old token is gone
+        _code(c, lease, "import pyautogui; pyautogui.moveTo(5, 5)")
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+
+
+def test_cpu_accounting(warm_farm: FarmServer) -> None:
+    with _client(warm_farm) as c:
+        lease = _lease(c)
+        _code(c, lease, "x = sum(i * i for i in range(3_000_000))")
+        info = c.post(f"/v1/desktops/{lease}/heartbeat", json={}).raise_for_status().json()
+        assert info["cpu_s"] is not None and info["cpu_s"] > 0.05, info
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+        text = c.get("/metrics").text
+        assert "osfarm_desktop_cpu_seconds_total" in text and 'osfarm_reset_cpu_seconds_count{mode="warm"}' in text
+
+
+def test_fingerprint_command(warm_farm: FarmServer) -> None:
+    from typer.testing import CliRunner
+
+    from osfarm.cli import app
+
+    with _client(warm_farm) as c:
+        lease = _lease(c)
+        args = ["desktop", "fingerprint", lease, "--url", warm_farm.url, "--token", warm_farm.token]
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 0, r.output
+        fp = json.loads(r.stdout)
+        assert fp["digest"] == _fingerprint(c, lease)["digest"]
+        assert {"processes", "files", "x", "guest"} <= set(fp)
+        assert any("Xvfb" in p for p in fp["processes"]) and "home" in fp["files"]
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+
+
+def test_hanging_warm_reset_falls_back_to_cold(warm_farm: FarmServer) -> None:
+    """The box's session stops answering (SIGSTOP): the warm reset is abandoned at its deadline
+    and the desktop is restarted cold, counted as a timeout fallback."""
+    state = warm_farm.app.state.farm
+    timeouts = _count("osfarm_warm_reset_fallbacks_total", "timeout")
+    with _client(warm_farm) as c:
+        lease = _lease(c)
+        desktop = c.get(f"/v1/desktops/{lease}").raise_for_status().json()["desktop_id"]
+        view = next(v for v in state.pool.desktops() if v.id == desktop)
+        handle = state.pool._desktops[desktop].handle
+        launcher = psutil.Process(handle.pid).children()[0]  # the box's PID 1: the session launcher
+        assert view.state == "leased"
+        launcher.suspend()
+        try:
+            t0 = time.monotonic()
+            c.delete(f"/v1/desktops/{lease}").raise_for_status()
+            lease = _lease(c)
+            took = time.monotonic() - t0
+        finally:
+            with contextlib.suppress(psutil.Error):
+                launcher.resume()
+        assert _count("osfarm_warm_reset_fallbacks_total", "timeout") == timeouts + 1
+        assert took < state.settings.warm_reset_timeout_s + state.settings.start_timeout_s
+        _code(c, lease, "import pyautogui; pyautogui.moveTo(5, 5)")  # a working, cold-started desktop
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
