@@ -17,9 +17,10 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from osfarm.images import recipes
 from osfarm.images.debootstrap import build_base
@@ -56,7 +57,8 @@ class Events:
     """What the builder reports: override or pass callables (the CLI draws rich progress)."""
 
     def __init__(self, start: Callable[[str], None] | None = None, line: Callable[[str, str], None] | None = None,
-                 steps: Callable[[str, int, int], None] | None = None, done: Callable[[BuildResult], None] | None = None):
+                 steps: Callable[[str, int, int], None] | None = None,
+                 done: Callable[[BuildResult], None] | None = None):
         self.start = start or (lambda kind: None)
         self.line = line or (lambda kind, text: None)
         self.steps = steps or (lambda kind, n, total: None)

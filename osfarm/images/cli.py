@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -33,17 +33,17 @@ def _fail(msg: str) -> None:
 
 @image_app.command("build")
 def build_command(
-    base: Annotated[Optional[str], typer.Option(
+    base: Annotated[str | None, typer.Option(
         "--base", help="use this local image as the base (e.g. debian:bookworm-slim) instead of the debootstrap one"
     )] = None,
-    only: Annotated[Optional[str], typer.Option(
+    only: Annotated[str | None, typer.Option(
         "--only", help="build this image and what it needs: base, runtime or desktop (default: all)"
     )] = None,
     force: Annotated[bool, typer.Option("--force", help="rebuild even when the recipe label matches")] = False,
     mirror: Annotated[str, typer.Option("--mirror", envvar="OSFARM_DEBIAN_MIRROR",
                                         help="Debian mirror for debootstrap")] = recipes.DEFAULT_MIRROR,
-    src: Annotated[Optional[Path], typer.Option("--src", help="osfarm source checkout (default: this one)")] = None,
-    work_dir: Annotated[Optional[Path], typer.Option(
+    src: Annotated[Path | None, typer.Option("--src", help="osfarm source checkout (default: this one)")] = None,
+    work_dir: Annotated[Path | None, typer.Option(
         "--work-dir", help="package cache and build logs (default /var/cache/osfarm/images as root)"
     )] = None,
 ) -> None:

@@ -13,8 +13,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from osfarm.images.recipes import LABEL_KIND, LABEL_RECIPE, LABEL_VERSION, SUITE, VARIANT, VERSION, read_packages
 
@@ -32,7 +32,8 @@ def check_debootstrap() -> str:
     exe = shutil.which("debootstrap") or ("/usr/sbin/debootstrap" if os.path.exists("/usr/sbin/debootstrap") else None)
     if exe is None:
         raise BaseBuildError(
-            "debootstrap is not installed: apt-get install debootstrap (or use a pulled base: --base debian:bookworm-slim)"
+            "debootstrap is not installed: apt-get install debootstrap "
+            "(or use a pulled base: --base debian:bookworm-slim)"
         )
     if os.geteuid() != 0:
         raise BaseBuildError(

@@ -119,7 +119,8 @@ def _package_of(tool: str) -> str:
 
 
 def image_id(image: str) -> str | None:
-    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image], capture_output=True, text=True, check=False)
+    proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image], capture_output=True,
+                          text=True, check=False)
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
@@ -195,7 +196,8 @@ def _export_rootfs(image: str, rootfs: Path) -> None:
         if export.wait() != 0:
             raise DiskBuildError(f"docker export of {image} failed: {err.strip()}")
         if untar.returncode != 0:
-            raise DiskBuildError(f"unpacking the rootfs of {image} into {rootfs} failed: {untar.stderr.strip()[-2000:]}")
+            raise DiskBuildError(f"unpacking the rootfs of {image} into {rootfs} failed: "
+                                 f"{untar.stderr.strip()[-2000:]}")
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True, check=False)
     # Docker leaves its marker and empty bind-mount targets; the VM's init writes its own.
@@ -238,7 +240,8 @@ def build_libvirt_disk(
             raise DiskBuildError(f"{tool} not found: apt-get install {_package_of(tool)}")
     key = vm_recipe_key(base_image) if build_image else None
     old = _read_manifest(out_dir)
-    if not force and old is not None and key is not None and old.get("recipe_key") == key and not missing_files(out_dir):
+    if (not force and old is not None and key is not None and old.get("recipe_key") == key
+            and not missing_files(out_dir)):
         # Same desktop recipe, same VM recipe: skip even the docker build (the desktop image may
         # have been rebuilt with a new id from the same recipe).
         step("VM disk is up to date")

@@ -26,17 +26,35 @@ def audit_command(
     index: IndexOpt = None,
     domain: Annotated[str | None, typer.Option("--domain", "-d", help="only this domain")] = None,
     out: Annotated[Path, typer.Option("--out", help="folder for audit.json and audit.html")] = Path("audit"),
-    cache: Annotated[Path | None, typer.Option("--cache", help="the suite's file cache (default <suite>/cache, as eval)", show_default=False)] = None,
+    cache: Annotated[
+        Path | None,
+        typer.Option("--cache", help="the suite's file cache (default <suite>/cache, as eval)", show_default=False),
+    ] = None,
     envs: Annotated[int, typer.Option("--envs", min=1, help="tasks audited at once (desktops)")] = 1,
-    time_limit: Annotated[float, typer.Option("--time-limit", min=10.0, help="seconds per episode (setup + evaluation)")] = 300.0,
-    url: Annotated[str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)] = None,
-    token: Annotated[str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)] = None,
-    provider: Annotated[str | None, typer.Option("--provider", help="box of the in-process farm: sandbox, docker or libvirt", show_default=False)] = None,
+    time_limit: Annotated[
+        float, typer.Option("--time-limit", min=10.0, help="seconds per episode (setup + evaluation)")
+    ] = 300.0,
+    url: Annotated[
+        str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)
+    ] = None,
+    token: Annotated[
+        str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)
+    ] = None,
+    provider: Annotated[
+        str | None,
+        typer.Option("--provider", help="box of the in-process farm: sandbox, docker or libvirt", show_default=False),
+    ] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="show a progress bar")] = True,
 ) -> None:
     """Run the noop and fail agents on every task a desktop here can host; classify each task.
 
-    Categories: free-points (noop scores > 0 on a feasible task: the desktop starts in the state the task asks for), broken (setup or evaluation fails on a fresh desktop, or FAIL does not score 1 on an infeasible task), needs-network (files not in the cache, live web pages, package installs: classified without a desktop), unsupported (with the reason), ok. Writes OUT/audit.json and OUT/audit.html; exits 1 when any task is free-points or broken."""
+    Categories: free-points (noop scores > 0 on a feasible task: the desktop
+    starts in the state the task asks for), broken (setup or evaluation fails on
+    a fresh desktop, or FAIL does not score 1 on an infeasible task),
+    needs-network (files not in the cache, live web pages, package installs:
+    classified without a desktop), unsupported (with the reason), ok. Writes
+    OUT/audit.json and OUT/audit.html; exits 1 when any task is free-points or
+    broken."""
     try:
         suite = load_suite(directory, index, strict=False)
     except TaskError as e:
