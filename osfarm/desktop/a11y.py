@@ -34,8 +34,9 @@ Environment the session launcher must provide, found by experiment on Debian 12 
   GSettings key ``org.gnome.desktop.interface toolkit-accessibility``, which Chromium reads too;
   that goes through dconf, so ``$HOME`` must be writable; Qt apps also read IsEnabled.)
 * ``AT_SPI_BUS_ADDRESS`` = :func:`osfarm.desktop.a11y_bus.a11y_bus_address` exported to every
-  app. Without it libatspi/the ATK bridge read the ``AT_SPI_BUS`` property of the X root window first; seen here: another session's launcher
-  wrote its own bus address onto our display, and Chromium silently registered nowhere.
+  app. Without it libatspi/the ATK bridge read the ``AT_SPI_BUS`` property of the X root window
+  first; seen here: another session's launcher wrote its own bus address onto our display, and
+  Chromium silently registered nowhere.
 * ``NO_AT_BRIDGE`` unset (GTK 3 apps, e.g. xfce4-terminal, load the ATK bridge by themselves;
   ``GTK_MODULES=gail:atk-bridge`` is only needed for GTK 2 apps and harmless otherwise).
 * LibreOffice: ``SAL_USE_VCLPLUGIN=gtk3`` (the default ``x11``/``gen`` plugin picked under a
@@ -296,7 +297,8 @@ class _Walk:
         nodes: list[tuple[_Node, dict[str, _Call], list[_Call], int] | None] = []
         extra: list[_Call] = []
         big_tables: list[tuple[Ref, _Node, int]] = []
-        for (ref, parent, depth), (name_c, count_c, state_c, attrs_c, ifaces_c, role_c) in zip(frontier, base):
+        for (ref, parent, depth), (name_c, count_c, state_c, attrs_c, ifaces_c, role_c) in zip(frontier, base,
+                                                                                                strict=True):
             name = name_c.ok()
             if name is None:  # the app is gone or the object vanished: leave it out
                 nodes.append(None)
@@ -323,7 +325,8 @@ class _Walk:
                 more["text"] = _Call(ref, "Text", "GetText", variant("(ii)", 0, -1), "(s)")
             if "Value" in ifaces:
                 for key, prop in _VALUE_PROPS:
-                    more["val:" + key] = _Call(ref, PROPERTIES, "Get", variant("(ss)", "org.a11y.atspi.Value", prop), "(v)")
+                    more["val:" + key] = _Call(ref, PROPERTIES, "Get", variant("(ss)", "org.a11y.atspi.Value", prop),
+                                               "(v)")
             if "Action" in ifaces:
                 more["actions"] = _Call(ref, "Action", "GetActions", None, "(a(sss))")
             if "Document" in ifaces:

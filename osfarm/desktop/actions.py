@@ -13,7 +13,7 @@ Everything here is pure data and validation; nothing touches a display.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
@@ -178,10 +178,8 @@ class Control(_Action):
 
 
 Computer13Action = Annotated[
-    Union[
-        MoveTo, Click, MouseDown, MouseUp, RightClick, DoubleClick, DragTo, Scroll, Typing,
-        Press, KeyDown, KeyUp, Hotkey, Control,
-    ],
+    MoveTo | Click | MouseDown | MouseUp | RightClick | DoubleClick | DragTo | Scroll | Typing
+    | Press | KeyDown | KeyUp | Hotkey | Control,
     Field(discriminator="action_type"),
 ]
 
@@ -202,7 +200,7 @@ class CodeAction(_Action):
         return c if c in SPECIAL_CODES else None
 
 
-Action = Union[Computer13Action, CodeAction]
+Action = Computer13Action | CodeAction
 
 _computer13 = TypeAdapter(Computer13Action)
 
@@ -239,7 +237,8 @@ def parse_action(raw: Any, field: str = "action") -> Computer13Action | CodeActi
     if at is None:
         raise ActionError(f"{field}.action_type", "missing; expected one of " + ", ".join(ACTION_TYPES))
     if at not in ACTION_TYPES:
-        raise ActionError(f"{field}.action_type", f"unknown action type {at!r}; expected one of " + ", ".join(ACTION_TYPES))
+        raise ActionError(f"{field}.action_type",
+                          f"unknown action type {at!r}; expected one of " + ", ".join(ACTION_TYPES))
     try:
         return _computer13.validate_python(raw)
     except ValidationError as e:

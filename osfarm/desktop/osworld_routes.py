@@ -200,7 +200,8 @@ async def run_bash_script(request: Request, desk: DesktopDep) -> JSONResponse:
     finally:
         path.unlink(missing_ok=True)
     if r.timed_out:
-        return JSONResponse({"status": "error", "output": r.stdout + f"\nScript execution timed out after {timeout:g} seconds",
+        return JSONResponse({"status": "error",
+                             "output": r.stdout + f"\nScript execution timed out after {timeout:g} seconds",
                              "error": "", "returncode": -1})
     return JSONResponse({"status": "success" if r.returncode == 0 else "error", "output": r.stdout,
                          "error": "", "returncode": r.returncode})

@@ -33,8 +33,21 @@ from Xlib.ext import xtest
 from Xlib.protocol import event as xevent
 
 from osfarm.desktop.actions import (
-    ActionError, Click, Control, DoubleClick, DragTo, Hotkey, KeyDown, KeyUp, MouseDown, MouseUp,
-    MoveTo, Press, RightClick, Scroll, Typing,
+    ActionError,
+    Click,
+    Control,
+    DoubleClick,
+    DragTo,
+    Hotkey,
+    KeyDown,
+    KeyUp,
+    MouseDown,
+    MouseUp,
+    MoveTo,
+    Press,
+    RightClick,
+    Scroll,
+    Typing,
 )
 
 _BUTTONS = {"left": 1, "middle": 2, "right": 3}
@@ -147,7 +160,8 @@ class InputController:
         for lst in where.values():
             lst.sort()
         self._where = where
-        self._remapped = OrderedDict((c, ks) for c, ks in self._remapped.items() if self._keymap.get(c, ())[:1] == (ks,))
+        self._remapped = OrderedDict((c, ks) for c, ks in self._remapped.items()
+                                     if self._keymap.get(c, ())[:1] == (ks,))
         shift_codes = [c for c in self._d.get_modifier_mapping()[X.ShiftMapIndex] if c]
         self._shift_code = shift_codes[0] if shift_codes else self._d.keysym_to_keycode(XK.XK_Shift_L)
 
