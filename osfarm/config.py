@@ -34,12 +34,18 @@ class FarmSettings(BaseSettings):
         "entries (osfarm tokens add); see osfarm/http/principals.py",
     )
     tokens: str = Field(
-        default="", description="per-client tokens as a list: name:role:token-or-sha256:<hex>[:max_leases[:max_ttl_s]], "
-        "comma-separated (OSFARM_TOKENS)",
+        default="", description="per-client tokens as a list: "
+        "name:role:token-or-sha256:<hex>[:max_leases[:max_ttl_s]], comma-separated (OSFARM_TOKENS)",
     )
-    client_max_leases: int | None = Field(default=None, ge=1, description="lease quota of a client token without its own")
-    client_max_ttl_s: float | None = Field(default=None, gt=0, description="longest lease TTL of a client token without its own")
-    max_body_bytes: int = Field(default=16 << 20, ge=1024, description="largest request body of the farm API (413 above)")
+    client_max_leases: int | None = Field(
+        default=None, ge=1, description="lease quota of a client token without its own"
+    )
+    client_max_ttl_s: float | None = Field(
+        default=None, gt=0, description="longest lease TTL of a client token without its own"
+    )
+    max_body_bytes: int = Field(
+        default=16 << 20, ge=1024, description="largest request body of the farm API (413 above)"
+    )
     max_upload_bytes: int = Field(
         default=1 << 30, ge=1024, description="largest request body through the guest passthrough (uploads; 413 above)"
     )
@@ -48,16 +54,23 @@ class FarmSettings(BaseSettings):
         "default <state_dir>/task-cache. file:// and local task paths are only read from here and task_suite_dir",
     )
     task_suite_dir: Path | None = Field(
-        default=None, description="a suite folder whose files the task routes may upload (relative task paths resolve here)"
+        default=None,
+        description="a suite folder whose files the task routes may upload (relative task paths resolve here)",
     )
-    task_offline: bool = Field(default=True, description="the task routes never download: a file not in the cache is a 424")
-    tls_certfile: Path | None = Field(default=None, description="serve HTTPS with this certificate (PEM); with tls_keyfile")
+    task_offline: bool = Field(
+        default=True, description="the task routes never download: a file not in the cache is a 424"
+    )
+    tls_certfile: Path | None = Field(
+        default=None, description="serve HTTPS with this certificate (PEM); with tls_keyfile"
+    )
     tls_keyfile: Path | None = Field(default=None, description="the private key of tls_certfile (PEM)")
     ui_runs_dir: Path | None = Field(
-        default=None, description="a folder of eval/training run dirs the dashboard (/ui) shows; none: live desktops only"
+        default=None,
+        description="a folder of eval/training run dirs the dashboard (/ui) shows; none: live desktops only",
     )
     provider: Literal["sandbox", "docker", "libvirt"] = Field(
-        default="sandbox", description="how desktops are boxed: sandbox (namespaces + cgroups, no daemon; needs root), docker, libvirt"
+        default="sandbox",
+        description="how desktops are boxed: sandbox (namespaces + cgroups, no daemon; needs root), docker, libvirt",
     )
     pool_min: int = Field(default=1, ge=0, description="desktops kept warm (ready, unleased)")
     pool_max: int = Field(default=4, ge=1, description="most desktops alive at once")
@@ -81,7 +94,9 @@ class FarmSettings(BaseSettings):
     sandbox_cpu_weight: int = Field(default=100, ge=1, le=10000, description="CPU weight per sandbox desktop "
                                     "(cgroup v2 scale: 100 = an equal share)")
     sandbox_home_size: str = Field(default="1g", description="size cap of a desktop's home, a tmpfs (every provider)")
-    sandbox_tmp_size: str = Field(default="512m", description="size cap of a desktop's /tmp and /var/tmp (every provider)")
+    sandbox_tmp_size: str = Field(
+        default="512m", description="size cap of a desktop's /tmp and /var/tmp (every provider)"
+    )
     sandbox_uid_base: int = Field(default=0x70000000, ge=65536, le=0x7FFE0000,
                                   description="first host uid of the sandboxes' uid slots (131072 ids per desktop)")
     health_interval_s: float = Field(default=2.0, gt=0)

@@ -272,7 +272,8 @@ class TaskEnv:
         except TimeoutError:
             raise EpisodeTimeout(f"episode exceeded its {self.time_limit_s:g} s limit") from None
         assert self.observation is not None
-        return self.observation, {"task_id": task.id, "desktop": dict(self.desktop), "action_timing": self.action_timing,
+        return self.observation, {"task_id": task.id, "desktop": dict(self.desktop),
+                                  "action_timing": self.action_timing,
                                   "setup": [dataclasses.asdict(r) for r in reports], "timings": dict(self.timings)}
 
     async def step(self, actions: Action | Sequence[Action]) -> tuple[Observation, float, bool, bool, dict[str, Any]]:

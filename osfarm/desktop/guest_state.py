@@ -22,8 +22,7 @@ from osfarm.desktop.agent_files import AGENT_PYTHON, AgentFileError, AgentFiles
 from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.capture import ScreenCapture
 from osfarm.desktop.coderunner import CodeRunner, run_fresh
-from osfarm.desktop.models import CodeResult
-from osfarm.desktop.models import Window
+from osfarm.desktop.models import CodeResult, Window
 from osfarm.desktop.recording import Recorder
 from osfarm.desktop.settle import total_cpu_seconds
 from osfarm.desktop.windows import close_connections, list_windows

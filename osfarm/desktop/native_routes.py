@@ -70,7 +70,8 @@ def observe(desk: Desktop, opts: ObserveOptions) -> Observation:
             obs.screenshot = base64.b64encode(data).decode("ascii")
             obs.format = opts.format
             if opts.scale < 1:
-                obs.width, obs.height = max(1, round(frame.width * opts.scale)), max(1, round(frame.height * opts.scale))
+                obs.width, obs.height = (max(1, round(frame.width * opts.scale)),
+                                         max(1, round(frame.height * opts.scale)))
             else:
                 obs.width, obs.height = frame.width, frame.height
         if opts.cursor:
@@ -206,7 +207,8 @@ async def wait_for_window(req: WaitForWindow, desk: DesktopDep) -> WaitResult:
     if not req.title and not req.wm_class:
         raise HTTPException(422, "title: give title and/or wm_class")
     t0 = time.monotonic()
-    win = await run_in_threadpool(lambda: find_window_within(req.title, req.wm_class, req.timeout, display=desk.display))
+    win = await run_in_threadpool(
+        lambda: find_window_within(req.title, req.wm_class, req.timeout, display=desk.display))
     waited = round(time.monotonic() - t0, 3)
     if win is None:
         what = " and ".join(f"{k}~{v!r}" for k, v in (("title", req.title), ("wm_class", req.wm_class)) if v)

@@ -450,7 +450,8 @@ class LeasePool:
         return lease
 
     async def _wait_for_desktop(self, deadline: float, wait_s: float) -> _Desktop:
-        if self._fail_count >= MAX_START_FAILURES and not self._coming() and self.clock.monotonic() < self._next_start_at:
+        if (self._fail_count >= MAX_START_FAILURES and not self._coming()
+                and self.clock.monotonic() < self._next_start_at):
             raise CapacityError(self._failing_message(), status=503, retry_after_s=self._retry_after())
         fut: asyncio.Future[_Desktop] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)

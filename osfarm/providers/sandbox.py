@@ -130,7 +130,8 @@ class SandboxProvider:
             raise ProviderError(f"missing {', '.join(missing)}: apt-get install "
                                 f"{' '.join(sorted({pkg.get(m, 'util-linux') for m in missing}))}")
         try:
-            self.limits = Limits(parse_size(settings.sandbox_memory), settings.sandbox_pids, settings.sandbox_cpu_weight)
+            self.limits = Limits(parse_size(settings.sandbox_memory), settings.sandbox_pids,
+                                 settings.sandbox_cpu_weight)
             self.home_size = parse_size(settings.sandbox_home_size)
             self.tmp_size = parse_size(settings.sandbox_tmp_size)
         except ValueError as e:

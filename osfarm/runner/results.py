@@ -189,7 +189,8 @@ def write_refused(out: Path, refused: RefusedTask, run_id: str, agent: str, acti
            "domain": refused.domain, "group_id": refused.task_id, "attempt": 1, "agent": agent,
            "policy": {"name": agent, "version_start": None, "version_end": None},
            "desktop": {"provider": None, "image": None}, "status": INFRA_ERROR, "score": 0.0,
-           "error": refused.error, "infra_retries": 0, "action_timing": action_timing, "timings": {}, "started_at": _iso(now),
+           "error": refused.error, "infra_retries": 0, "action_timing": action_timing, "timings": {},
+           "started_at": _iso(now),
            "finished_at": _iso(now), "steps": []}
     if emit is not None:
         emit(rec)
@@ -217,7 +218,9 @@ def finished_row(out: Path, domain: str, task_id: str) -> dict[str, Any] | None:
     return row
 
 
-def summarize(rows: list[dict[str, Any]], run_id: str, agent: str, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def summarize(
+    rows: list[dict[str, Any]], run_id: str, agent: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     n = len(rows)
     ok = sum(1 for r in rows if r["status"] == SUCCESS)
     by_domain: dict[str, dict[str, Any]] = {}
@@ -234,7 +237,8 @@ def summarize(rows: list[dict[str, Any]], run_id: str, agent: str, extra: dict[s
     for g, doms in GROUPS.items():
         members = [r for r in rows if r["domain"] in doms]
         if members:
-            by_group[g] = {"n": len(members), "success_rate": sum(r["status"] == SUCCESS for r in members) / len(members)}
+            by_group[g] = {"n": len(members),
+                           "success_rate": sum(r["status"] == SUCCESS for r in members) / len(members)}
     return {
         "schema": RESULTS_SCHEMA,
         "run_id": run_id,
@@ -299,7 +303,8 @@ pre{white-space:pre-wrap;font-size:12px;margin:2px 0}"""
 def write_report(out: Path, summary: dict[str, Any]) -> Path:
     """A static page: every task with score, status, steps (screenshot + actions); links are relative."""
     e = html.escape
-    parts = [f"<!doctype html><meta charset=utf-8><title>osfarm eval {e(summary['run_id'])}</title><style>{_CSS}</style>",
+    parts = [f"<!doctype html><meta charset=utf-8><title>osfarm eval {e(summary['run_id'])}</title>"
+             f"<style>{_CSS}</style>",
              f"<h1>osfarm eval: {e(summary['agent'])}</h1>",
              (f"<p>run {e(summary['run_id'])}: {summary['n_success']}/{summary['n_tasks']} tasks succeeded "
               f"({summary['success_rate']:.1%}), {summary['infra_errors']} infra errors.</p>"),
