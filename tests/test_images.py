@@ -134,7 +134,12 @@ def test_desktop_image_looks_like_osworlds_vm(built: str) -> None:
         "python -c 'import importlib.util as u; print(all(u.find_spec(m) for m in (\"pyautogui\", \"pyatspi\")))'; "
         "python3 --version; command -v google-chrome; command -v chromium; command -v soffice; command -v gimp; "
         "command -v vlc; command -v thunderbird; command -v xfce4-terminal; command -v Xvfb; "
-        "osfarm --help >/dev/null && echo cli-ok"
+        "osfarm --help >/dev/null && echo cli-ok; "
+        # OSWorld's VM (issue 19): Files, Videos, Document Viewer; the agent's Python is the system one
+        # with pyautogui and without osfarm (osfarm's own is /opt/osfarm/bin/python); Ubuntu's user dirs
+        "command -v nautilus; command -v totem; command -v evince; readlink /usr/local/bin/python; "
+        "/usr/bin/python3 -c 'import importlib.util as u; print(\"agent-python\", bool(u.find_spec(\"pyautogui\")), "
+        "bool(u.find_spec(\"osfarm\")))'; echo home: $(ls /usr/share/osfarm/home-template)"
     )
     r = run_in("osfarm/desktop:latest", script)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -142,6 +147,9 @@ def test_desktop_image_looks_like_osworlds_vm(built: str) -> None:
     assert lines[:3] == ["user", "1000", "/home/user"], lines
     assert "sudo-ok" in lines and "True" in lines and "cli-ok" in lines, lines
     assert "/usr/local/bin/google-chrome" in lines, lines
+    assert {"/usr/bin/nautilus", "/usr/bin/totem", "/usr/bin/evince", "/usr/bin/python3"} <= set(lines), lines
+    assert "agent-python True False" in lines, lines
+    assert "home: Desktop Documents Downloads Music Pictures Public Templates Videos" in lines, lines
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the debootstrap base needs root")
