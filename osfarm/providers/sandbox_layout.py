@@ -86,7 +86,7 @@ ETC_DENY = ("ssl/private",)
 # Python distributions the agent's python3 gets (pyautogui and what it imports), by top-level
 # name as installed in the farm's environment.
 AGENT_MODULES = ("pyautogui", "pymsgbox", "pytweening", "pyscreeze", "pygetwindow", "pyrect", "mouseinfo",
-                 "pyperclip", "Xlib", "PIL")
+                 "pyperclip", "Xlib", "six", "PIL")  # six: python-xlib imports it
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 TOP_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 AT_SPI_CONF = "/usr/share/defaults/at-spi2/accessibility.conf"
