@@ -297,8 +297,8 @@ class LeasePool:
         can ``adopt`` its box (docker: the container still runs; libvirt: the VM still runs) and
         its guest answers; its lease comes back with a fresh TTL (its holder could not heartbeat
         a farm that was down). Every other saved lease ends with a 410 saying why; boxes nobody
-        took over are left to ``reap_orphans``. Sandbox boxes die with their farm (bubblewrap's
-        --die-with-parent: no daemon keeps them), so a sandbox farm's restart ends every lease."""
+        took over are left to ``reap_orphans``. Sandbox boxes die with their farm (a parent-death
+        signal: no daemon keeps them), so a sandbox farm's restart ends every lease."""
         assert self.registry is not None
         for e in saved.ended:
             self._ended[e.id] = (e.owner, e.message, e.principal)
