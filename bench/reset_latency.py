@@ -1,8 +1,15 @@
-"""Reset-to-ready, warm lease and idle memory per provider, side by side in one run.
+"""Reset-to-ready, CPU per reset, warm lease and idle memory per provider, side by side in one run.
 
 * reset-to-ready: ``provider.reset(handle)`` on a running desktop until the fresh box's guest
-  answers /v1/health (sandbox: kill + new namespace box; docker: a new container from the image,
-  started while the old one is removed). What the farm pays between two episodes.
+  answers /v1/health (sandbox: kill + new namespace box, or with ``sandbox-warm`` the warm reset
+  of osfarm/desktop/warm.py; docker: a new container from the image, started while the old one is
+  removed). What the farm pays between two episodes. Before each reset the desktop is dirtied as
+  a task would (files in the home and /tmp, a double-forked daemon, a clipboard owner, a held
+  key; ``--clean`` skips it).
+* CPU-seconds per reset: the box's (its cgroup, else its processes) from the reset's start until
+  SETTLE_S after it is ready (a cold box's panel and accessibility registry finish starting after
+  its guest answers), less what the idle desktop uses over as long, plus the farm process's own.
+  Warm resets that fell back to cold are counted.
 * warm lease: ``POST /v1/desktops`` on a real `osfarm serve --provider X` with ready desktops.
 * idle memory: PSS of every process of one idle desktop (shared pages shared out).
 
@@ -16,6 +23,7 @@ import argparse
 import asyncio
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -32,17 +40,46 @@ from rich.table import Table  # noqa: E402
 
 from osfarm.config import FarmSettings  # noqa: E402
 from osfarm.providers import make_provider  # noqa: E402
-from osfarm.providers.base import DesktopSpec  # noqa: E402
+from osfarm.providers.base import DesktopHandle, DesktopSpec, tree_cpu_seconds  # noqa: E402
 
 # name -> (provider, settings overrides)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sandbox": ("sandbox", {}),
+    "sandbox-warm": ("sandbox", {"reset_mode": "warm"}),
     "docker": ("docker", {"docker_network": "none"}),
     # libvirt VMs (disk: `osfarm image build-vm`): fresh overlay + boot, and internal snapshot revert
     "libvirt-boot": ("libvirt", {"libvirt_reset": "boot", "libvirt_memory_mb": 2048}),
     "libvirt-snapshot": ("libvirt", {"libvirt_reset": "snapshot", "libvirt_memory_mb": 2048}),
 }
 IDLE_S = 3.0
+SETTLE_S = 2.0
+DIRTY = r"""
+import os, subprocess, pyautogui
+home = os.path.expanduser("~")
+open(os.path.join(home, "Desktop", "bench.txt"), "w").write("x" * 10000)
+open("/tmp/bench.tmp", "w").write("y")
+subprocess.Popen(["sh", "-c", "(sleep 1000 &) ; exit 0"])
+subprocess.Popen(["python3", "-c", "from Xlib import display, X; import time; d = display.Display(); "
+                  "w = d.screen().root.create_window(0, 0, 1, 1, 0, 0); "
+                  "w.set_selection_owner(d.intern_atom('CLIPBOARD'), X.CurrentTime); d.flush(); time.sleep(1000)"])
+pyautogui.keyDown("shift")
+pyautogui.moveTo(11, 13)
+"""
+
+
+async def dirty(handle: DesktopHandle) -> None:
+    async with handle.endpoint.client(timeout=60) as c:
+        r = await c.post("/v1/pyautogui", json={"code": DIRTY, "timeout": 30})
+        r.raise_for_status()
+        if not r.json().get("ok"):
+            raise RuntimeError(f"dirtying the desktop failed: {r.json()}")
+    await asyncio.sleep(0.3)
+
+
+def box_cpu(provider: Any, handle: DesktopHandle) -> float:
+    fn = getattr(provider, "cpu_seconds", None)
+    used = fn(handle) if fn is not None else tree_cpu_seconds(provider.pids(handle))
+    return used or 0.0
 
 
 def pss_mib(pids: list[int]) -> float:
@@ -55,8 +92,9 @@ def pss_mib(pids: list[int]) -> float:
     return total / 2**20
 
 
-async def resets(name: str, n: int, width: int, height: int) -> tuple[list[float], float, float]:
-    """(reset-to-ready seconds, first start seconds, idle PSS MiB) for one variant."""
+async def resets(name: str, n: int, width: int, height: int, clean: bool = False) -> dict[str, Any]:
+    """Reset-to-ready and CPU seconds per reset, first start seconds, idle PSS MiB, warm
+    fallbacks for one variant."""
     provider_name, overrides = VARIANTS[name]
     state = Path(tempfile.mkdtemp(prefix="ofr", dir="/tmp"))
     settings = FarmSettings(provider=provider_name, state_dir=state, width=width, height=height, **overrides)
@@ -67,19 +105,36 @@ async def resets(name: str, n: int, width: int, height: int) -> tuple[list[float
     handle = await provider.start("bench1", spec)
     first = time.perf_counter() - t0
     out: list[float] = []
+    cpu: list[float] = []
+    fallbacks: list[str] = []
     try:
         await asyncio.sleep(IDLE_S)
         mem = pss_mib(provider.pids(handle))
+        c0 = box_cpu(provider, handle)
+        await asyncio.sleep(SETTLE_S)
+        idle_per_s = max(0.0, box_cpu(provider, handle) - c0) / SETTLE_S
         for _ in range(n):
-            t0 = time.perf_counter()
+            if not clean:
+                await dirty(handle)
+            before = box_cpu(provider, handle)
+            p0, t0 = time.process_time(), time.perf_counter()
             handle = await provider.reset(handle)
             out.append(time.perf_counter() - t0)
-            await asyncio.sleep(0.5)  # let the old box's teardown finish outside the timing
+            farm = time.process_time() - p0
+            await asyncio.sleep(SETTLE_S)  # also lets the old box's teardown finish outside the timing
+            after = box_cpu(provider, handle)
+            if handle.info.get("reset_mode") == "warm":
+                used = after - before - idle_per_s * (out[-1] + SETTLE_S)
+            else:  # a new box (cgroup, container, VM): everything it used since it started
+                used = after - idle_per_s * SETTLE_S
+            cpu.append(max(0.0, used) + farm)
+            if handle.info.get("reset_fallback"):
+                fallbacks.append(f"{handle.info.get('reset_fallback_kind')}: {handle.info['reset_fallback'][:300]}")
     finally:
         await provider.stop(handle)
         await provider.close()
         shutil.rmtree(state, ignore_errors=True)
-    return out, first, mem
+    return {"resets": out, "cpu": cpu, "first": first, "mem": mem, "fallbacks": fallbacks}
 
 
 def warm_leases(name: str, n: int, width: int, height: int) -> list[float]:
@@ -114,7 +169,7 @@ def _wait_ready(c: httpx.Client, k: int) -> None:
 
 
 def ratio(value: float, ref: float | None) -> str:
-    return f"{value / ref:.1f}x" if ref else "-"
+    return f"{value / ref:.2f}x" if ref else "-"
 
 
 def main() -> None:
@@ -123,6 +178,7 @@ def main() -> None:
     ap.add_argument("--resets", type=int, default=10)
     ap.add_argument("--leases", type=int, default=10)
     ap.add_argument("--size", default="1920x1080", help="screen WxH")
+    ap.add_argument("--clean", action="store_true", help="reset without dirtying the desktop first")
     args = ap.parse_args()
     names = [n.strip() for n in args.providers.split(",") if n.strip()]
     bad = [n for n in names if n not in VARIANTS]
@@ -133,19 +189,24 @@ def main() -> None:
     rows: dict[str, dict[str, float]] = {}
     for name in names:
         console.print(f"[bold]{name}[/]: {args.resets} resets, {args.leases} warm leases ...")
-        rs, first, mem = asyncio.run(resets(name, args.resets, width, height))
+        got = asyncio.run(resets(name, args.resets, width, height, args.clean))
+        rs = got["resets"]
         wl = warm_leases(name, args.leases, width, height) if args.leases else [0.0]
-        rows[name] = {"first": first * 1000, "reset_med": median_ms(rs), "reset_p90": p90_ms(rs),
-                      "lease_med": median_ms(wl), "lease_p90": p90_ms(wl), "mem": mem}
+        rows[name] = {"first": got["first"] * 1000, "reset_med": median_ms(rs), "reset_p90": p90_ms(rs),
+                      "cpu_med": statistics.median(got["cpu"]), "fallbacks": len(got["fallbacks"]),
+                      "lease_med": median_ms(wl), "lease_p90": p90_ms(wl), "mem": got["mem"]}
+        for f in got["fallbacks"]:
+            console.print(f"  [yellow]fallback to cold[/]: {f}", highlight=False)
     ref = rows.get(names[0])
     table = Table(title=f"reset-to-ready, warm lease and idle memory per provider ({width}x{height}); "
                         f"ratios vs {names[0]}")
-    for col in ("provider", "cold start ms", "reset median ms", "reset p90 ms", "vs ref", "warm lease median ms",
-                "warm lease p90 ms", "idle PSS MiB", "vs ref"):
+    for col in ("provider", "cold start ms", "reset median ms", "reset p90 ms", "vs ref", "CPU-s per reset",
+                "vs ref", "fallbacks", "warm lease median ms", "warm lease p90 ms", "idle PSS MiB", "vs ref"):
         table.add_column(col, justify="right")
     for name, r in rows.items():
         table.add_row(name, f"{r['first']:.0f}", f"{r['reset_med']:.0f}", f"{r['reset_p90']:.0f}",
-                      ratio(r["reset_med"], ref and ref["reset_med"]), f"{r['lease_med']:.1f}",
+                      ratio(r["reset_med"], ref and ref["reset_med"]), f"{r['cpu_med']:.3f}",
+                      ratio(r["cpu_med"], ref and ref["cpu_med"]), str(r["fallbacks"]), f"{r['lease_med']:.1f}",
                       f"{r['lease_p90']:.1f}", f"{r['mem']:.0f}", ratio(r["mem"], ref and ref["mem"]))
     console.print(table)
 

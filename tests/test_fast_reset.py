@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import psutil
 import pytest
+import typer
 from farms import running_farm
 
 from osfarm.desktop.warm import differences
@@ -53,7 +56,7 @@ pyautogui.moveTo(17, 23)
 
 @pytest.fixture(scope="module")
 def warm_farm() -> Iterator[FarmServer]:
-    with running_farm(prefix="osfw", pool_min=1, pool_max=1, reset_mode="warm", warm_reset_timeout_s=3.0) as server:
+    with running_farm(prefix="osfw", pool_min=1, pool_max=1, reset_mode="warm", warm_reset_timeout_s=5.0) as server:
         yield server
 
 
@@ -158,3 +161,36 @@ def test_hanging_warm_reset_falls_back_to_cold(warm_farm: FarmServer) -> None:
         assert took < state.settings.warm_reset_timeout_s + state.settings.start_timeout_s
         _code(c, lease, "import pyautogui; pyautogui.moveTo(5, 5)")  # a working, cold-started desktop
         c.delete(f"/v1/desktops/{lease}").raise_for_status()
+
+
+SUITE = Path(__file__).resolve().parent.parent / "tasks" / "osfarm-offline"
+
+
+@pytest.mark.timeout(900)
+def test_offline_tasks_then_warm_reset_equal_cold_start(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tasks of the offline suite (their setup, then the replay agent's solution) on one desktop
+    with warm resets: every reset's fingerprint equals the cold start's (a difference would be a
+    counted fallback), every task is still solved, and each record says what its desktop cost."""
+    from typer.testing import CliRunner
+
+    from osfarm.runner.cli import eval_command
+
+    index = json.loads((SUITE / "test_all.json").read_text())
+    domains = ("os", "libreoffice_calc", "chrome", "gimp", "vlc", "thunderbird")
+    (tmp_path / "index.json").write_text(json.dumps({d: index[d][:1] for d in domains}))
+    monkeypatch.setenv("OSFARM_STATE_DIR", tempfile.mkdtemp(prefix="ofw", dir="/tmp"))
+    monkeypatch.setenv("OSFARM_RESET_MODE", "warm")
+    fallbacks = sum(_count("osfarm_warm_reset_fallbacks_total", k) for k in ("mismatch", "error", "timeout"))
+    warm = _count("osfarm_resets_total", "warm")
+    app = typer.Typer()
+    app.command()(eval_command)
+    out = tmp_path / "run"
+    res = CliRunner().invoke(app, ["--suite", str(SUITE), "--agent", "replay", "--envs", "1", "--out", str(out),
+                                   "--no-progress", "--index", str(tmp_path / "index.json")])
+    assert res.exit_code == 0, res.output
+    results = json.loads((out / "results.json").read_text())
+    assert results["success_rate"] == 1.0 and results["infra_errors"] == 0, results["tasks"]
+    assert sum(_count("osfarm_warm_reset_fallbacks_total", k) for k in ("mismatch", "error", "timeout")) == fallbacks
+    assert _count("osfarm_resets_total", "warm") >= warm + len(domains) - 1
+    records = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
+    assert all(r.get("desktop_cpu_s", 0) > 0 for r in records), [r.get("desktop_cpu_s") for r in records]

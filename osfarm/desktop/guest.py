@@ -59,11 +59,13 @@ def create_app(
     work_dir: str | None = None,
     warm_code_runner: bool = True,
     agent: AgentWorld | None = None,
+    restart_buses: Callable[[], None] | None = None,
 ) -> FastAPI:
     """The guest app for X display ``display``.
 
     ``alive`` (from the session launcher) says whether Xvfb still runs; ``work_dir`` holds
-    recordings and temp scripts; ``home`` is the user's home (default ``$HOME``).
+    recordings and temp scripts; ``home`` is the user's home (default ``$HOME``);
+    ``restart_buses`` (from the session launcher) starts the agent's buses again after a warm reset.
     """
     if not token:
         raise ValueError("a non-empty bearer token is required")
@@ -71,6 +73,7 @@ def create_app(
     wdir = Path(work_dir) if work_dir else Path(tempfile.mkdtemp(prefix="osfarm-guest-"))
     wdir.mkdir(parents=True, exist_ok=True)
     desk = Desktop(display, home, wdir, alive, agent=agent)
+    desk.restart_buses = restart_buses
 
     def warm() -> None:
         try:

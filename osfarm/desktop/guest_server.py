@@ -47,7 +47,7 @@ def serve(session: Session) -> None:
     """Serve until stopped; uvicorn's own exit on a bind failure raises SystemExit."""
     cfg = session.config
     app = create_app(session.token, session.display, home=cfg.home, alive=session.xvfb_alive,
-                     work_dir=str(session.run_dir), agent=session.agent)
+                     work_dir=str(session.run_dir), agent=session.agent, restart_buses=session.restart_agent_buses)
     if cfg.socket:
         sock = Path(cfg.socket)
         if sock.exists() or sock.is_symlink():

@@ -90,6 +90,7 @@ class Desktop:
         self.step_lock = threading.Lock()
         self.wallpaper: str | None = None
         self.warm_baseline: Any = None  # osfarm.desktop.warm.Baseline, once the farm asked for warm resets
+        self.restart_buses: Callable[[], None] | None = None  # the session's, for warm resets
         self._a11y_ok = False
         self._a11y_checked = 0.0
         self._a11y_refreshing = False

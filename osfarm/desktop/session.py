@@ -316,12 +316,36 @@ class Session:
             self._spawn("openbox", ["openbox", "--config-file", str(ASSETS / "openbox-rc.xml")])
         if not self.config.no_panel:
             self._spawn("tint2", ["tint2", "-c", str(ASSETS / "tint2rc")])
+        self.start_agent_buses()
+
+    def restart_agent_buses(self) -> None:
+        """Start the agent's buses anew once a warm reset killed them (osfarm/desktop/warm.py):
+        no process of the agent's survives a reset, not even one a task could have tampered with."""
+        for name in ("atspi", "dbus"):
+            proc = self.procs.pop(name, None)
+            if proc is not None:
+                try:
+                    proc.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        self.dbus_address = ""
+        # the old AT-SPI bus is gone: its address must not reach the new buses' services
+        self.env.pop("AT_SPI_BUS_ADDRESS", None)
+        os.environ.pop("AT_SPI_BUS_ADDRESS", None)
+        self.start_agent_buses(wait=True)
+
+    def start_agent_buses(self, wait: bool = False) -> None:
+        """The agent's D-Bus session bus and AT-SPI bus (again, after a warm reset ended the
+        agent's processes: ``wait`` until the accessibility registry runs)."""
         self.start_dbus()
         if self.dbus_address:
             launcher = self.config.atspi_launcher
             if os.path.exists(launcher):
                 self._spawn("atspi", [launcher, "--launch-immediately", "--a11y=1"], as_agent=True)
-                threading.Thread(target=self._enable_a11y, daemon=True, name="a11y-enable").start()
+                if wait:
+                    self._enable_a11y()
+                else:
+                    threading.Thread(target=self._enable_a11y, daemon=True, name="a11y-enable").start()
             else:
                 log.warning("%s not found; no accessibility tree", launcher)
 

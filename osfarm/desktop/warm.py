@@ -2,27 +2,30 @@
 
 A **fingerprint** says what state a desktop is in, in the terms a task or an agent could notice:
 the processes by command line (guest's and agent's), the writable trees (``/home/user``,
-``/tmp``, ``/var/tmp``, ``/dev/shm``: names, types, modes, owners, sizes, content hashes), the
-agent's ``/etc`` and mount table, the X server's state (screen size, root window properties,
-selection owners, pressed keys and buttons, pointer, keyboard mapping, top-level windows) and the
-guest's own scratch dir. Random names (temp dirs, window ids, bus addresses) are normalised, so
-two cold starts give the same fingerprint; ``digest`` is its hash.
+``/tmp``, ``/var/tmp``, ``/dev/shm``, the agent's ``/run``; names, types, modes, owners, sizes,
+content hashes) and what else is in ``/home``, the agent's ``/etc`` and mount table, the X
+server's state (screen size, root window properties, selection owners, pressed keys and buttons,
+pointer, keyboard mapping, top-level windows, the active one) and the guest's own scratch dir.
+Random names (temp dirs, window ids, bus addresses) are normalised, so two cold starts give the
+same fingerprint; ``digest`` is its hash.
 
 A **warm reset** gives a used desktop back the state it had once its cold start was ready, without
-restarting Xvfb, the window manager, the panel, the buses or the guest: :func:`take_baseline`
-(right after the cold start) records what to go back to; :func:`warm_reset` kills every agent
-process that was not there then (SIGKILL, in rounds, until none is left: double-forked daemons
-are still in the box's PID namespace, a process ignoring SIGTERM gets no choice), puts the home
-back from the baseline's copy and removes what was added to the other writable trees (as the
-agent's root, in the agent's namespaces), puts the X state back (keys and buttons released,
-pointer, selections, windows of dead clients, root properties), restarts the guest's
-interpreter, re-arms the guest with a new token and returns the new fingerprint. The farm
-compares it to the baseline's and restarts the box cold where they differ.
+restarting Xvfb, the window manager, the panel or the guest: :func:`take_baseline` (right after
+the cold start, once its panel and accessibility registry run) records what to go back to;
+:func:`warm_reset` kills *every* process of the agent (SIGKILL, in rounds, until none is left:
+double-forked daemons are still in the box's PID namespace, a process ignoring SIGTERM gets no
+choice; the agent's D-Bus and AT-SPI buses too, since a task could have tampered with them), puts
+the home back from the baseline's copy and removes what was added to the other writable trees (as
+the agent's root, in the agent's namespaces), puts the X state back (keys and buttons released,
+pointer, selections, windows of dead clients, root properties, focus), starts the agent's buses
+again, restarts the guest's interpreter, re-arms the guest with a new token and returns the new
+fingerprint. The farm compares it to the baseline's and restarts the box cold where they differ.
 
 What a warm reset cannot undo is refused (:class:`WarmResetError`, the farm then restarts cold):
-a changed screen size, a wallpaper set, an agent process that survives the kill rounds.
+a changed screen size, a wallpaper set, an agent process that survives the kill rounds; what it
+does not undo shows in the fingerprint (the agent's own mounts, its /etc layer) and makes the
+farm restart cold.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -44,7 +48,7 @@ from Xlib.ext import xtest
 if TYPE_CHECKING:
     from osfarm.desktop.guest_state import Desktop
 
-WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 KILL_ROUNDS = 50
 HELPER_TIMEOUT_S = 20.0
 # Root window properties the window manager keeps up to date itself.
@@ -56,6 +60,7 @@ _RANDOM = [
     (re.compile(r"guid=[0-9a-f]+"), "guid=*"),
     (re.compile(r"/proc/\d+/fd/\d+"), "/proc/*/fd/*"),
     (re.compile(r"bus_\d+"), "bus_*"),
+    (re.compile(r"--print-address[= ]\d+"), "--print-address=*"),  # a pipe's fd number
 ]
 
 
@@ -75,7 +80,7 @@ def normalise(text: str) -> str:
 _HELPER = r'''
 import hashlib, io, json, os, shutil, stat, sys, tarfile
 mode, home = sys.argv[1], sys.argv[2]
-WRITABLE = ("/tmp", "/var/tmp", "/dev/shm")
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
 def sha(p):
     h = hashlib.sha256()
@@ -122,8 +127,9 @@ def scan():
     except OSError:
         agent_dev = -1
     etc = walk("/etc", content=lambda st: st.st_dev == agent_dev)
+    top = os.path.dirname(home)
     return {"home": walk(home), **{t: walk(t) for t in WRITABLE if os.path.isdir(t)}, "etc": etc,
-            "mounts": mounts()}
+            "mounts": mounts(), "homes": sorted(os.listdir(top)) if os.path.isdir(top) else []}
 
 def remove(p):
     try:
@@ -144,6 +150,10 @@ elif mode == "snapshot":
     sys.stdout.buffer.write(buf.getvalue())
 elif mode == "restore":
     keep = json.loads(sys.argv[3])
+    for d in json.loads(sys.argv[4]):  # dirs the guest removes next: empty what is the agent's in them
+        for dirpath, dirs, files in os.walk(d):
+            for name in dirs + files:
+                remove(os.path.join(dirpath, name))
     data = sys.stdin.buffer.read()
     for name in os.listdir(home):
         remove(os.path.join(home, name))
@@ -152,16 +162,24 @@ elif mode == "restore":
             tar.extractall(home, numeric_owner=True, filter="tar")
         except TypeError:
             tar.extractall(home, numeric_owner=True)
+    parent = os.path.dirname(home)
+    for name in os.listdir(parent):
+        if name != os.path.basename(home):
+            remove(os.path.join(parent, name))
+    # Every agent process is gone: a socket left is stale (the guest's are not the agent's to remove).
     for top in WRITABLE:
         wanted = set(keep.get(top, []))
         for dirpath, dirs, files in os.walk(top, topdown=True):
             for name in list(dirs) + files:
                 p = os.path.join(dirpath, name)
-                if os.path.relpath(p, top) not in wanted:
+                try:
+                    sock = stat.S_ISSOCK(os.lstat(p).st_mode)
+                except OSError:
+                    continue
+                if sock or os.path.relpath(p, top) not in wanted:
                     remove(p)
                     if name in dirs:
                         dirs.remove(name)
-    json.dump(scan(), sys.stdout)
 '''
 
 
@@ -195,7 +213,8 @@ def _files(scan: dict[str, list[list[Any]]]) -> dict[str, list[list[Any]]]:
     out = {}
     for k, v in scan.items():
         rows = [[normalise(x) if isinstance(x, str) else x for x in e] for e in v]
-        out[k] = [e for e in rows if not (_SCRATCH.match(e[0]) or e[0].startswith("osfarm-code-*/"))]
+        rows = [e for e in rows if not (_SCRATCH.match(e[0]) or e[0].startswith("osfarm-code-*/"))]
+        out[k] = sorted(rows, key=json.dumps) if k != "homes" else rows
     return out
 
 
@@ -228,7 +247,7 @@ def _processes(desk: Desktop) -> list[str]:
     me, guest_uid, runner = os.getpid(), os.getuid(), desk.runner_pid()
     rows = []
     for pid, (uid, cmd, _) in _proc_table().items():
-        if pid in (me, runner) or not cmd:
+        if pid in (me, runner) or not cmd or "/osfarm_kernel.py" in cmd:  # the interpreter: restarted apart
             continue
         who = "guest" if uid == guest_uid else "agent"
         rows.append(f"{who} {normalise(cmd)}")
@@ -404,7 +423,6 @@ def _x_reset(display: str, base: Baseline) -> None:
 
 @dataclass
 class Baseline:
-    agent_procs: set[tuple[int, float]]
     home_tar: bytes
     keep: dict[str, list[str]]  # writable tree -> the relative paths it held
     root_properties: dict[str, tuple[int, int, Any]]
@@ -437,6 +455,8 @@ def fingerprint(desk: Desktop, scan: dict[str, Any] | None = None) -> dict[str, 
 def take_baseline(desk: Desktop) -> dict[str, Any]:
     """Record the state a warm reset goes back to (call once the cold start is ready, before any
     agent action); returns its fingerprint."""
+    if desk.agent is None:
+        raise WarmResetError("warm resets need a box (the agent's own namespaces)")
     with _lock:
         _wait_settled(desk)
         home_tar = _helper(desk, "snapshot", desk.home)
@@ -453,7 +473,6 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
         finally:
             d.close()
         base = Baseline(
-            agent_procs={(pid, start) for pid, (uid, _, start) in _proc_table().items() if uid != os.getuid()},
             home_tar=home_tar, keep=keep, root_properties=props, windows=windows,
             pointer=(ptr.root_x, ptr.root_y), screen=screen,
             active={k for k in WM_MANAGED if k in props and any(props[k][2])},
@@ -498,24 +517,45 @@ def warm_reset(desk: Desktop) -> dict[str, Any]:
     """Put the desktop back to its baseline (see the module doc); returns the new fingerprint.
     Raises WarmResetError where it cannot (the farm restarts the box cold)."""
     base: Baseline | None = getattr(desk, "warm_baseline", None)
+    if desk.agent is None:
+        raise WarmResetError("warm resets need a box (the agent's own namespaces)")
     if base is None:
         raise WarmResetError("no baseline: the desktop was not prepared for warm resets")
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def mark(what: str) -> None:
+        timings[what] = round((time.perf_counter() - t0) * 1000, 1)
+
     with _lock:
         if desk.wallpaper is not None:
             raise WarmResetError("a wallpaper was set")
         desk.reset_helpers()  # the interpreter (an agent process), recorder, input bindings
-        kill_agent_processes(base.agent_procs)
-        scan = json.loads(_helper(desk, "restore", desk.home, json.dumps(base.keep), stdin=base.home_tar))
+        kill_agent_processes(set())  # every one: the buses too (a task could have tampered with them)
+        mark("killed")
+        old_a11y = [os.path.join("/tmp", n) for n in os.listdir("/tmp") if n.startswith("osfarm-a11y-")]
+        _helper(desk, "restore", desk.home, json.dumps(base.keep), json.dumps(old_a11y), stdin=base.home_tar)
         if desk.exchange_dir:
             for name in set(os.listdir(desk.exchange_dir)) - base.exchange:
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(desk.exchange_dir, name))
+        mark("files")
         _x_reset(desk.display, base)
+        mark("x")
+        if desk.restart_buses is not None:
+            desk.restart_buses()
+            for d in old_a11y:  # the old AT-SPI bus's dirs (the guest's)
+                shutil.rmtree(d, ignore_errors=True)
+        mark("buses")
+        scan = json.loads(_helper(desk, "scan", desk.home))
         state = _wait_wm(desk.display, base.fingerprint.get("x", {}))
         if tuple(state["screen"]) != base.screen:
             raise WarmResetError(f"the screen size changed to {state['screen']}")
+        fp = fingerprint(desk, scan)
+        mark("fingerprint")
         desk.restart_runner()
-        return fingerprint(desk, scan)
+        fp["timings_ms"] = timings  # not part of the digest
+        return fp
 
 
 def differences(a: dict[str, Any], b: dict[str, Any], limit: int = 8) -> list[str]:
@@ -540,5 +580,6 @@ def differences(a: dict[str, Any], b: dict[str, Any], limit: int = 8) -> list[st
         else:
             out.append(f"{path}: {json.dumps(x)[:120]} != {json.dumps(y)[:120]}")
 
-    walk({k: v for k, v in a.items() if k != "digest"}, {k: v for k, v in b.items() if k != "digest"}, "")
+    skip = ("digest", "timings_ms")
+    walk({k: v for k, v in a.items() if k not in skip}, {k: v for k, v in b.items() if k not in skip}, "")
     return out[:limit]

@@ -389,7 +389,8 @@ class SandboxProvider:
                                   "mismatch")
         endpoint = dataclasses.replace(handle.endpoint, token=token)
         info = {k: v for k, v in handle.info.items() if not k.startswith("reset_")}
-        return dataclasses.replace(handle, endpoint=endpoint, info={**info, "reset_mode": "warm"})
+        steps = ",".join(f"{k}={v:g}" for k, v in (fp.get("timings_ms") or {}).items())
+        return dataclasses.replace(handle, endpoint=endpoint, info={**info, "reset_mode": "warm", "warm_ms": steps})
 
     async def _wait_ready(self, handle: DesktopHandle, proc: asyncio.subprocess.Process, t0: float,
                           claim: SocketClaim) -> None:
