@@ -107,9 +107,12 @@ def test_audit_without_runnable_tasks_needs_no_desktop(tmp_path: Path) -> None:
     assert data["counts"]["needs-network"] == 2 and data["counts"]["unsupported"] == 1
 
 
-def test_vscode_tasks_are_unsupported_with_the_reason(tmp_path: Path) -> None:
-    """A task that starts `code` (or asks it in a getter) is unsupported, before its downloads are
-    looked at, with the reason the desktop has no VS Code."""
+def test_vscode_tasks_without_code_server_or_with_the_marketplace(tmp_path: Path, monkeypatch) -> None:
+    """A task that starts `code` (or asks it in a getter) is unsupported where code-server is not
+    installed, before its downloads are looked at; where it is, only tasks that need an extension
+    from the marketplace are (a task that ships its .vsix runs)."""
+    import osfarm.runner.audit as audit
+
     launch = _task("vs1", {"func": "exact_match", "result": ECHO, "expected": RULE},
                    [{"type": "download", "parameters": {"files": [
                        {"url": "https://hf-mirror.com/datasets/x/resolve/main/a.py", "path": "/home/user/a.py"}]}},
@@ -117,9 +120,21 @@ def test_vscode_tasks_are_unsupported_with_the_reason(tmp_path: Path) -> None:
     getter = _task("vs2", {"func": "check_include_exclude", "result": {
         "type": "vm_command_line", "command": ["code", "--list-extensions", "|", "grep", "x.y"]},
         "expected": {"type": "rule", "rules": {"include": ["x.y"]}}})
+    setup = _task("vs3", {"func": "exact_match", "result": ECHO, "expected": RULE},
+                  [{"type": "command", "parameters": {"command": ["code", "--install-extension", "ms-python.python"]}}])
+    vsix = {**getter, "id": "vs4", "config": [{"type": "execute", "parameters": {
+        "command": ["code", "--install-extension", "/home/user/test.vsix"]}}]}
     plain = parse_task(TASKS["fine"])
     assert needs_vscode(parse_task(launch)) and needs_vscode(parse_task(getter)) and not needs_vscode(plain)
     cache = FileCache(tmp_path / "cache")
+    monkeypatch.setattr(audit, "CODE_SERVER", tmp_path / "absent")
     assert static_verdict(parse_task(launch), cache) == ("unsupported", NO_VSCODE)
     assert static_verdict(parse_task(getter), cache) == ("unsupported", NO_VSCODE)
-    assert "code-server" in NO_VSCODE and "npm" in NO_VSCODE
+    assert "code-server" in NO_VSCODE and "setup-vscode.sh" in NO_VSCODE
+    (tmp_path / "cs").mkdir()
+    (tmp_path / "cs" / ".installed").write_text("x")
+    monkeypatch.setattr(audit, "CODE_SERVER", tmp_path / "cs")
+    assert static_verdict(parse_task(launch), cache)[0] == "needs-network"  # its download, not VS Code
+    assert static_verdict(parse_task(getter), cache) == ("unsupported", audit.NO_MARKETPLACE)
+    assert static_verdict(parse_task(setup), cache) == ("unsupported", audit.NO_MARKETPLACE)
+    assert static_verdict(parse_task(vsix), cache) is None

@@ -24,8 +24,8 @@ from __future__ import annotations
 import asyncio
 import html
 import json
+import os
 import re
-import shutil
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -55,12 +55,14 @@ _NETWORK_COMMAND = re.compile(r"\b(apt(-get)?\s+(-\S+\s+)*(update|install)|pip3?
                               r"git\s+clone|npm\s+install)\b")
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0", "::1")
 _MISSING_PROGRAM = re.compile(r"cannot (?:run|launch|start) '([^' ]+)[^']*': No such file or directory")
-# Why the desktop has no VS Code (docs/osworld-compat.md, "VS Code"): the registries this farm
-# installs from serve no desktop VS Code, and the web one npm serves is not wired in as `code`.
-NO_VSCODE = ("VS Code is not installed: no registry reachable here (PyPI, Debian, npm) serves the desktop "
-             "VS Code (the Electron build comes from Microsoft's servers); npm's code-server 4.139.1 (the web "
-             "VS Code) builds here with Node 24 from npm, but is not wired in as a `code` desktop command "
-             "(see docs/osworld-compat.md)")
+# VS Code is code-server behind the desktop's `code` wrapper (scripts/setup-vscode.sh,
+# docs/osworld-compat.md "VS Code"); without that install the tasks that start it cannot run.
+CODE_SERVER = Path(os.environ.get("OSFARM_CODE_SERVER", "/usr/lib/osfarm-code-server"))
+NO_VSCODE = (f"VS Code is not installed: the desktop's `code` is code-server in {CODE_SERVER}, which "
+             "scripts/setup-vscode.sh builds (npm's code-server 4.139.1 with Node 24); no registry reachable "
+             "here serves the desktop (Electron) VS Code")
+NO_MARKETPLACE = ("installs a VS Code extension from the marketplace (code-server's is Open VSX), which an "
+                  "offline farm cannot reach; only local .vsix files install here")
 _VSCODE_GETTERS = ("vscode_config",)
 
 
@@ -145,13 +147,35 @@ def needs_vscode(task: Task) -> bool:
 
 
 def _has_vscode() -> bool:
-    return shutil.which("code", path="/usr/bin:/bin") is not None
+    wrapper = Path(__file__).resolve().parents[1] / "desktop" / "assets" / "bin" / "code"
+    return wrapper.is_file() and (CODE_SERVER / ".installed").is_file()
+
+
+def needs_marketplace(task: Task) -> bool:
+    """A setup step installs an extension by id, or a getter lists the installed extensions while
+    the task ships no .vsix: the extension must come from the marketplace."""
+    ev = task.evaluator
+    for step in [*task.config, *ev.postconfig]:
+        cmd = step.parameters.get("command")
+        words = (cmd.split() if isinstance(cmd, str) else [str(c) for c in cmd] if isinstance(cmd, list) else [])
+        for i, w in enumerate(words[:-1]):
+            if w == "--install-extension" and not words[i + 1].endswith(".vsix"):
+                return True
+    ships_vsix = ".vsix" in json.dumps([s.parameters for s in task.config])
+    for g in ev.getters():
+        command = (g.model_extra or {}).get("command")
+        if g.type == "vm_command_line" and "--list-extensions" in str(command) and not ships_vsix:
+            return True
+    return False
 
 
 def _unsupported_reason(task: Task) -> str | None:
     ev = task.evaluator
-    if needs_vscode(task) and not _has_vscode():
-        return NO_VSCODE
+    if needs_vscode(task):
+        if not _has_vscode():
+            return NO_VSCODE
+        if needs_marketplace(task):
+            return NO_MARKETPLACE
     needs = [("setup", s.type) for s in [*task.config, *ev.postconfig]]
     needs += [("getter", g.type) for g in ev.getters()] + [("metric", f) for f in ev.funcs]
     for kind, name in needs:
