@@ -11,8 +11,10 @@ TORCH ?= torch==2.13.0
 
 .PHONY: demo test lint system venv services images bench clean
 
+# Debian packages, then VS Code for the vs_code tasks (code-server from npm, built with Node 24: ~3 min once)
 system:
 	bash scripts/setup-system.sh
+	bash scripts/setup-vscode.sh
 
 $(VENV)/.installed: pyproject.toml | system
 	test -x $(PY) || $(SYSTEM_PYTHON) -m venv --system-site-packages $(VENV)
