@@ -108,6 +108,33 @@ def test_dirty_then_warm_reset_equals_cold_start(warm_farm: FarmServer) -> None:
         c.delete(f"/v1/desktops/{lease}").raise_for_status()
 
 
+TAMPER = r"""
+import subprocess
+# as the agent's root (sudo, OSWorld's password): a loader hook and a mount in the agent's world
+for cmd in ("touch /etc/ld.so.preload", "mount -t tmpfs none /mnt"):
+    subprocess.run(["sudo", "-S", "sh", "-c", cmd], input=b"password\n", check=True)
+"""
+
+
+def test_tampered_agent_world_falls_back_to_cold(warm_farm: FarmServer) -> None:
+    """What a warm reset does not undo (the agent's own mounts and /etc layer, where its root could
+    also hide a forged helper) shows in the fingerprint, seen from the kernel: the farm restarts cold."""
+    with _client(warm_farm) as c:
+        lease = _lease(c)
+        cold = _fingerprint(c, lease)
+        assert cold["agent_world"]["mounts"] and cold["agent_world"]["loader"]["ld.so.preload"] is None
+        _code(c, lease, TAMPER)
+        dirty = _fingerprint(c, lease)
+        assert dirty["agent_world"]["loader"]["ld.so.preload"] is not None
+        assert any("/mnt" in m for m in dirty["agent_world"]["mounts"])
+        mismatches = _count("osfarm_warm_reset_fallbacks_total", "mismatch")
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+        lease = _lease(c)
+        assert _count("osfarm_warm_reset_fallbacks_total", "mismatch") == mismatches + 1
+        assert _fingerprint(c, lease)["digest"] == cold["digest"]
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+
+
 def test_cpu_accounting(warm_farm: FarmServer) -> None:
     with _client(warm_farm) as c:
         lease = _lease(c)

@@ -186,7 +186,7 @@ elif mode == "restore":
 def _agent_root_argv(desk: Desktop, *args: str) -> list[str]:
     """The helper as the agent's root in the agent's namespaces (a plain desktop: this process)."""
     py = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
-    argv = [py, "-I", "-c", _HELPER, *args]
+    argv = [py, "-I", "-S", "-c", _HELPER, *args]  # no site (sitecustomize lives in the agent's /etc)
     world = desk.agent
     if world is None:
         return argv
@@ -240,6 +240,57 @@ def _proc_table() -> dict[int, tuple[int, str, float]]:
             out[pid] = (uid, cmd, float(fields[19]))
         except (OSError, StopIteration, IndexError, ValueError):
             continue
+    return out
+
+
+def _agent_world_view() -> dict[str, Any]:
+    """What the helper runs on, seen by the guest from the kernel rather than reported by the
+    helper: the agent's mount table (a bind mount over python3 or /usr would show here) and the
+    dynamic loader's files in the agent's /etc (ld.so.preload, ld.so.cache could inject code into
+    anything run there). An agent that forged the helper's report changes one of these, and the
+    fingerprint differs from the cold start's."""
+    guest_uid = os.getuid()
+    agents = sorted(pid for pid, (uid, _, _) in _proc_table().items() if uid != guest_uid)
+    for pid in agents:
+        try:
+            with open(f"/proc/{pid}/mountinfo") as f:
+                rows = []
+                for line in f:
+                    left, _, right = line.partition(" - ")
+                    a, b = left.split(), right.split()
+                    rows.append(" ".join([a[4], a[5], b[0], normalise(b[2]) if len(b) > 2 else ""]))
+            root = f"/proc/{pid}/root/etc"
+            loader = {}
+            for name in ("ld.so.preload", "ld.so.cache"):
+                try:
+                    fd = os.open(f"{root}/{name}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+                except FileNotFoundError:
+                    loader[name] = None
+                    continue
+                except OSError as e:
+                    loader[name] = f"unreadable:{e.errno}"
+                    continue
+                with os.fdopen(fd, "rb") as fh:
+                    loader[name] = hashlib.sha256(fh.read(64 << 20)).hexdigest()[:24]
+            return {"mounts": sorted(rows), "loader": loader}
+        except OSError:
+            continue  # it went away: the next one
+    return {"mounts": None, "loader": None}
+
+
+def _sysv_ipc() -> dict[str, list[str]]:
+    """The box's System V shared memory, semaphores and message queues (they outlive the process
+    that made them): perms and size/count and owner, per object."""
+    out: dict[str, list[str]] = {}
+    for kind in ("shm", "sem", "msg"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                lines = f.read().splitlines()
+        except OSError:
+            continue
+        head = lines[0].split() if lines else []
+        keep = [i for i, h in enumerate(head) if h in ("perms", "size", "nsems", "cbytes", "qnum", "uid")]
+        out[kind] = sorted(" ".join(ln.split()[i] for i in keep) for ln in lines[1:] if ln.strip())
     return out
 
 
@@ -447,6 +498,8 @@ def fingerprint(desk: Desktop, scan: dict[str, Any] | None = None) -> dict[str, 
         "files": _files(scan),
         "x": _x_state(desk.display),
         "guest": {"exchange": exchange, "wallpaper": desk.wallpaper is not None},
+        "ipc": _sysv_ipc(),
+        "agent_world": _agent_world_view(),
     }
     fp["digest"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
     return fp
