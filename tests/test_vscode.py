@@ -69,3 +69,33 @@ def test_code_opens_a_file_and_a_settings_change_is_read(farm: FarmServer, tmp_p
         assert "wordWrapColumn" not in got["settings"], got  # a fresh VS Code has no such setting
         env.step(EDIT_SETTINGS)
         assert env.evaluate() == 1.0
+
+
+def test_a_local_vsix_installs_offline_and_is_listed(tmp_path: Path) -> None:
+    """vs_code/0512bb38 and the tasks that install OSWorld's evaluation extension: `code
+    --install-extension FILE.vsix` works offline, and `code --list-extensions` names it."""
+    import subprocess
+    import zipfile
+
+    from osfarm.desktop.session import ASSETS
+
+    manifest = ('<?xml version="1.0" encoding="utf-8"?><PackageManifest Version="2.0.0" '
+                'xmlns="http://schemas.microsoft.com/developer/vsx-schema/2011"><Metadata><Identity Language="en-US" '
+                'Id="test" Version="0.0.1" Publisher="undefined_publisher"/><DisplayName>test</DisplayName>'
+                '</Metadata><Installation><InstallationTarget Id="Microsoft.VisualStudio.Code"/></Installation>'
+                '<Dependencies/><Assets><Asset Type="Microsoft.VisualStudio.Code.Manifest" '
+                'Path="extension/package.json" Addressable="true"/></Assets></PackageManifest>')
+    vsix = tmp_path / "test.vsix"
+    with zipfile.ZipFile(vsix, "w") as z:
+        z.writestr("extension.vsixmanifest", manifest)
+        z.writestr("extension/package.json", json.dumps({
+            "name": "test", "publisher": "undefined_publisher", "version": "0.0.1", "engines": {"vscode": "^1.50.0"}}))
+    home = tmp_path / "home"
+    home.mkdir()
+    code = str(ASSETS / "bin" / "code")
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run([code, "--install-extension", str(vsix)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "successfully installed" in r.stdout, r
+    r = subprocess.run([code, "--list-extensions"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["undefined_publisher.test"], r
+    assert (home / ".vscode" / "extensions" / "undefined_publisher.test-0.0.1").is_dir()
