@@ -93,9 +93,10 @@ def test_a_local_vsix_installs_offline_and_is_listed(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     code = str(ASSETS / "bin" / "code")
-    env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "XDG_RUNTIME_DIR": str(tmp_path)}
     r = subprocess.run([code, "--install-extension", str(vsix)], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "successfully installed" in r.stdout, r
     r = subprocess.run([code, "--list-extensions"], env=env, capture_output=True, text=True, timeout=60)
     assert r.stdout.split() == ["undefined_publisher.test"], r
     assert (home / ".vscode" / "extensions" / "undefined_publisher.test-0.0.1").is_dir()
+    assert sorted(p.name for p in (home / ".config").iterdir()) == ["Code"]  # no code-server config in the home
