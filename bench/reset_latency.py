@@ -107,6 +107,7 @@ async def resets(name: str, n: int, width: int, height: int, clean: bool = False
     out: list[float] = []
     cpu: list[float] = []
     fallbacks: list[str] = []
+    steps: list[str] = []
     try:
         await asyncio.sleep(IDLE_S)
         mem = pss_mib(provider.pids(handle))
@@ -128,13 +129,15 @@ async def resets(name: str, n: int, width: int, height: int, clean: bool = False
             else:  # a new box (cgroup, container, VM): everything it used since it started
                 used = after - idle_per_s * SETTLE_S
             cpu.append(max(0.0, used) + farm)
+            if handle.info.get("warm_ms"):
+                steps.append(handle.info["warm_ms"])
             if handle.info.get("reset_fallback"):
                 fallbacks.append(f"{handle.info.get('reset_fallback_kind')}: {handle.info['reset_fallback'][:300]}")
     finally:
         await provider.stop(handle)
         await provider.close()
         shutil.rmtree(state, ignore_errors=True)
-    return {"resets": out, "cpu": cpu, "first": first, "mem": mem, "fallbacks": fallbacks}
+    return {"resets": out, "cpu": cpu, "first": first, "mem": mem, "fallbacks": fallbacks, "steps": steps}
 
 
 def warm_leases(name: str, n: int, width: int, height: int) -> list[float]:
@@ -195,6 +198,9 @@ def main() -> None:
         rows[name] = {"first": got["first"] * 1000, "reset_med": median_ms(rs), "reset_p90": p90_ms(rs),
                       "cpu_med": statistics.median(got["cpu"]), "fallbacks": len(got["fallbacks"]),
                       "lease_med": median_ms(wl), "lease_p90": p90_ms(wl), "mem": got["mem"]}
+        if got["steps"]:  # a warm reset's steps, cumulative ms (the median reset's)
+            console.print(f"  warm reset steps (ms since its start): {sorted(got['steps'])[len(got['steps']) // 2]}",
+                          highlight=False)
         for f in got["fallbacks"]:
             console.print(f"  [yellow]fallback to cold[/]: {f}", highlight=False)
     ref = rows.get(names[0])

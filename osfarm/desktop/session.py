@@ -343,13 +343,13 @@ class Session:
             if os.path.exists(launcher):
                 self._spawn("atspi", [launcher, "--launch-immediately", "--a11y=1"], as_agent=True)
                 if wait:
-                    self._enable_a11y()
+                    self._enable_a11y(poll_s=0.01)  # a warm reset waits for it: look more often
                 else:
                     threading.Thread(target=self._enable_a11y, daemon=True, name="a11y-enable").start()
             else:
                 log.warning("%s not found; no accessibility tree", launcher)
 
-    def _enable_a11y(self) -> None:
+    def _enable_a11y(self, poll_s: float = 0.05) -> None:
         """Set org.a11y.Status.IsEnabled once the bus launcher owns its name.
 
         ``--a11y=1`` already asks for it; setting the property too covers launcher versions
@@ -372,7 +372,7 @@ class Session:
                 self._start_registry()
                 self.mark("a11y_ready_ms")
                 return
-            time.sleep(0.05)
+            time.sleep(poll_s)
         if not self.stopping:
             log.warning("AT-SPI bus did not come up; /accessibility will be empty")
 

@@ -583,8 +583,8 @@ def warm_reset(desk: Desktop) -> dict[str, Any]:
     with _lock:
         if desk.wallpaper is not None:
             raise WarmResetError("a wallpaper was set")
-        desk.reset_helpers()  # the interpreter (an agent process), recorder, input bindings
         kill_agent_processes(set())  # every one: the buses too (a task could have tampered with them)
+        desk.reset_helpers()  # the interpreter (killed above: no graceful wait), recorder, input bindings
         mark("killed")
         old_a11y = [os.path.join("/tmp", n) for n in os.listdir("/tmp") if n.startswith("osfarm-a11y-")]
         _helper(desk, "restore", desk.home, json.dumps(base.keep), json.dumps(old_a11y), stdin=base.home_tar)
