@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import shutil
 import socket
+import tempfile
 from pathlib import Path
 from typing import Annotated
 
@@ -55,5 +58,32 @@ def worker_command(
 
     app = make_app(broker)
     hostname = name or f"osfarm@{socket.gethostname()}-{os.getpid()}"
-    app.worker_main(["worker", f"--concurrency={concurrency}", "--pool=prefork", f"--loglevel={loglevel.upper()}",
-                     "-Q", QUEUE, "-n", hostname, "--without-gossip", "--without-mingle", "--without-heartbeat"])
+    tmp = _private_tmp(hostname)
+    try:
+        app.worker_main(["worker", f"--concurrency={concurrency}", "--pool=prefork",
+                         f"--loglevel={loglevel.upper()}", "-Q", QUEUE, "-n", hostname, "--without-gossip",
+                         "--without-mingle", "--without-heartbeat"])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _private_tmp(hostname: str) -> Path:
+    """A temp dir of this worker's own (TMPDIR for it and its pool processes), emptied when a
+    worker of the same name starts again: a SIGKILLed worker (OOM, a lost container) cannot remove
+    the temp dirs its processes made (multiprocessing's pymp-*, spooled files), and they would pile
+    up under /tmp for ever."""
+    base = Path(tempfile.gettempdir())
+    tmp = base / ("osfarm-worker-" + re.sub(r"[^A-Za-z0-9_.@-]", "_", hostname))
+    try:
+        st = tmp.lstat()
+    except FileNotFoundError:
+        pass
+    else:
+        # never follow or empty what someone else planted under a shared /tmp
+        if tmp.is_symlink() or not tmp.is_dir() or st.st_uid != os.getuid():
+            raise typer.BadParameter(f"{tmp} exists and is not this user's directory: remove it")
+        shutil.rmtree(tmp)
+    tmp.mkdir(mode=0o700)
+    os.environ["TMPDIR"] = str(tmp)
+    tempfile.tempdir = None  # recomputed from TMPDIR
+    return tmp
