@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -205,15 +206,19 @@ def test_offline_tasks_then_warm_reset_equal_cold_start(tmp_path: Path, monkeypa
     index = json.loads((SUITE / "test_all.json").read_text())
     domains = ("os", "libreoffice_calc", "chrome", "gimp", "vlc", "thunderbird")
     (tmp_path / "index.json").write_text(json.dumps({d: index[d][:1] for d in domains}))
-    monkeypatch.setenv("OSFARM_STATE_DIR", tempfile.mkdtemp(prefix="ofw", dir="/tmp"))
+    state = tempfile.mkdtemp(prefix="ofw", dir="/tmp")  # short: guest sockets live under it
+    monkeypatch.setenv("OSFARM_STATE_DIR", state)
     monkeypatch.setenv("OSFARM_RESET_MODE", "warm")
     fallbacks = sum(_count("osfarm_warm_reset_fallbacks_total", k) for k in ("mismatch", "error", "timeout"))
     warm = _count("osfarm_resets_total", "warm")
     app = typer.Typer()
     app.command()(eval_command)
     out = tmp_path / "run"
-    res = CliRunner().invoke(app, ["--suite", str(SUITE), "--agent", "replay", "--envs", "1", "--out", str(out),
-                                   "--no-progress", "--index", str(tmp_path / "index.json")])
+    try:
+        res = CliRunner().invoke(app, ["--suite", str(SUITE), "--agent", "replay", "--envs", "1", "--out", str(out),
+                                       "--no-progress", "--index", str(tmp_path / "index.json")])
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
     assert res.exit_code == 0, res.output
     results = json.loads((out / "results.json").read_text())
     assert results["success_rate"] == 1.0 and results["infra_errors"] == 0, results["tasks"]
