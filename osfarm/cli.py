@@ -34,6 +34,7 @@ from osfarm.http.errors import error_detail
 from osfarm.http.hosts import is_loopback_host
 from osfarm.runner.audit_cli import audit_command
 from osfarm.runner.cli import eval_command
+from osfarm.runner.options import FarmTokenOpt, FarmUrlOpt
 from osfarm.tasks.cli import tasks_app
 
 app = typer.Typer(
@@ -528,12 +529,8 @@ def _wait_settled(desk: Any, timeout: float = 5.0) -> bytes:
 @app.command()
 def demo(
     out_dir: Annotated[Path, typer.Option("--out", help="run directory root")] = Path("runs"),
-    url: Annotated[
-        str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)
-    ] = None,
-    token: Annotated[
-        str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)
-    ] = None,
+    url: FarmUrlOpt = None,
+    token: FarmTokenOpt = None,
     text: Annotated[str, typer.Option("--text", help="command typed into the terminal")] = "echo hello from osfarm",
     width: Annotated[int | None, typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
     height: Annotated[int | None, typer.Option(help="screen height (in-process farm)", show_default=False)] = None,

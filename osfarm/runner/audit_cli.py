@@ -15,6 +15,7 @@ from rich.table import Table
 from osfarm.client import AsyncFarm
 from osfarm.farm.local import local_farm, local_farm_settings
 from osfarm.runner.audit import CATEGORIES, AuditReport, TaskAudit, audit_suite, needs_desktop, write_reports
+from osfarm.runner.options import FarmTokenOpt, FarmUrlOpt
 from osfarm.tasks.cli import DirArg, IndexOpt, console, fail_with
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.model import TaskError
@@ -34,12 +35,8 @@ def audit_command(
     time_limit: Annotated[
         float, typer.Option("--time-limit", min=10.0, help="seconds per episode (setup + evaluation)")
     ] = 300.0,
-    url: Annotated[
-        str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)
-    ] = None,
-    token: Annotated[
-        str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)
-    ] = None,
+    url: FarmUrlOpt = None,
+    token: FarmTokenOpt = None,
     provider: Annotated[
         str | None,
         typer.Option("--provider", help="box of the in-process farm: sandbox, docker or libvirt", show_default=False),

@@ -8,6 +8,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from osfarm.runner.options import FarmTokenOpt, FarmUrlOpt
+
 
 def eval_command(
     suite: Annotated[
@@ -23,12 +25,8 @@ def eval_command(
     max_steps: Annotated[int, typer.Option("--max-steps", min=1, help="agent steps per episode")] = 15,
     out: Annotated[Path, typer.Option("--out", help="run directory")] = Path("results"),
     resume: Annotated[bool, typer.Option("--resume", help="skip tasks whose result.txt exists in --out")] = False,
-    url: Annotated[
-        str | None, typer.Option("--url", help="use this farm instead of starting one in-process", show_default=False)
-    ] = None,
-    token: Annotated[
-        str | None, typer.Option("--token", envvar="OSFARM_TOKEN", help="token of --url", show_default=False)
-    ] = None,
+    url: FarmUrlOpt = None,
+    token: FarmTokenOpt = None,
     cache: Annotated[
         Path | None, typer.Option("--cache", help="offline file cache (default <suite>/cache)", show_default=False)
     ] = None,
