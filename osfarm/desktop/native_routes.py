@@ -254,7 +254,9 @@ async def session_fingerprint(desk: DesktopDep) -> JSONResponse:
         raise HTTPException(500, str(e)) from None
 
 
-@router.post("/v1/session/baseline")
+# baseline and warm_reset are the farm's (its passthrough refuses them to clients): not in the
+# guest's public OpenAPI document, which clients see through that passthrough
+@router.post("/v1/session/baseline", include_in_schema=False)
 async def session_baseline(desk: DesktopDep) -> JSONResponse:
     """Record the state warm resets go back to (right after a cold start); its fingerprint."""
     try:
@@ -263,7 +265,7 @@ async def session_baseline(desk: DesktopDep) -> JSONResponse:
         raise HTTPException(500, str(e)) from None
 
 
-@router.post("/v1/session/warm_reset")
+@router.post("/v1/session/warm_reset", include_in_schema=False)
 async def session_warm_reset(body: WarmResetRequest, request: Request, desk: DesktopDep) -> JSONResponse:
     """Back to the baseline without restarting the session, re-armed with ``token``; the new
     fingerprint. 409: this desktop cannot be put back warm (restart it cold)."""

@@ -5,6 +5,8 @@ as its VM address."""
 
 from __future__ import annotations
 
+import posixpath
+import re
 from urllib.parse import quote
 
 import httpx
@@ -32,7 +34,22 @@ router = APIRouter(tags=["guest passthrough"])
 PATH_REGEX = r"/v1/desktops/[^/]+/guest(/|$)"
 
 
+# The guest's routes that are the farm's own: a warm reset re-arms the guest with a token the farm
+# chooses, and the baseline is what warm resets go back to. A lease holder reaching them could set
+# the guest's token (and cut the farm off its desktop) or make the agent's state the baseline.
+FARM_ONLY = frozenset({"/v1/session/warm_reset", "/v1/session/baseline"})
+
+
+def farm_only(path: str) -> bool:
+    """True when ``path`` names one of the FARM_ONLY routes, however it is spelled (extra or
+    trailing slashes, dot segments: the guest's URL is normalised on the way)."""
+    return posixpath.normpath(re.sub(r"/+", "/", "/" + path)).rstrip("/") in FARM_ONLY
+
+
 async def guest_passthrough(path: str, request: Request, lease: LeaseOf, state: State) -> Response:
+    if farm_only(path):
+        raise ApiError(403, f"/{path.lstrip('/')} is the farm's own route of the guest (warm reset), "
+                            "not open to clients")
     headers = {k: request.headers[k] for k in _REQUEST_HEADERS if k in request.headers}
     has_body = "content-length" in request.headers or "transfer-encoding" in request.headers
     url = "/" + quote(path, safe="/:@!$&'()*+,;=-._~")

@@ -114,6 +114,21 @@ def test_another_clients_lease_is_a_404_like_an_unknown_id(farm: FarmServer, ali
     still_serving(farm)
 
 
+@pytest.mark.parametrize("path", ["v1/session/warm_reset", "v1/session/baseline", "v1//session/warm_reset/",
+                                  "v1/x/../session/baseline"])
+def test_the_guests_farm_only_routes_are_refused_through_the_passthrough(farm: FarmServer, alice_lease: str,
+                                                                         path: str) -> None:
+    """A warm reset re-arms the guest with the caller's token: through the passthrough a lease
+    holder could set the guest's token (cutting the farm off its desktop) or the baseline."""
+    with api(farm, ALICE) as alice, api(farm, ADMIN) as admin:
+        for c in (alice, admin):
+            r = c.post(f"/v1/desktops/{alice_lease}/guest/{path}", json={"token": "x" * 32})
+            assert r.status_code == 403, r.text
+            assert "farm's own route" in detail(r)
+        # the desktop is untouched: its guest still answers the farm
+        assert alice.get(f"/v1/desktops/{alice_lease}/guest/v1/health").status_code == 200
+
+
 def test_pool_shows_lease_ids_to_admins_and_holders_only(farm: FarmServer, alice_lease: str) -> None:
     def ids(token: str) -> set[str]:
         with api(farm, token) as c:
