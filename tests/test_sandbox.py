@@ -239,7 +239,8 @@ async def test_reap_orphans_kills_surviving_box():
         try:
             assert await p.reap_orphans() == 1
             assert not await wait_no_box_processes(sd, timeout=1.0)
-            assert all(dead(x) for x in pids)
+            # reap_orphans returns once every process of the box is gone, daemons included.
+            assert [x for x in pids if not dead(x)] == []
             assert list((sd / "sandbox").iterdir()) == []
         finally:
             await p.close()

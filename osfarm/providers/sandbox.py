@@ -295,6 +295,11 @@ class SandboxProvider:
                         hit = env_dir
             if hit is not None:
                 victims[p.pid] = hit[len(prefix) :].split("/")[0]
+        # The box's own daemons (D-Bus, AT-SPI) need not carry our dir in their command line or
+        # environment; they die with the box's PID namespace, but not at once: wait for them too.
+        for pid, box in list(victims.items()):
+            for child in _descendants(pid):
+                victims.setdefault(child, box)
         for pid in victims:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
