@@ -243,6 +243,12 @@ def _proc_table() -> dict[int, tuple[int, str, float]]:
     return out
 
 
+def _is_agent(uid: int, guest_uid: int) -> bool:
+    """A process of the agent: neither the guest's nor the box's root (a Docker box's init, tini,
+    is PID 1 as root; the agent's root is mapped to a non-zero uid, AgentWorldSpec.outside_base)."""
+    return uid not in (guest_uid, 0)
+
+
 def _agent_world_view() -> dict[str, Any]:
     """What the helper runs on, seen by the guest from the kernel rather than reported by the
     helper: the agent's mount table (a bind mount over python3 or /usr would show here) and the
@@ -250,7 +256,7 @@ def _agent_world_view() -> dict[str, Any]:
     anything run there). An agent that forged the helper's report changes one of these, and the
     fingerprint differs from the cold start's."""
     guest_uid = os.getuid()
-    agents = sorted(pid for pid, (uid, _, _) in _proc_table().items() if uid != guest_uid)
+    agents = sorted(pid for pid, (uid, _, _) in _proc_table().items() if _is_agent(uid, guest_uid))
     for pid in agents:
         try:
             with open(f"/proc/{pid}/mountinfo") as f:
@@ -300,7 +306,7 @@ def _processes(desk: Desktop) -> list[str]:
     for pid, (uid, cmd, _) in _proc_table().items():
         if pid in (me, runner) or not cmd or "/osfarm_kernel.py" in cmd:  # the interpreter: restarted apart
             continue
-        who = "guest" if uid == guest_uid else "agent"
+        who = "guest" if uid == guest_uid else "agent" if _is_agent(uid, guest_uid) else "box"
         rows.append(f"{who} {normalise(cmd)}")
     return sorted(rows)
 
@@ -309,7 +315,7 @@ def _agent_pids(baseline: set[tuple[int, float]] | None = None) -> list[int]:
     """The agent's processes (not the guest's uid) that are not in ``baseline`` ((pid, start))."""
     guest_uid = os.getuid()
     return [pid for pid, (uid, _, start) in _proc_table().items()
-            if uid != guest_uid and (baseline is None or (pid, start) not in baseline)]
+            if _is_agent(uid, guest_uid) and (baseline is None or (pid, start) not in baseline)]
 
 
 def kill_agent_processes(baseline: set[tuple[int, float]]) -> int:
