@@ -59,7 +59,7 @@ def create_app(
     work_dir: str | None = None,
     warm_code_runner: bool = True,
     agent: AgentWorld | None = None,
-    restart_buses: Callable[[], None] | None = None,
+    restart_buses: Callable[[], dict[str, float] | None] | None = None,
 ) -> FastAPI:
     """The guest app for X display ``display``.
 

@@ -90,7 +90,8 @@ class Desktop:
         self.step_lock = threading.Lock()
         self.wallpaper: str | None = None
         self.warm_baseline: Any = None  # osfarm.desktop.warm.Baseline, once the farm asked for warm resets
-        self.restart_buses: Callable[[], None] | None = None  # the session's, for warm resets
+        # the session's, for warm resets (ms per step)
+        self.restart_buses: Callable[[], dict[str, float] | None] | None = None
         self._a11y_ok = False
         self._a11y_checked = 0.0
         self._a11y_refreshing = False

@@ -19,6 +19,7 @@ import overlaps Xvfb's start.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,9 +31,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
+from typing import Any, TypedDict
 
 from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.process_tree import kill_tree
@@ -261,7 +263,9 @@ class Session:
         (base / "at-spi").chmod(0o1777)
         return str(base)
 
-    def start_dbus(self, timeout: float = 5.0) -> None:
+    def start_dbus(self, timeout: float = 5.0, link_wait: bool = True) -> subprocess.Popen[bytes] | None:
+        """The agent's session bus; its address linked where Ubuntu has it (``link_wait`` False:
+        the link's process is returned, for :meth:`_wait_link`)."""
         rfd, wfd = os.pipe()
         # In a box the bus is the agent's and the guest reaches it from another uid: our config
         # lets it in (ANONYMOUS); on a workstation the standard session bus.
@@ -271,7 +275,7 @@ class Session:
         os.close(wfd)
         if proc is None:
             os.close(rfd)
-            return
+            return None
         buf = b""
         deadline = time.monotonic() + timeout
         try:
@@ -287,28 +291,42 @@ class Session:
         addr = buf.decode().strip()
         if not addr:
             log.warning("dbus-daemon gave no address; apps run without a session bus")
-            return
+            return None
         self.dbus_address = addr
         self.env["DBUS_SESSION_BUS_ADDRESS"] = addr
         os.environ["DBUS_SESSION_BUS_ADDRESS"] = addr
-        self._link_user_bus(addr)
+        link = self._link_user_bus(addr)
+        if link_wait and link is not None:
+            self._wait_link(link)
         self.mark("dbus_ready_ms")
+        return link
 
-    def _link_user_bus(self, addr: str) -> None:
+    def _link_user_bus(self, addr: str) -> subprocess.Popen[bytes] | None:
         """Make the bus reachable where Ubuntu's systemd puts the user's: ``$XDG_RUNTIME_DIR/bus``
-        (``/run/user/1000/bus``; OSWorld tasks export that address before ``gsettings``)."""
+        (``/run/user/1000/bus``; OSWorld tasks export that address before ``gsettings``). Returns
+        the process making the link (:meth:`_wait_link` waits for it)."""
         if self.agent is None or not addr.startswith("unix:path="):
-            return
+            return None
         sock = addr.split(",", 1)[0].removeprefix("unix:path=")
         link = f"{self.agent.runtime_dir}/bus"
         try:
-            r = subprocess.run(self.agent.command(["ln", "-sfn", sock, link]), env=self.agent.env(self.env),
-                               stdin=subprocess.DEVNULL, capture_output=True, timeout=10, check=False)
-        except (OSError, subprocess.TimeoutExpired) as e:
+            return subprocess.Popen(self.agent.command(["ln", "-sfn", sock, link]), env=self.agent.env(self.env),
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        except OSError as e:
             log.warning("cannot link the session bus at %s: %s", link, e)
+            return None
+
+    @staticmethod
+    def _wait_link(proc: subprocess.Popen[bytes]) -> None:
+        try:
+            _, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            log.warning("linking the session bus timed out")
             return
-        if r.returncode != 0:
-            log.warning("cannot link the session bus at %s: %s", link, r.stderr.decode(errors="replace").strip())
+        if proc.returncode != 0:
+            log.warning("cannot link the session bus: %s", err.decode(errors="replace").strip())
 
     def start_desktop(self) -> None:
         """WM, panel, D-Bus and AT-SPI; none of them delays the guest server."""
@@ -318,9 +336,16 @@ class Session:
             self._spawn("tint2", ["tint2", "-c", str(ASSETS / "tint2rc")])
         self.start_agent_buses()
 
-    def restart_agent_buses(self) -> None:
+    def restart_agent_buses(self) -> dict[str, float]:
         """Start the agent's buses anew once a warm reset killed them (osfarm/desktop/warm.py):
-        no process of the agent's survives a reset, not even one a task could have tampered with."""
+        no process of the agent's survives a reset, not even one a task could have tampered with.
+        Returns when the accessibility registry runs, with the ms each step took since the start."""
+        t0 = time.perf_counter()
+        steps: dict[str, float] = {}
+
+        def mark(what: str) -> None:
+            steps[what] = round((time.perf_counter() - t0) * 1000, 1)
+
         for name in ("atspi", "dbus"):
             proc = self.procs.pop(name, None)
             if proc is not None:
@@ -332,22 +357,82 @@ class Session:
         # the old AT-SPI bus is gone: its address must not reach the new buses' services
         self.env.pop("AT_SPI_BUS_ADDRESS", None)
         os.environ.pop("AT_SPI_BUS_ADDRESS", None)
-        self.start_agent_buses(wait=True)
+        link = self.start_dbus(link_wait=False)
+        mark("dbus")
+        if self.dbus_address:
+            launcher = self.config.atspi_launcher
+            if os.path.exists(launcher):
+                self._spawn("atspi", [launcher, "--launch-immediately", "--a11y=1"], as_agent=True)
+                if not self._enable_a11y_gio(mark):
+                    self._enable_a11y(poll_s=0.01)  # without gi: dbus-send, looked at more often
+                    mark("registry")
+            else:
+                log.warning("%s not found; no accessibility tree", launcher)
+        if link is not None:
+            self._wait_link(link)
+        mark("link")
+        return steps
 
-    def start_agent_buses(self, wait: bool = False) -> None:
-        """The agent's D-Bus session bus and AT-SPI bus (again, after a warm reset ended the
-        agent's processes: ``wait`` until the accessibility registry runs)."""
+    def start_agent_buses(self) -> None:
+        """The agent's D-Bus session bus and AT-SPI bus (the registry is started in the background)."""
         self.start_dbus()
         if self.dbus_address:
             launcher = self.config.atspi_launcher
             if os.path.exists(launcher):
                 self._spawn("atspi", [launcher, "--launch-immediately", "--a11y=1"], as_agent=True)
-                if wait:
-                    self._enable_a11y(poll_s=0.01)  # a warm reset waits for it: look more often
-                else:
-                    threading.Thread(target=self._enable_a11y, daemon=True, name="a11y-enable").start()
+                threading.Thread(target=self._enable_a11y, daemon=True, name="a11y-enable").start()
             else:
                 log.warning("%s not found; no accessibility tree", launcher)
+
+    def _enable_a11y_gio(self, mark: Callable[[str], None], timeout: float = 10.0) -> bool:
+        """What :meth:`_enable_a11y` and :meth:`_start_registry` do, with in-process D-Bus calls
+        (Gio) instead of a ``dbus-send`` process each (a warm reset waits for them); False where
+        gi is missing (nothing done then)."""
+        try:
+            from gi.repository import Gio, GLib
+
+            from osfarm.desktop.a11y_bus import open_connection
+        except ImportError:
+            return False
+        deadline = time.monotonic() + timeout
+
+        def call(conn: Any, dest: str, path: str, iface: str, method: str, args: Any, reply: str | None) -> Any:
+            left = max(1, int((deadline - time.monotonic()) * 1000))
+            return conn.call_sync(dest, path, iface, method, args, GLib.VariantType(reply) if reply else None,
+                                  Gio.DBusCallFlags.NONE, left, None).unpack()
+
+        bus = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
+        conns = []
+        try:
+            conn = open_connection(self.dbus_address, 2000)
+            conns.append(conn)
+            while not call(conn, *bus, "NameHasOwner", GLib.Variant("(s)", ("org.a11y.Bus",)), "(b)")[0]:
+                if time.monotonic() > deadline or self.stopping:
+                    log.warning("AT-SPI bus did not come up; /accessibility will be empty")
+                    return True
+                time.sleep(0.002)
+            mark("a11y_bus")
+            call(conn, "org.a11y.Bus", "/org/a11y/bus", "org.freedesktop.DBus.Properties", "Set",
+                 GLib.Variant("(ssv)", ("org.a11y.Status", "IsEnabled", GLib.Variant("b", True))), None)
+            address = call(conn, "org.a11y.Bus", "/org/a11y/bus", "org.a11y.Bus", "GetAddress", None, "(s)")[0]
+            if not address:
+                return True
+            # as _start_registry: apps launched from now on get the bus directly
+            self.env["AT_SPI_BUS_ADDRESS"] = address
+            os.environ["AT_SPI_BUS_ADDRESS"] = address
+            a11y = open_connection(address, 2000)
+            conns.append(a11y)
+            call(a11y, *bus, "StartServiceByName", GLib.Variant("(su)", ("org.a11y.atspi.Registry", 0)), "(u)")
+        except GLib.Error as e:
+            log.warning("enabling AT-SPI failed: %s", e.message)
+            return True
+        finally:
+            for c in conns:
+                with contextlib.suppress(Exception):
+                    c.close_sync(None)
+        mark("registry")
+        self.mark("a11y_ready_ms")
+        return True
 
     def _enable_a11y(self, poll_s: float = 0.05) -> None:
         """Set org.a11y.Status.IsEnabled once the bus launcher owns its name.

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 
 WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 KILL_ROUNDS = 50
+KILL_WAIT_S = 2.0  # for the killed processes to exit, all rounds together
 HELPER_TIMEOUT_S = 20.0
 # Root window properties the window manager keeps up to date itself.
 WM_MANAGED = frozenset({"_NET_CLIENT_LIST", "_NET_CLIENT_LIST_STACKING", "_NET_ACTIVE_WINDOW"})
@@ -78,7 +80,7 @@ def normalise(text: str) -> str:
 
 # Standard library only: it runs with the box's python3, in the agent's world.
 _HELPER = r'''
-import hashlib, io, json, os, shutil, stat, sys, tarfile
+import hashlib, json, os, shutil, stat, sys
 mode, home = sys.argv[1], sys.argv[2]
 WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run")
 
@@ -92,8 +94,22 @@ def sha(p):
         return "unreadable:%s" % e.errno
     return h.hexdigest()[:24]
 
+def entry(p, rel, st, content):
+    e = [rel, stat.S_IFMT(st.st_mode) >> 12, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid]
+    if stat.S_ISREG(st.st_mode):
+        e.append(st.st_size)
+        if content(st):
+            e.append(sha(p))
+    elif stat.S_ISLNK(st.st_mode):
+        e.append(os.readlink(p))
+    return e
+
 def walk(root, content=lambda st: True):
-    out = []
+    # the root itself too (".": its mode and owner), then what is under it
+    try:
+        out = [entry(root, ".", os.lstat(root), lambda st: False)]
+    except OSError:
+        return []
     for dirpath, dirs, files in os.walk(root):
         dirs.sort()
         for name in sorted(dirs + files):
@@ -102,15 +118,7 @@ def walk(root, content=lambda st: True):
                 st = os.lstat(p)
             except OSError:
                 continue
-            e = [os.path.relpath(p, root), stat.S_IFMT(st.st_mode) >> 12, stat.S_IMODE(st.st_mode),
-                 st.st_uid, st.st_gid]
-            if stat.S_ISREG(st.st_mode):
-                e.append(st.st_size)
-                if content(st):
-                    e.append(sha(p))
-            elif stat.S_ISLNK(st.st_mode):
-                e.append(os.readlink(p))
-            out.append(e)
+            out.append(entry(p, os.path.relpath(p, root), st, content))
     return out
 
 def mounts():
@@ -121,15 +129,19 @@ def mounts():
         out.append([f[4], f[5], r[0], r[2] if len(r) > 2 else ""])
     return sorted(out)
 
-def scan():
+def scan_fixed():
+    # what the agent's buses do not write: the home, the agent's /etc, the mounts, /home
     try:
         agent_dev = os.lstat("/etc/passwd").st_dev
     except OSError:
         agent_dev = -1
     etc = walk("/etc", content=lambda st: st.st_dev == agent_dev)
     top = os.path.dirname(home)
-    return {"home": walk(home), **{t: walk(t) for t in WRITABLE if os.path.isdir(t)}, "etc": etc,
-            "mounts": mounts(), "homes": sorted(os.listdir(top)) if os.path.isdir(top) else []}
+    return {"home": walk(home), "etc": etc, "mounts": mounts(),
+            "homes": sorted(os.listdir(top)) if os.path.isdir(top) else []}
+
+def scan_writable():
+    return {t: walk(t) for t in WRITABLE if os.path.isdir(t)}
 
 def remove(p):
     try:
@@ -140,21 +152,12 @@ def remove(p):
     except OSError:
         pass
 
-if mode == "scan":
-    json.dump(scan(), sys.stdout)
-elif mode == "snapshot":
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name in sorted(os.listdir(home)):
-            tar.add(os.path.join(home, name), arcname=name)
-    sys.stdout.buffer.write(buf.getvalue())
-elif mode == "restore":
-    keep = json.loads(sys.argv[3])
-    for d in json.loads(sys.argv[4]):  # dirs the guest removes next: empty what is the agent's in them
+def restore(keep, emptied, data):
+    import io, tarfile
+    for d in emptied:  # dirs the guest removes next: empty what is the agent's in them
         for dirpath, dirs, files in os.walk(d):
             for name in dirs + files:
                 remove(os.path.join(dirpath, name))
-    data = sys.stdin.buffer.read()
     for name in os.listdir(home):
         remove(os.path.join(home, name))
     with tarfile.open(fileobj=io.BytesIO(data), mode="r") as tar:
@@ -180,6 +183,35 @@ elif mode == "restore":
                     remove(p)
                     if name in dirs:
                         dirs.remove(name)
+
+out = sys.stdout
+if mode == "scan":
+    json.dump({**scan_fixed(), **scan_writable()}, out)
+elif mode == "snapshot":
+    import io, tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in sorted(os.listdir(home)):
+            tar.add(os.path.join(home, name), arcname=name)
+    sys.stdout.buffer.write(buf.getvalue())
+elif mode == "reset":
+    # One process for a warm reset's file work (it runs once every agent process is gone):
+    # stdin: the home's tar (its length on a line first); restore; "restored"; the scan of what
+    # the buses do not write, on a line; then, once the guest has started the buses and says
+    # "scan", the writable trees.
+    inp = sys.stdin.buffer
+    n = int(inp.readline())
+    data = inp.read(n)
+    if len(data) != n:
+        sys.exit("short home archive")
+    restore(json.loads(sys.argv[3]), json.loads(sys.argv[4]), data)
+    out.write("restored\n")
+    out.flush()
+    out.write(json.dumps(scan_fixed()) + "\n")
+    out.flush()
+    if inp.readline().strip() != b"scan":
+        sys.exit("no scan request")
+    json.dump(scan_writable(), out)
 '''
 
 
@@ -204,6 +236,89 @@ def _helper(desk: Desktop, *args: str, stdin: bytes = b"") -> bytes:
     return proc.stdout
 
 
+class _HelperSession:
+    """The helper in ``reset`` mode: one process, spoken to in steps (see the helper), each read
+    bounded by the helper's deadline; killed on any failure."""
+
+    def __init__(self, desk: Desktop, *args: str) -> None:
+        self.proc = subprocess.Popen(_agent_root_argv(desk, *args), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"})
+        self.deadline = time.monotonic() + HELPER_TIMEOUT_S
+        self._buf = b""
+        self._writer: threading.Thread | None = None
+        self._write_error: BaseException | None = None
+
+    def send(self, data: bytes) -> None:
+        """Write in the background (a pipe blocks past its buffer until the helper reads)."""
+        def go() -> None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(data)
+                self.proc.stdin.flush()
+            except BaseException as e:  # noqa: BLE001 - reported by the next read
+                self._write_error = e
+
+        if self._writer is not None:
+            self._writer.join(max(0.0, self.deadline - time.monotonic()))
+        self._writer = threading.Thread(target=go, daemon=True, name="warm-helper-stdin")
+        self._writer.start()
+
+    def _read(self, until_eof: bool) -> bytes:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while True:
+            if not until_eof and b"\n" in self._buf:
+                line, _, self._buf = self._buf.partition(b"\n")
+                return line
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise WarmResetError(f"agent-side helper did not answer within {HELPER_TIMEOUT_S:g} s")
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                if until_eof:
+                    out, self._buf = self._buf, b""
+                    return out
+                self._failed("ended early")
+            self._buf += chunk
+
+    def line(self) -> bytes:
+        return self._read(until_eof=False)
+
+    def finish(self) -> bytes:
+        """The rest of its output, once it exited successfully."""
+        out = self._read(until_eof=True)
+        try:
+            self.proc.wait(max(0.1, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._failed("did not exit")
+        if self.proc.returncode != 0:
+            self._failed(f"failed ({self.proc.returncode})")
+        return out
+
+    def _failed(self, what: str) -> None:
+        self.kill()
+        err = self.proc.stderr.read() if self.proc.stderr is not None else b""
+        extra = f"; writing to it: {self._write_error}" if self._write_error else ""
+        raise WarmResetError(f"agent-side helper {what}: {err.decode(errors='replace')[-500:]}{extra}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+
+    def close(self) -> None:
+        self.kill()
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    f.close()
+
+
 # The guest interpreter's scratch dir in /tmp: made anew with each interpreter (a warm reset
 # restarts it in the background); what the agent writes into it is still counted.
 _SCRATCH = re.compile(r"osfarm-code-\*$")
@@ -221,8 +336,9 @@ def _files(scan: dict[str, list[list[Any]]]) -> dict[str, list[list[Any]]]:
 # -- processes ------------------------------------------------------------------------------------
 
 
-def _proc_table() -> dict[int, tuple[int, str, float]]:
-    """pid -> (uid, command line, start ticks) of every process this guest can see (the box's)."""
+def _proc_table(cmdline: bool = True) -> dict[int, tuple[int, str, float]]:
+    """pid -> (uid, command line, start ticks) of every process this guest can see (the box's);
+    without ``cmdline``, "" for each command line."""
     out: dict[int, tuple[int, str, float]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -231,8 +347,10 @@ def _proc_table() -> dict[int, tuple[int, str, float]]:
         try:
             with open(f"/proc/{pid}/status") as f:
                 uid = next(int(ln.split()[1]) for ln in f if ln.startswith("Uid:"))
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            cmd = ""
+            if cmdline:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
             with open(f"/proc/{pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
             if fields[0] == b"Z":
@@ -314,24 +432,57 @@ def _processes(desk: Desktop) -> list[str]:
 def _agent_pids(baseline: set[tuple[int, float]] | None = None) -> list[int]:
     """The agent's processes (not the guest's uid) that are not in ``baseline`` ((pid, start))."""
     guest_uid = os.getuid()
-    return [pid for pid, (uid, _, start) in _proc_table().items()
+    return [pid for pid, (uid, _, start) in _proc_table(cmdline=False).items()
             if _is_agent(uid, guest_uid) and (baseline is None or (pid, start) not in baseline)]
 
 
 def kill_agent_processes(baseline: set[tuple[int, float]]) -> int:
     """SIGKILL every agent process that is not in ``baseline``, in rounds until none is left (a
-    process that forks meanwhile is caught in the next round). Returns how many were killed."""
+    process that forks meanwhile is caught in the next round). Returns how many were killed.
+
+    Each round waits for its victims to have exited (their pidfds turn readable), not a fixed
+    time; a pidfd also makes sure the signal goes to the process seen, not to one that got its
+    pid since."""
     killed: set[int] = set()
+    deadline = time.monotonic() + KILL_WAIT_S
     for _ in range(KILL_ROUNDS):
         victims = _agent_pids(baseline)
         if not victims:
             return len(killed)
-        for pid in victims:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-            killed.add(pid)
-        time.sleep(0.005)
-    raise WarmResetError(f"agent processes survived {KILL_ROUNDS} kill rounds: {_agent_pids(baseline)[:10]}")
+        poller = select.poll()
+        fds = []
+        try:
+            for pid in victims:
+                try:
+                    fd = os.pidfd_open(pid)
+                except OSError:  # gone already (or pidfds unsupported: a plain kill, then a short wait)
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                    killed.add(pid)
+                    fds.append(-1)
+                    continue
+                fds.append(fd)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                killed.add(pid)
+                poller.register(fd, select.POLLIN)
+            waiting = {fd for fd in fds if fd >= 0}
+            if -1 in fds:
+                time.sleep(0.005)
+            while waiting and time.monotonic() < deadline:
+                for fd, _ in poller.poll(max(1, int(min(0.25, deadline - time.monotonic()) * 1000))):
+                    poller.unregister(fd)
+                    waiting.discard(fd)
+        finally:
+            for fd in fds:
+                if fd >= 0:
+                    os.close(fd)
+        if time.monotonic() >= deadline:
+            break
+    left = _agent_pids(baseline)
+    if not left:
+        return len(killed)
+    raise WarmResetError(f"agent processes survived {KILL_ROUNDS} kill rounds: {left[:10]}")
 
 
 # -- X --------------------------------------------------------------------------------------------
@@ -413,7 +564,7 @@ def _wait_wm(display: str, want: dict[str, Any], timeout: float = 3.0) -> dict[s
             return state
         del keys
         keys = []
-        time.sleep(0.02)
+        time.sleep(0.005)
 
 
 def _raw_root_properties(d: Any) -> dict[str, tuple[int, int, Any]]:
@@ -494,15 +645,16 @@ class Baseline:
 _lock = threading.Lock()
 
 
-def fingerprint(desk: Desktop, scan: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The desktop's state (see the module doc) with its ``digest``."""
+def fingerprint(desk: Desktop, scan: dict[str, Any] | None = None, x: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The desktop's state (see the module doc) with its ``digest`` (``scan``, ``x``: the helper's
+    scan and the X state, where the caller has just taken them)."""
     if scan is None:
         scan = json.loads(_helper(desk, "scan", desk.home))
     exchange = sorted(os.listdir(desk.exchange_dir)) if desk.exchange_dir else []
     fp: dict[str, Any] = {
         "processes": _processes(desk),
         "files": _files(scan),
-        "x": _x_state(desk.display),
+        "x": x if x is not None else _x_state(desk.display),
         "guest": {"exchange": exchange, "wallpaper": desk.wallpaper is not None},
         "ipc": _sysv_ipc(),
         "agent_world": _agent_world_view(),
@@ -516,6 +668,8 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
     agent action); returns its fingerprint."""
     if desk.agent is None:
         raise WarmResetError("warm resets need a box (the agent's own namespaces)")
+    with contextlib.suppress(ImportError):  # what a warm reset's bus restart uses: loaded now, not then
+        from gi.repository import Gio, GLib  # noqa: F401
     with _lock:
         _wait_settled(desk)
         home_tar = _helper(desk, "snapshot", desk.home)
@@ -590,27 +744,44 @@ def warm_reset(desk: Desktop) -> dict[str, Any]:
         if desk.wallpaper is not None:
             raise WarmResetError("a wallpaper was set")
         kill_agent_processes(set())  # every one: the buses too (a task could have tampered with them)
+        mark("kill")
         desk.reset_helpers()  # the interpreter (killed above: no graceful wait), recorder, input bindings
         mark("killed")
+        # From here on no process of the agent's runs but the ones started below: the helper (its
+        # files, as its root) and, once the files are back, its buses.
         old_a11y = [os.path.join("/tmp", n) for n in os.listdir("/tmp") if n.startswith("osfarm-a11y-")]
-        _helper(desk, "restore", desk.home, json.dumps(base.keep), json.dumps(old_a11y), stdin=base.home_tar)
-        if desk.exchange_dir:
-            for name in set(os.listdir(desk.exchange_dir)) - base.exchange:
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(desk.exchange_dir, name))
-        mark("files")
-        _x_reset(desk.display, base)
-        mark("x")
-        if desk.restart_buses is not None:
-            desk.restart_buses()
-            for d in old_a11y:  # the old AT-SPI bus's dirs (the guest's)
-                shutil.rmtree(d, ignore_errors=True)
-        mark("buses")
-        scan = json.loads(_helper(desk, "scan", desk.home))
-        state = _wait_wm(desk.display, base.fingerprint.get("x", {}))
+        helper = _HelperSession(desk, "reset", desk.home, json.dumps(base.keep), json.dumps(old_a11y))
+        try:
+            helper.send(b"%d\n" % len(base.home_tar) + base.home_tar)
+            # while the helper starts and restores the files: X (no file of the agent's matters to it)
+            _x_reset(desk.display, base)
+            if desk.exchange_dir:
+                for name in set(os.listdir(desk.exchange_dir)) - base.exchange:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(desk.exchange_dir, name))
+            mark("x")
+            if helper.line() != b"restored":
+                raise WarmResetError("agent-side helper: unexpected answer")
+            mark("files")
+            # the helper scans the home and the agent's /etc meanwhile (the buses write neither)
+            if desk.restart_buses is not None:
+                steps = desk.restart_buses()
+                for d in old_a11y:  # the old AT-SPI bus's dirs (the guest's)
+                    shutil.rmtree(d, ignore_errors=True)
+                timings.update({f"buses.{k}": v for k, v in (steps or {}).items()})
+            mark("buses")
+            scan = json.loads(helper.line())
+            helper.send(b"scan\n")
+            # while it scans the writable trees: X, once the window manager caught up
+            state = _wait_wm(desk.display, base.fingerprint.get("x", {}))
+            mark("wm")
+            scan.update(json.loads(helper.finish()))
+            mark("scan")
+        finally:
+            helper.close()
         if tuple(state["screen"]) != base.screen:
             raise WarmResetError(f"the screen size changed to {state['screen']}")
-        fp = fingerprint(desk, scan)
+        fp = fingerprint(desk, scan, x=state)  # the helper is gone: the process list is the desktop's
         mark("fingerprint")
         desk.restart_runner()
         fp["timings_ms"] = timings  # not part of the digest
