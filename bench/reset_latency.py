@@ -3,9 +3,9 @@
 * reset-to-ready: ``provider.reset(handle)`` on a running desktop until the fresh box's guest
   answers /v1/health (sandbox: kill + new namespace box, or with ``sandbox-warm`` the warm reset
   of osfarm/desktop/warm.py; docker: a new container from the image, started while the old one is
-  removed). What the farm pays between two episodes. Before each reset the desktop is dirtied as
-  a task would (files in the home and /tmp, a double-forked daemon, a clipboard owner, a held
-  key; ``--clean`` skips it).
+  removed, or with ``docker-warm`` the same warm reset in the kept container). What the farm pays
+  between two episodes. Before each reset the desktop is dirtied as a task would (files in the
+  home and /tmp, a double-forked daemon, a clipboard owner, a held key; ``--clean`` skips it).
 * CPU-seconds per reset: the box's (its cgroup, else its processes) from the reset's start until
   SETTLE_S after it is ready (a cold box's panel and accessibility registry finish starting after
   its guest answers), less what the idle desktop uses over as long, plus the farm process's own.
@@ -47,6 +47,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sandbox": ("sandbox", {}),
     "sandbox-warm": ("sandbox", {"reset_mode": "warm"}),
     "docker": ("docker", {"docker_network": "none"}),
+    "docker-warm": ("docker", {"docker_network": "none", "reset_mode": "warm"}),
     # libvirt VMs (disk: `osfarm image build-vm`): fresh overlay + boot, and internal snapshot revert
     "libvirt-boot": ("libvirt", {"libvirt_reset": "boot", "libvirt_memory_mb": 2048}),
     "libvirt-snapshot": ("libvirt", {"libvirt_reset": "snapshot", "libvirt_memory_mb": 2048}),

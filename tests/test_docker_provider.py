@@ -138,3 +138,73 @@ async def test_host_network_guest_on_a_loopback_port(state_dir: str) -> None:
     finally:
         await p.stop(h)
         await p.close()
+
+
+DIRTY = r"""
+import os, subprocess
+open(os.path.expanduser("~/Desktop/dirty.txt"), "w").write("x")
+subprocess.Popen(["sh", "-c", "(sleep 1000 &) ; exit 0"])  # a double-forked daemon
+OWNER = ("from Xlib import display, X; import time; d = display.Display(); "
+         "w = d.screen().root.create_window(0, 0, 1, 1, 0, 0); "
+         "w.set_selection_owner(d.intern_atom('CLIPBOARD'), X.CurrentTime); d.flush(); time.sleep(1000)")
+subprocess.Popen(["python3", "-c", OWNER])
+"""
+SUDO = r"""
+import subprocess
+subprocess.run(["sudo", "-S", "mount", "-t", "tmpfs", "none", "/mnt"], input=b"password\n", check=True)
+"""
+
+
+async def test_warm_reset_keeps_the_container(state_dir: str) -> None:
+    """reset_mode warm: a dirtied desktop (home file, daemon, clipboard) is put back in the same
+    container with a new token and the cold start's fingerprint, also after a farm restart (adopt);
+    a change made with sudo shows in the fingerprint and the container is replaced instead."""
+    from osfarm.desktop.warm import differences
+    from osfarm.providers.docker import DockerProvider
+
+    ensure_images("desktop")
+
+    async def guest(h, method: str, path: str, **kw: object) -> dict:  # noqa: ANN001
+        async with h.endpoint.client(timeout=60) as c:
+            r = await c.request(method, path, **kw)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    p = DockerProvider(settings(state_dir, reset_mode="warm"))
+    h = await p.start("warm1", SPEC)
+    try:
+        cold = await guest(h, "GET", "/v1/session/fingerprint")
+        assert cold["digest"] == h.info["warm_digest"] and any(r.startswith("box ") for r in cold["processes"])
+        assert (await guest(h, "POST", "/v1/pyautogui", json={"code": DIRTY}))["ok"]
+        dirty = await guest(h, "GET", "/v1/session/fingerprint")
+        assert dirty["digest"] != cold["digest"] and dirty["x"]["selections"]["CLIPBOARD"]
+        cpu = p.cpu_seconds(h)
+        assert cpu is not None and cpu > 0
+        h2 = await p.reset(h)
+        assert h2.info["reset_mode"] == "warm" and "reset_fallback" not in h2.info, h2.info
+        assert h2.info["container"] == h.info["container"] and h2.endpoint.token != h.endpoint.token
+        fp = await guest(h2, "GET", "/v1/session/fingerprint")
+        assert fp["digest"] == cold["digest"], differences(cold, fp)
+        assert p.cpu_seconds(h2) >= cpu
+        async with h.endpoint.client() as c:  # the old token no longer opens the guest
+            assert (await c.get("/v1/session/fingerprint")).status_code == 401
+        out = await guest(h2, "POST", "/v1/pyautogui", json={"code": SUDO})
+        assert out["ok"], out
+        h3 = await p.reset(h2)
+        assert h3.info["reset_mode"] == "cold" and h3.info["reset_fallback_kind"] == "mismatch", h3.info
+        assert "/mnt" in h3.info["reset_fallback"]
+        assert h3.info["container"] != h2.info["container"]
+        cold3 = await guest(h3, "GET", "/v1/session/fingerprint")
+        # a farm restart: the next farm takes the container over and can still reset it warm
+        await p.close()
+        p = DockerProvider(settings(state_dir, reset_mode="warm"))
+        h4 = await p.adopt(h3)
+        assert h4 is not None
+        assert (await guest(h4, "POST", "/v1/pyautogui", json={"code": DIRTY}))["ok"]
+        h5 = await p.reset(h4)
+        assert h5.info["reset_mode"] == "warm" and h5.info["container"] == h3.info["container"], h5.info
+        fp = await guest(h5, "GET", "/v1/session/fingerprint")
+        assert fp["digest"] == h3.info["warm_digest"], differences(cold3, fp)
+    finally:
+        await p.stop_all()
+        await p.close()

@@ -21,7 +21,12 @@ shares the host's network: the guest listens on a loopback port picked per deskt
 box gets its own X display number (X's abstract sockets live in the network namespace).
 
 Reset replaces the container: the new one is created and started while the old one is killed
-and removed, so a reset costs one container start plus the session's own start-up.
+and removed, so a reset costs one container start plus the session's own start-up. With
+``reset_mode: warm`` the container is kept and its guest puts it back to the state of its cold
+start (:mod:`osfarm.providers.warm_reset`, as for sandbox desktops), falling back to a replaced
+container where the fingerprint differs, on an error, past ``warm_reset_timeout_s`` or every
+``cold_every`` resets. CPU-seconds of a desktop: its container's cgroup (what dockerd and runc
+spend to make it is not counted).
 
 Containers whose scope is ours but whose farm id is not were left by a farm that died; the next
 farm of the scope takes over those its registry names (``adopt``: still running, same scope and
@@ -58,6 +63,7 @@ from osfarm.providers.base import (
     DesktopSpec,
     GuestEndpoint,
     ProviderError,
+    tree_cpu_seconds,
 )
 from osfarm.providers.boxes import (
     SOCKET_PATH_MAX,
@@ -71,6 +77,7 @@ from osfarm.providers.boxes import (
     wait_guest_ready,
 )
 from osfarm.providers.cgroups import DesktopCgroup, Limits, parse_size
+from osfarm.providers.warm_reset import WarmResets
 
 log = logging.getLogger("osfarm.providers.docker")
 
@@ -133,6 +140,7 @@ class DockerProvider:
         self._lock_fd = self._take_lock()
         self._containers: dict[str, str] = {}  # desktop id -> container id of its current box
         self._host_displays: dict[str, int] = {}  # "<desktop>/<generation>" -> X display (host network)
+        self.warm = WarmResets(settings)
         self._closed = False
 
     # -- setup ------------------------------------------------------------------------------
@@ -308,6 +316,7 @@ class DockerProvider:
             with contextlib.suppress(ValueError):
                 self._host_displays[f"{handle.id}/{handle.info.get('gen')}"] = int(handle.info.get("display", ""))
         handle.pid = attrs.get("State", {}).get("Pid") or None
+        self.warm.adopted(handle)
         log.info("docker desktop taken over id=%s container=%s", handle.id, handle.info.get("name"))
         return handle
 
@@ -358,6 +367,7 @@ class DockerProvider:
             attrs = await asyncio.to_thread(self.client.api.inspect_container, container.id)
             handle.pid = attrs["State"].get("Pid") or None
         handle.info["start_s"] = f"{time.monotonic() - t0:.3f}"
+        await self.warm.after_cold_start(handle, lambda: self._discard(handle))
         log.info("docker desktop ready id=%s container=%s start_s=%s", desktop_id, container.name,
                  handle.info["start_s"])
         return handle
@@ -404,11 +414,18 @@ class DockerProvider:
         await self._discard(handle)
         ddir = self.shared_dir / handle.id
         if handle.id not in self._containers:
+            self.warm.forget(handle.id)
             with contextlib.suppress(OSError):
                 ddir.rmdir()  # only when empty: a newer box of this id may live there
         log.info("docker desktop stopped id=%s", handle.id)
 
     async def reset(self, handle: DesktopHandle) -> DesktopHandle:
+        """``reset_mode`` warm: the same container put back by its guest (see the module doc),
+        else (and where that fails) :meth:`_replace`."""
+        live = bool(handle.pid) and self._containers.get(handle.id) == handle.info.get("container")
+        return await self.warm.reset(handle, live, self._replace)
+
+    async def _replace(self, handle: DesktopHandle) -> DesktopHandle:
         """A new container from the image, started while the old one is removed."""
         old = asyncio.create_task(self._discard(handle))
         try:
@@ -437,13 +454,26 @@ class DockerProvider:
                     f"(exit code {state.get('ExitCode')}): {tail}")
         # A limit hit that docker does not report (the kernel killed a process other than the
         # container's first, a fork was refused): ends the desktop, naming the limit.
+        cgroup = self._cgroup(handle)
+        hit = cgroup.limit_hit() if cgroup is not None else None
+        return f"container {handle.info.get('name')}: {hit}" if hit else None
+
+    def _cgroup(self, handle: DesktopHandle) -> DesktopCgroup | None:
+        """The cgroup(s) docker put the handle's container in (found once), or None."""
+        cid = handle.info.get("container", "")
         cgroup = self._cgroups.get(cid)
-        if cgroup is None and handle.pid:
+        if cgroup is None and handle.pid and self._containers.get(handle.id) == cid:
             cgroup = DesktopCgroup.of_process(handle.pid, self.limits)
             if cgroup is not None:
                 self._cgroups[cid] = cgroup
-        hit = cgroup.limit_hit() if cgroup is not None else None
-        return f"container {handle.info.get('name')}: {hit}" if hit else None
+        return cgroup
+
+    def cpu_seconds(self, handle: DesktopHandle) -> float | None:
+        """CPU-seconds of the container since it started: its cgroup's accounting (every process
+        that ever ran in it), else its process tree."""
+        cgroup = self._cgroup(handle)
+        used = cgroup.cpu_seconds() if cgroup is not None else None
+        return used if used is not None else tree_cpu_seconds(self.pids(handle))
 
     def pids(self, handle: DesktopHandle) -> list[int]:
         """Host pids of the container's processes (docker-init and its descendants); empty when

@@ -46,7 +46,6 @@ import psutil
 
 from osfarm.config import FarmSettings
 from osfarm.desktop.box_init import BoxPlan
-from osfarm.desktop.warm import differences
 from osfarm.providers.base import (
     DesktopHandle,
     DesktopSpec,
@@ -68,6 +67,7 @@ from osfarm.providers.boxes import (
 from osfarm.providers.cgroups import CgroupRoot, DesktopCgroup, Limits, parse_size
 from osfarm.providers.sandbox_layout import BOX_PYTHON, BOX_RUN, Templates, box_plan
 from osfarm.providers.slots import Slot, SlotPool
+from osfarm.providers.warm_reset import WarmResets
 
 log = logging.getLogger("osfarm.providers.sandbox")
 
@@ -164,8 +164,7 @@ class SandboxProvider:
         self._slots: dict[str, Slot] = {}
         self._cgroups: dict[str, DesktopCgroup] = {}
         self._xvfb: dict[str, psutil.Process] = {}  # found once per start: alive() stays cheap
-        self._baselines: dict[str, dict] = {}  # desktop id -> fingerprint of its cold start (warm resets)
-        self._warm_resets: dict[str, int] = {}  # desktop id -> warm resets since its cold start
+        self.warm = WarmResets(settings)
         self._closed = False
 
     # -- setup ------------------------------------------------------------------------------
@@ -365,37 +364,9 @@ class SandboxProvider:
                 p = psutil.Process(pid)
                 if p.name() == "Xvfb":
                     self._xvfb[desktop_id] = p
-        self._warm_resets[desktop_id] = 0
-        self._baselines.pop(desktop_id, None)
-        if self.settings.reset_mode == "warm":
-            async with discarded_on_failure(desktop_id, lambda: self._kill(desktop_id, proc)):
-                fp = await self._guest_post(endpoint, "/v1/session/baseline", None, self.settings.start_timeout_s)
-            self._baselines[desktop_id] = fp
+        await self.warm.after_cold_start(handle, lambda: self._kill(desktop_id, proc))
         log.info("sandbox ready id=%s pid=%d start_s=%s", desktop_id, proc.pid, handle.info["start_s"])
         return handle
-
-    @staticmethod
-    async def _guest_post(endpoint: GuestEndpoint, path: str, body: dict | None, timeout: float) -> dict:
-        async with endpoint.client(timeout=timeout) as c:
-            r = await c.post(path, json=body)
-        if r.status_code != 200:
-            raise WarmResetFailed(f"{path}: {r.status_code} {r.text[:500]}", "error")
-        return r.json()
-
-    async def _warm_reset(self, handle: DesktopHandle) -> DesktopHandle:
-        """Back to the cold start's state in the same box (:mod:`osfarm.desktop.warm`), the guest
-        re-armed with a new token; WarmResetFailed (with its kind) where that cannot be proven."""
-        token = secrets.token_urlsafe(24)
-        fp = await self._guest_post(handle.endpoint, "/v1/session/warm_reset", {"token": token},
-                                    self.settings.warm_reset_timeout_s)
-        base = self._baselines.get(handle.id) or {}
-        if fp.get("digest") != base.get("digest"):
-            raise WarmResetFailed(f"the fingerprint differs from the cold start's: {'; '.join(differences(base, fp))}",
-                                  "mismatch")
-        endpoint = dataclasses.replace(handle.endpoint, token=token)
-        info = {k: v for k, v in handle.info.items() if not k.startswith("reset_")}
-        steps = ",".join(f"{k}={v:g}" for k, v in (fp.get("timings_ms") or {}).items())
-        return dataclasses.replace(handle, endpoint=endpoint, info={**info, "reset_mode": "warm", "warm_ms": steps})
 
     async def _wait_ready(self, handle: DesktopHandle, proc: asyncio.subprocess.Process, t0: float,
                           claim: SocketClaim) -> None:
@@ -464,37 +435,17 @@ class SandboxProvider:
         log.info("sandbox stopped id=%s", handle.id)
 
     async def reset(self, handle: DesktopHandle) -> DesktopHandle:
-        """``reset_mode`` warm: :meth:`_warm_reset`, falling back to a cold restart (counted in
-        ``info["reset_fallback"]``) on a fingerprint mismatch, an error, its deadline, or every
-        ``cold_every`` resets; cold: kill the box and start a new one."""
-        fallback = kind = ""
+        """``reset_mode`` warm: a warm reset (:class:`~osfarm.providers.warm_reset.WarmResets`),
+        falling back to a cold restart (counted in ``info["reset_fallback"]``) on a fingerprint
+        mismatch, an error, its deadline, or every ``cold_every`` resets; cold: kill the box and
+        start a new one."""
         proc = self._procs.get(handle.id)
-        if self.settings.reset_mode == "warm" and handle.id in self._baselines and proc is not None \
-                and proc.pid == handle.pid and proc.returncode is None:
-            every = self.settings.cold_every
-            if every and self._warm_resets.get(handle.id, 0) + 1 >= every:
-                fallback, kind = f"every {every} resets: a cold one", "every_n"
-            else:
-                t0 = time.monotonic()
-                try:
-                    new = await asyncio.wait_for(self._warm_reset(handle), self.settings.warm_reset_timeout_s)
-                    self._warm_resets[handle.id] = self._warm_resets.get(handle.id, 0) + 1
-                    new.info["reset_s"] = f"{time.monotonic() - t0:.3f}"
-                    return new
-                except TimeoutError:
-                    fallback, kind = f"no answer within {self.settings.warm_reset_timeout_s:g} s", "timeout"
-                except WarmResetFailed as e:
-                    fallback, kind = str(e), e.kind
-                except Exception as e:  # noqa: BLE001 - whatever failed, a cold restart is the answer
-                    fallback, kind = f"{type(e).__name__}: {e}", "error"
-                log.warning("warm reset fell back to cold id=%s kind=%s: %s", handle.id, kind, fallback[:300])
+        live = proc is not None and proc.pid == handle.pid and proc.returncode is None
+        return await self.warm.reset(handle, live, self._cold_reset)
+
+    async def _cold_reset(self, handle: DesktopHandle) -> DesktopHandle:
         await self._kill(handle.id, self._procs.get(handle.id))
-        new = await self.start(handle.id, handle.spec)
-        new.info["reset_mode"] = "cold"
-        if fallback:
-            new.info["reset_fallback"] = fallback[:500]
-            new.info["reset_fallback_kind"] = kind
-        return new
+        return await self.start(handle.id, handle.spec)
 
     async def alive(self, handle: DesktopHandle) -> str | None:
         proc = self._procs.get(handle.id)
@@ -540,14 +491,6 @@ class SandboxProvider:
         self._closed = True
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
-
-
-class WarmResetFailed(ProviderError):
-    """A warm reset did not give a desktop provably like a cold start; ``kind``: mismatch, error."""
-
-    def __init__(self, message: str, kind: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 def _descendants(pid: int) -> list[int]:
