@@ -13,6 +13,7 @@ from typing import TypeVar
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, Field, ValidationError
+from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
 from osfarm.desktop import warm
@@ -268,10 +269,12 @@ async def session_baseline(desk: DesktopDep) -> JSONResponse:
 @router.post("/v1/session/warm_reset", include_in_schema=False)
 async def session_warm_reset(body: WarmResetRequest, request: Request, desk: DesktopDep) -> JSONResponse:
     """Back to the baseline without restarting the session, re-armed with ``token``; the new
-    fingerprint. 409: this desktop cannot be put back warm (restart it cold)."""
+    fingerprint's digest (the whole fingerprint where it differs from the baseline's) and the
+    steps' timings. 409: this desktop cannot be put back warm (restart it cold)."""
     try:
         fp = await run_in_threadpool(warm.warm_reset, desk)
     except warm.WarmResetError as e:
         raise HTTPException(409, str(e)) from None
     request.app.state.tokens.replace_token(body.token, Principal(ADMIN_NAME, "admin"))
-    return JSONResponse(fp)
+    # the interpreter starts again once the answer is out (it is not needed before the next step)
+    return JSONResponse(fp, background=BackgroundTask(desk.restart_runner))
