@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import statistics
@@ -102,15 +103,20 @@ async def resets(name: str, n: int, width: int, height: int, clean: bool = False
     provider = make_provider(settings)
     await provider.reap_orphans()
     spec = DesktopSpec(width=width, height=height)
-    t0 = time.perf_counter()
+    m0, t0 = time.monotonic(), time.perf_counter()
     handle = await provider.start("bench1", spec)
     first = time.perf_counter() - t0
     out: list[float] = []
     cpu: list[float] = []
     fallbacks: list[str] = []
     steps: list[str] = []
+    parts: list[dict[str, float]] = []  # cold starts' parts (sandbox), the first start's first
     try:
         await asyncio.sleep(IDLE_S)
+        warm = overrides.get("reset_mode") == "warm"
+        got = cold_parts(handle, m0, first, warm)
+        if got:
+            parts.append(got)
         mem = pss_mib(provider.pids(handle))
         c0 = box_cpu(provider, handle)
         await asyncio.sleep(SETTLE_S)
@@ -119,11 +125,15 @@ async def resets(name: str, n: int, width: int, height: int, clean: bool = False
             if not clean:
                 await dirty(handle)
             before = box_cpu(provider, handle)
-            p0, t0 = time.process_time(), time.perf_counter()
+            p0, m0, t0 = time.process_time(), time.monotonic(), time.perf_counter()
             handle = await provider.reset(handle)
             out.append(time.perf_counter() - t0)
             farm = time.process_time() - p0
             await asyncio.sleep(SETTLE_S)  # also lets the old box's teardown finish outside the timing
+            if handle.info.get("reset_mode") != "warm":
+                got = cold_parts(handle, m0, out[-1], warm)
+                if got:
+                    parts.append(got)
             after = box_cpu(provider, handle)
             if handle.info.get("reset_mode") == "warm":
                 used = after - before - idle_per_s * (out[-1] + SETTLE_S)
@@ -138,7 +148,62 @@ async def resets(name: str, n: int, width: int, height: int, clean: bool = False
         await provider.stop(handle)
         await provider.close()
         shutil.rmtree(state, ignore_errors=True)
-    return {"resets": out, "cpu": cpu, "first": first, "mem": mem, "fallbacks": fallbacks, "steps": steps}
+    return {"resets": out, "cpu": cpu, "first": first, "mem": mem, "fallbacks": fallbacks, "steps": steps,
+            "parts": parts}
+
+
+# A sandbox cold start's parts, in order: (name, what it is); each is its ms since the reset (or
+# start) began, from the box's init (osfarm.desktop.box_init), the session's state file
+# (osfarm.desktop.session; all on the monotonic clock) and the provider's handle.
+COLD_PARTS = [
+    ("box_init", "old box killed, host dirs + cgroup + plan, namespaces, box init's Python started"),
+    ("box_fs", "the box's file system mounted"),
+    ("agent_world", "the agent's user namespace, /etc layer, sudo"),
+    ("session", "launcher's Python started (exec, imports)"),
+    ("xvfb", "Xvfb ready"),
+    ("spawned", "WM, panel, D-Bus started (AT-SPI launcher spawned)"),
+    ("guest_import", "(the server stack's import, while Xvfb starts: its end)"),
+    ("guest_listens", "guest server listening"),
+    ("ready", "reset returned: socket claimed, /v1/health answered"),
+    ("baseline", "warm mode: the baseline taken (start returned)"),
+    ("wm", "window manager running (after ready)"),
+    ("panel", "panel mapped (after ready)"),
+    ("a11y", "AT-SPI registry running (after ready)"),
+]
+
+
+def cold_parts(handle: DesktopHandle, m0: float, total_s: float, baseline: bool) -> dict[str, float]:
+    """ms since ``m0`` (time.monotonic() when the start or reset began) of each part of a sandbox
+    cold start that the box and the session recorded; {} where there is no state file.
+    ``baseline``: the start also took a warm-reset baseline (after ``start_s``)."""
+    try:
+        st = json.loads((Path(handle.info["dir"]) / "run" / "state.json").read_text())
+    except (KeyError, OSError, ValueError):
+        return {}
+    box, t = st.get("box_monotonic") or {}, st.get("timings_ms") or {}
+    s0 = st.get("t0_monotonic")
+    if s0 is None:
+        return {}
+    out: dict[str, float] = {}
+    for key, name in (("init", "box_init"), ("root", "box_fs"), ("agent_world", "agent_world")):
+        if key in box:
+            out[name] = (box[key] - m0) * 1000
+    out["session"] = (s0 - m0) * 1000
+    at = (s0 - m0) * 1000
+    for key, name in (("xvfb_ready_ms", "xvfb"), ("desktop_spawned_ms", "spawned"), ("import_ms", "guest_import"),
+                      ("ready_ms", "guest_listens"), ("wm_ready_ms", "wm"), ("panel_ready_ms", "panel"),
+                      ("a11y_ready_ms", "a11y")):
+        if key in t:
+            out[name] = at + t[key]
+    if "guest_import" in out:  # a duration from just before Xvfb's start: roughly from the session's start
+        out["guest_import"] = at + t["import_ms"]
+    start_s = float(handle.info.get("start_s", 0) or 0)
+    if baseline and start_s and total_s > start_s:
+        out["ready"] = start_s * 1000
+        out["baseline"] = total_s * 1000
+    else:
+        out["ready"] = total_s * 1000
+    return out
 
 
 def warm_leases(name: str, n: int, width: int, height: int) -> list[float]:
@@ -170,6 +235,24 @@ def _wait_ready(c: httpx.Client, k: int) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("pool did not refill in 180 s")
         time.sleep(0.02)
+
+
+def print_parts(console: Console, name: str, parts: list[dict[str, float]]) -> None:
+    """The cold starts' parts: median ms since the start began, and since the part before."""
+    table = Table(title=f"{name}: a cold start's parts ({len(parts)} starts, the first start's included; medians)")
+    for col in ("part", "ms since start", "ms for this part", "what"):
+        table.add_column(col, justify="right" if col.startswith("ms") else "left")
+    prev = 0.0
+    for key, what in COLD_PARTS:
+        values = [p[key] for p in parts if key in p]
+        if not values:
+            continue
+        at = statistics.median(values)
+        step = "" if key == "guest_import" else f"{at - prev:.0f}"
+        table.add_row(key, f"{at:.0f}", step, what)
+        if key != "guest_import":
+            prev = at
+    console.print(table)
 
 
 def ratio(value: float, ref: float | None) -> str:
@@ -204,6 +287,8 @@ def main() -> None:
                           highlight=False)
         for f in got["fallbacks"]:
             console.print(f"  [yellow]fallback to cold[/]: {f}", highlight=False)
+        if got["parts"]:
+            print_parts(console, name, got["parts"])
     ref = rows.get(names[0])
     table = Table(title=f"reset-to-ready, warm lease and idle memory per provider ({width}x{height}); "
                         f"ratios vs {names[0]}")

@@ -25,6 +25,7 @@ import shutil
 import socket
 import stat
 import sys
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -204,8 +205,15 @@ def guest_run_dir(plan: BoxPlan) -> None:
             os.chown(path, plan.guest_uid, plan.guest_gid)
 
 
+# When this process started its work (monotonic, the host's clock too): with the later steps'
+# times, passed to the session (TIMES_VAR), which reports them with its own (a cold start's parts).
+_STARTED = time.monotonic()
+TIMES_VAR = "OSFARM_BOX_TIMES"
+
+
 def run(plan: BoxPlan) -> None:
     """Carry out the plan, then exec the launcher (does not return)."""
+    times = {"init": _STARTED}
     join_cgroups(plan.cgroup_procs)
     if plan.loopback_up:
         linux_ns.loopback_up()
@@ -218,6 +226,7 @@ def run(plan: BoxPlan) -> None:
         linux_ns.mount("proc", "/proc", "proc", linux_ns.MS_NOSUID | linux_ns.MS_NODEV | linux_ns.MS_NOEXEC,
                        plan.proc_options)
     guest_run_dir(plan)
+    times["root"] = time.monotonic()
     env = dict(plan.env)
     if plan.agent is not None:
         userns, mntns = make_agent_world(plan.agent)
@@ -227,6 +236,8 @@ def run(plan: BoxPlan) -> None:
                            home=plan.agent.home, runtime_dir=f"/run/user/{plan.agent.user_uid}", nsenter=nsenter,
                            setpriv=setpriv)
         env[ENV_VAR] = world.to_env()
+    times["agent_world"] = time.monotonic()
+    env[TIMES_VAR] = json.dumps(times)
     os.chdir(plan.cwd)
     os.setgroups([])
     os.setresgid(plan.guest_gid, plan.guest_gid, plan.guest_gid)

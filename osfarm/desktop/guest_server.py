@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import select
 import signal
+import threading
+import time
 from pathlib import Path
 
 import uvicorn
@@ -43,9 +46,64 @@ def _bound_port(server: uvicorn.Server) -> int | None:
         return None
 
 
+def watch_desktop_start(session: Session, timeout: float = 15.0) -> None:
+    """Mark when the window manager runs (``wm_ready_ms``: it has set _NET_SUPPORTING_WM_CHECK)
+    and the panel is up (``panel_ready_ms``: a mapped top-level window as wide as the screen),
+    from the X server's events (no polling); for the cold start's breakdown. Gives up quietly."""
+    from Xlib import X
+    from Xlib import display as xdisplay
+
+    want_wm, want_panel = not session.config.no_wm, not session.config.no_panel
+    if not (want_wm or want_panel):
+        return
+    try:
+        d = xdisplay.Display(session.display)
+    except Exception as e:  # noqa: BLE001 - only timings are lost
+        log.debug("start watcher: %s", e)
+        return
+    try:
+        root = d.screen().root
+        width = d.screen().width_in_pixels
+        root.change_attributes(event_mask=X.PropertyChangeMask | X.SubstructureNotifyMask)
+        wm_check = d.intern_atom("_NET_SUPPORTING_WM_CHECK")
+        deadline = time.monotonic() + timeout
+
+        def look() -> None:
+            nonlocal want_wm, want_panel
+            if want_wm and root.get_full_property(wm_check, X.AnyPropertyType) is not None:
+                want_wm = False
+                session.mark("wm_ready_ms")
+            if want_panel:
+                for w in root.query_tree().children:
+                    with contextlib.suppress(Exception):
+                        if w.get_attributes().map_state == X.IsViewable and w.get_geometry().width == width:
+                            want_panel = False
+                            session.mark("panel_ready_ms")
+                            break
+
+        look()  # what happened before the events were selected
+        while (want_wm or want_panel) and not session.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if not d.pending_events():
+                select.select([d.fileno()], [], [], min(left, 0.5))
+            changed = False
+            while d.pending_events():
+                ev = d.next_event()
+                changed = changed or ev.type in (X.PropertyNotify, X.MapNotify, X.ConfigureNotify)
+            if changed:
+                look()
+    except Exception as e:  # noqa: BLE001 - only timings are lost
+        log.debug("start watcher: %s", e)
+    finally:
+        d.close()
+
+
 def serve(session: Session) -> None:
     """Serve until stopped; uvicorn's own exit on a bind failure raises SystemExit."""
     cfg = session.config
+    threading.Thread(target=watch_desktop_start, args=(session,), daemon=True, name="start-watcher").start()
     app = create_app(session.token, session.display, home=cfg.home, alive=session.xvfb_alive,
                      work_dir=str(session.run_dir), agent=session.agent, restart_buses=session.restart_agent_buses)
     if cfg.socket:

@@ -144,7 +144,13 @@ class SessionState(TypedDict):
     dbus_address: str
     run_dir: str
     home: str
-    timings_ms: dict[str, float]  # import_ms, xvfb_ready_ms, dbus_ready_ms, a11y_ready_ms, ready_ms
+    # ms since the session's start: import_ms (the server stack's import, while Xvfb starts),
+    # xvfb_ready_ms, desktop_spawned_ms (WM, panel, buses started), dbus_ready_ms, ready_ms (the
+    # guest listens; the file is written then), and later (the file is written again):
+    # wm_ready_ms, panel_ready_ms, a11y_ready_ms (the AT-SPI registry runs)
+    timings_ms: dict[str, float]
+    t0_monotonic: float  # the session's start on the monotonic clock (the host's too)
+    box_monotonic: dict[str, float]  # a box's init steps (osfarm.desktop.box_init), same clock
 
 
 class Session:
@@ -163,6 +169,12 @@ class Session:
         self.exit_reason = ""
         self.exit_code = 0
         self.timings: dict[str, float] = {}
+        try:  # a box's init steps (osfarm.desktop.box_init.TIMES_VAR); not passed on to the desktop
+            self.box_times: dict[str, float] = json.loads(os.environ.pop("OSFARM_BOX_TIMES", "") or "{}")
+        except ValueError:
+            self.box_times = {}
+        self._state_lock = threading.Lock()
+        self._published = False  # the state file is written: later marks write it again
         self.stopping = False
         # Set by a box's init (osfarm.desktop.box_init): the agent's processes (apps, the buses
         # they use) run there, as the agent's user; None on a plain workstation.
@@ -173,6 +185,11 @@ class Session:
     def mark(self, what: str) -> None:
         """Record the time since start under ``what`` (the state file's ``timings_ms``)."""
         self.timings[what] = round((time.monotonic() - self.t0) * 1000, 1)
+        if self._published:
+            try:
+                self.write_state()
+            except OSError as e:
+                log.warning("cannot write the state file: %s", e)
 
     def prepare_dirs(self) -> None:
         if self.config.run_dir:
@@ -298,7 +315,8 @@ class Session:
         link = self._link_user_bus(addr)
         if link_wait and link is not None:
             self._wait_link(link)
-        self.mark("dbus_ready_ms")
+        if not self._published:  # a cold start's figure (not a warm reset's restart)
+            self.mark("dbus_ready_ms")
         return link
 
     def _link_user_bus(self, addr: str) -> subprocess.Popen[bytes] | None:
@@ -335,6 +353,7 @@ class Session:
         if not self.config.no_panel:
             self._spawn("tint2", ["tint2", "-c", str(ASSETS / "tint2rc")])
         self.start_agent_buses()
+        self.mark("desktop_spawned_ms")
 
     def restart_agent_buses(self) -> dict[str, float]:
         """Start the agent's buses anew once a warm reset killed them (osfarm/desktop/warm.py):
@@ -431,7 +450,6 @@ class Session:
                 with contextlib.suppress(Exception):
                     c.close_sync(None)
         mark("registry")
-        self.mark("a11y_ready_ms")
         return True
 
     def _enable_a11y(self, poll_s: float = 0.05) -> None:
@@ -503,17 +521,21 @@ class Session:
             "dbus_address": self.dbus_address,
             "run_dir": str(self.run_dir),
             "home": self.config.home,
-            "timings_ms": self.timings,
+            "timings_ms": dict(self.timings),
+            "t0_monotonic": self.t0,
+            "box_monotonic": self.box_times,
         }
 
     def write_state(self) -> None:
         if not self.config.state_file:
             return
-        path = Path(self.config.state_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.state(), indent=1))
-        os.replace(tmp, path)
+        with self._state_lock:
+            path = Path(self.config.state_file)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.state(), indent=1))
+            os.replace(tmp, path)
+            self._published = True
 
     def on_signal(self, sig: int) -> None:
         """A stop signal arrived: remember why (the first reason wins)."""
