@@ -5,7 +5,8 @@ Start order, without waiting on anything but Xvfb's own readiness pipe:
 
 1. Xvfb (:class:`osfarm.desktop.xserver.Xvfb`),
 2. a private D-Bus session bus, the window manager (openbox), the panel (tint2) and the AT-SPI
-   bus launcher, all in parallel,
+   bus launcher, all in parallel (the launcher does 1-2 in a thread while it imports the server
+   stack, which takes longer),
 3. the guest HTTP server (:mod:`osfarm.desktop.guest_server`), in this process.
 
 Apps launched later (through the guest) inherit the desktop environment set here: DISPLAY,
@@ -247,8 +248,9 @@ class Session:
         env["OSFARM_PYTHON"] = os.environ.get("OSFARM_PYTHON") or sys.executable
         self.env = env
         # The guest runs its subprocesses with os.environ, so make this process's env the
-        # desktop env too.
-        os.environ.clear()
+        # desktop env too (key by key, never empty: the main thread may be importing meanwhile).
+        for key in [k for k in os.environ if k not in env]:
+            os.environ.pop(key, None)
         os.environ.update(env)
 
     def _spawn(self, name: str, cmd: list[str], pass_fds: tuple[int, ...] = (),
