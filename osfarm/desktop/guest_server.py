@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import uvicorn
+from Xlib import X
+from Xlib import display as xdisplay
 
 from osfarm.desktop.guest import create_app
 from osfarm.desktop.process_tree import ZombieReaper
@@ -50,9 +52,6 @@ def watch_desktop_start(session: Session, timeout: float = 15.0) -> None:
     """Mark when the window manager runs (``wm_ready_ms``: it has set _NET_SUPPORTING_WM_CHECK)
     and the panel is up (``panel_ready_ms``: a mapped top-level window as wide as the screen),
     from the X server's events (no polling); for the cold start's breakdown. Gives up quietly."""
-    from Xlib import X
-    from Xlib import display as xdisplay
-
     want_wm, want_panel = not session.config.no_wm, not session.config.no_panel
     if not (want_wm or want_panel):
         return

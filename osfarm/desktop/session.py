@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
+from osfarm.desktop.a11y_bus import open_connection
 from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.process_tree import kill_tree
 from osfarm.desktop.xserver import Xvfb
@@ -411,8 +412,6 @@ class Session:
         gi is missing (nothing done then)."""
         try:
             from gi.repository import Gio, GLib
-
-            from osfarm.desktop.a11y_bus import open_connection
         except ImportError:
             return False
         deadline = time.monotonic() + timeout
