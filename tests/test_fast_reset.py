@@ -137,6 +137,24 @@ def test_tampered_agent_world_falls_back_to_cold(warm_farm: FarmServer) -> None:
         c.delete(f"/v1/desktops/{lease}").raise_for_status()
 
 
+def test_changed_tree_root_falls_back_to_cold(warm_farm: FarmServer) -> None:
+    """A scanned tree's own mode shows in the fingerprint (its "." row): the agent's root
+    loosening or tightening the home (which the restore does not put back) forces a cold restart."""
+    with _client(warm_farm) as c:
+        lease = _lease(c)
+        cold = _fingerprint(c, lease)
+        _code(c, lease, 'import subprocess\nsubprocess.run(["sudo", "-S", "chmod", "0750", "/home/user"], '
+                        'input=b"password\\n", check=True)')
+        home = {e[0]: e for e in _fingerprint(c, lease)["files"]["home"]}
+        assert home["."][2] == 0o750
+        mismatches = _count("osfarm_warm_reset_fallbacks_total", "mismatch")
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+        lease = _lease(c)
+        assert _count("osfarm_warm_reset_fallbacks_total", "mismatch") == mismatches + 1
+        assert _fingerprint(c, lease)["digest"] == cold["digest"]
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+
+
 def test_cpu_accounting(warm_farm: FarmServer) -> None:
     with _client(warm_farm) as c:
         lease = _lease(c)
