@@ -76,6 +76,7 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console) ->
         # a small step keeps the choice task from saturating: an all-success group has no GRPO
         # signal and is dropped, which would stall the run (throughput is measured, not learning)
         "learner": cfg.learner.model_copy(update={"lr": args.lr}),
+        "farm": cfg.farm.model_copy(update={"overrides": {**cfg.farm.overrides, "reset_mode": args.reset_mode}}),
         "max_episodes": args.max_episodes,
         "learner_cpus": args.learner_cpus,
     })
@@ -110,6 +111,8 @@ def main() -> None:
     ap.add_argument("--learner-cpus", default="0",
                     help="CPUs of the learner, the rest run the rollouts (as a cluster's trainer and inference "
                          "devices); 'none': everything shares every CPU")
+    ap.add_argument("--reset-mode", choices=("cold", "warm"), default="cold",
+                    help="the in-process farm's reset_mode in every setting (issue 15: warm resets)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     args.learner_cpus = None if args.learner_cpus == "none" else [int(c) for c in args.learner_cpus.split(",")]
@@ -123,7 +126,8 @@ def main() -> None:
     base = results.get(0)
     split = f"learner on CPUs {args.learner_cpus}, rollouts on the rest" if args.learner_cpus else "shared CPUs"
     table = Table(title=f"async vs sync: {args.updates} updates, {args.envs} desktops, batch {args.batch_size}, "
-                        f"policy latency {args.delay_ms:g} ms σ {args.delay_sigma:g}, {split}")
+                        f"policy latency {args.delay_ms:g} ms σ {args.delay_sigma:g}, {split}, "
+                        f"{args.reset_mode} resets")
     for col in ("η", "samples/s", "× sync", "episodes/s", "env utilisation", "update s", "max staleness", "wall s"):
         table.add_column(col, justify="right")
     for eta, r in results.items():

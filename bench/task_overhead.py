@@ -12,7 +12,10 @@ The comparison row is OSWorld's harness floor from ../shared/reference/osworld.m
 sleep after reset + 20 s before evaluating + 2 s after every step — waits alone, before its
 VM snapshot revert; not measured here.
 
-Usage: python bench/task_overhead.py [--suite DIR] [--per-domain K] [--envs 1,2,4]
+With ``--reset-modes cold,warm`` every --envs run is made once per reset mode (the farm's
+``reset_mode``), and the throughput table compares them side by side (issue 15: warm vs cold).
+
+Usage: python bench/task_overhead.py [--suite DIR] [--per-domain K] [--envs 1,2,4] [--reset-modes cold,warm]
 """
 
 from __future__ import annotations
@@ -53,12 +56,14 @@ def _ts(s: str) -> float:
     return datetime.fromisoformat(s).timestamp()
 
 
-def run_once(suite: Path, index_file: Path, envs: int, out: Path) -> list[dict]:
+def run_once(suite: Path, index_file: Path, envs: int, out: Path, reset_mode: str = "cold") -> list[dict]:
     os.environ["OSFARM_STATE_DIR"] = tempfile.mkdtemp(prefix="oto", dir="/tmp")
-    res = run_eval(RunOptions(suite=suite, agent="replay", out=out, index=index_file, envs=envs, progress=False))
+    opts = RunOptions(suite=suite, agent="replay", out=out, index=index_file, envs=envs, progress=False,
+                      farm_overrides={"reset_mode": reset_mode})
+    res = run_eval(opts)
     if res["success_rate"] != 1.0:
         bad = [t["task_id"] for t in res["tasks"] if t["status"] != "success"]
-        Console(stderr=True).print(f"[yellow]envs={envs}: replay did not solve {bad} (still timed)")
+        Console(stderr=True).print(f"[yellow]{reset_mode} envs={envs}: replay did not solve {bad} (still timed)")
     return read_episodes(out / "episodes.jsonl")
 
 
@@ -72,22 +77,50 @@ def main() -> None:
     ap.add_argument("--suite", type=Path, default=ROOT / "tasks" / "osfarm-offline")
     ap.add_argument("--per-domain", type=int, default=2)
     ap.add_argument("--envs", default="1,2,4")
+    ap.add_argument("--reset-modes", default="cold", help="comma-separated farm reset modes to compare (cold,warm)")
     args = ap.parse_args()
     envs_list = [int(x) for x in args.envs.split(",")]
+    modes = [m.strip() for m in args.reset_modes.split(",") if m.strip()]
+    if not modes or not set(modes) <= {"cold", "warm"}:
+        ap.error(f"--reset-modes: expected cold and/or warm, got {args.reset_modes!r}")
     console = Console(width=150)
     work = Path(tempfile.mkdtemp(prefix="osfarm-bench-overhead-"))
     index = slice_index(args.suite, args.per_domain)
     (work / "index.json").write_text(json.dumps(index))
     n_tasks = sum(len(v) for v in index.values())
-    console.print(f"{n_tasks} tasks ({args.per_domain} per domain), replay agent, envs {envs_list}; work dir {work}")
+    console.print(f"{n_tasks} tasks ({args.per_domain} per domain), replay agent, envs {envs_list}, "
+                  f"reset modes {modes}; work dir {work}")
 
-    runs: dict[int, list[dict]] = {}
+    # mode-major order within each envs value: the two modes of one envs run next to each other
+    runs: dict[tuple[str, int], list[dict]] = {}
     for n in envs_list:
-        runs[n] = run_once(args.suite, work / "index.json", n, work / f"envs{n}")
+        for mode in modes:
+            runs[mode, n] = run_once(args.suite, work / "index.json", n, work / f"{mode}-envs{n}", mode)
 
     # per-domain overhead: the least contended run (fewest envs) is the harness's own cost
-    base = runs[min(envs_list)]
-    tab = Table(title=f"harness overhead per task (replay, envs={min(envs_list)}), median seconds")
+    for mode in modes:
+        overhead_table(console, runs[mode, min(envs_list)], f"{mode} reset, envs={min(envs_list)}")
+
+    thr = Table(title="replay throughput")
+    for c in ("reset", "envs", "episodes", "wall s", "episodes/hour", "vs envs=1", "vs cold"):
+        thr.add_column(c, justify="right")
+    eph: dict[tuple[str, int], float] = {}
+    for (mode, n), recs in runs.items():
+        span = max(_ts(r["finished_at"]) for r in recs) - min(_ts(r["started_at"]) for r in recs)
+        eph[mode, n] = len(recs) / span * 3600
+    for mode in modes:
+        for n in envs_list:
+            vs_cold = f"{eph[mode, n] / eph['cold', n]:.2f}x" if ("cold", n) in eph else "-"
+            recs = runs[mode, n]
+            span = len(recs) / eph[mode, n] * 3600
+            thr.add_row(mode, str(n), str(len(recs)), f"{span:.1f}", f"{eph[mode, n]:.0f}",
+                        f"{eph[mode, n] / eph[mode, envs_list[0]]:.2f}x", vs_cold)
+    console.print(thr)
+    console.print(f"(this machine: {os.cpu_count()} cores; desktops and the harness share them)")
+
+
+def overhead_table(console: Console, base: list[dict], label: str) -> None:
+    tab = Table(title=f"harness overhead per task (replay, {label}), median seconds")
     for c in ("domain", "tasks", "lease", "setup", "evaluate", "overhead", "agent", "OSWorld waits", "ratio"):
         tab.add_column(c, justify="left" if c == "domain" else "right")
     domains = sorted({r["domain"] for r in base})
@@ -103,18 +136,6 @@ def main() -> None:
         tab.add_row(dom, str(len(recs)), f"{med['lease']:.2f}", f"{med['setup']:.2f}", f"{med['evaluate']:.2f}",
                     f"{ov:.2f}", f"{med['agent']:.2f}", f"{osw:.0f}", f"{osw / ov:.1f}x")
     console.print(tab)
-
-    thr = Table(title="replay throughput")
-    for c in ("envs", "episodes", "wall s", "episodes/hour", "vs envs=1"):
-        thr.add_column(c, justify="right")
-    first = None
-    for n, recs in runs.items():
-        span = max(_ts(r["finished_at"]) for r in recs) - min(_ts(r["started_at"]) for r in recs)
-        eph = len(recs) / span * 3600
-        first = first or eph
-        thr.add_row(str(n), str(len(recs)), f"{span:.1f}", f"{eph:.0f}", f"{eph / first:.2f}x")
-    console.print(thr)
-    console.print(f"(this machine: {os.cpu_count()} cores; desktops and the harness share them)")
 
 
 if __name__ == "__main__":
