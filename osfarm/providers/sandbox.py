@@ -160,6 +160,8 @@ class SandboxProvider:
             raise
         if self.templates.agent_python_note:
             log.warning("%s", self.templates.agent_python_note)
+        if self.templates.bytecode_note:
+            log.warning("%s", self.templates.bytecode_note)
         self._procs: dict[str, asyncio.subprocess.Process] = {}
         self._slots: dict[str, Slot] = {}
         self._cgroups: dict[str, DesktopCgroup] = {}

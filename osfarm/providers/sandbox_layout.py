@@ -45,6 +45,7 @@ interpreter wrapper).
 
 from __future__ import annotations
 
+import compileall
 import hashlib
 import importlib.util
 import os
@@ -101,6 +102,7 @@ class Templates:
         self.root.mkdir(parents=True, exist_ok=True)
         self.etc_mask = self._etc_mask()
         self.guest_paths = guest_python_paths()
+        self.bytecode_note = compile_guest_code()
         self.osfarm_bin = self._osfarm_bin()
         self.agent_local, self.agent_python_note = self._agent_local()
         self.password_hash = password_hash(PASSWORD)
@@ -217,6 +219,23 @@ def _copy_modules(found: dict[str, list[Path]], site: Path) -> None:
         for p in paths:
             copy = shutil.copytree if p.is_dir() else shutil.copy2
             copy(p, site / p.name)
+
+
+def compile_guest_code() -> str:
+    """Write the bytecode of osfarm's modules next to them (``__pycache__``), as ``pip install``
+    does for the farm's other packages. A box binds osfarm's package dir read-only and the guest
+    cannot write there anyway, so without it every box's Python compiles every module it imports
+    (~50 ms of each cold start's CPU for the launcher and the guest server alone). Up-to-date
+    files are only checked; a module edited later is compiled in memory again, as before.
+    Returns why it could not be done ("" when done)."""
+    pkg = Path(osfarm.__file__).resolve().parent
+    if not os.access(pkg, os.W_OK):
+        return f"{pkg} is not writable: boxes compile osfarm's modules at every start"
+    try:
+        ok = compileall.compile_dir(pkg, quiet=2, workers=1)
+    except OSError as e:
+        return f"compiling {pkg}: {e}"
+    return "" if ok else f"some of {pkg}'s modules did not compile"
 
 
 def guest_python_paths() -> dict:
