@@ -35,7 +35,8 @@ from osfarm.farm.state import FarmState
 from osfarm.http.auth import BearerAuth, BrowserLogin
 from osfarm.http.body_limit import BodyLimit, BodyRule
 from osfarm.http.openapi import allowed_methods
-from osfarm.http.principals import TokenTable, build_token_table
+from osfarm.http.principals import TokenTable
+from osfarm.http.token_sources import build_token_table
 from osfarm.providers.base import Provider
 
 log = logging.getLogger("osfarm.farm.api")

@@ -16,13 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from osfarm.config import ConfigError
-from osfarm.http.principals import (
-    ROLES,
-    TokenEntry,
-    new_token,
-    read_token_file,
-    token_digest,
-)
+from osfarm.http.principals import ROLES, new_token, token_digest
+from osfarm.http.token_sources import TokenEntry, read_token_file
 
 tokens_app = typer.Typer(help="Per-client tokens of the farm API (a tokens file stores their SHA-256 only).",
                          no_args_is_help=True)

@@ -14,7 +14,8 @@ Roles (what each may do is decided by the farm's routes, see ``osfarm/farm/state
   as if it did not exist), within ``max_leases`` leases at once and ``max_ttl_s`` per lease.
 * ``viewer``: read-only: the pool's status (without lease ids), health, metrics.
 
-Sources, merged: the ``tokens_file`` setting (YAML, below), the ``tokens`` setting
+Sources, merged (read by :mod:`osfarm.http.token_sources`, which the farm imports and the guest
+server does not): the ``tokens_file`` setting (YAML, below), the ``tokens`` setting
 (``OSFARM_TOKENS``: comma-separated ``name:role:secret[:max_leases[:max_ttl_s]]``, where
 ``secret`` is ``sha256:<64 hex digits>`` or a raw token) and the admin ``token``::
 
@@ -34,19 +35,14 @@ import re
 import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
-
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from osfarm.config import ConfigError, read_yaml_mapping, validation_message
 
 Role = Literal["admin", "client", "viewer"]
 ROLES: tuple[Role, ...] = ("admin", "client", "viewer")
 ADMIN_NAME = "admin"
 
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
+DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -97,7 +93,7 @@ class TokenTable:
             self.add(digest, principal)
 
     def add(self, digest: str, principal: Principal) -> None:
-        if not _HEX64.match(digest):
+        if not DIGEST_RE.match(digest):
             raise ValueError(f"{principal.name}: sha256 must be 64 lowercase hex digits")
         if digest in self._by_digest:
             other = self._by_digest[digest].name
@@ -128,100 +124,5 @@ class TokenTable:
         return len(self._by_digest)
 
 
-class TokenEntry(BaseModel):
-    """One client of a token file."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(pattern=_NAME.pattern, description="the client's name (logs, lease ownership)")
-    role: Role = "client"
-    sha256: str = Field(pattern=_HEX64.pattern, description="hex SHA-256 of the client's token")
-    max_leases: int | None = Field(default=None, ge=1)
-    max_ttl_s: float | None = Field(default=None, gt=0)
-
-    def principal(self) -> Principal:
-        return Principal(self.name, self.role, self.max_leases, self.max_ttl_s)
-
-
-class TokenFile(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    clients: list[TokenEntry] = Field(default_factory=list)
-
-
-def read_token_file(path: Path) -> list[TokenEntry]:
-    """The entries of a token file; errors name ``FILE:LINE`` and the key."""
-    data, text = read_yaml_mapping(path)
-    try:
-        entries = TokenFile.model_validate(data).clients
-    except ValidationError as e:
-        raise ConfigError(validation_message(e, path, text)) from None
-    names = [e.name for e in entries]
-    for name in names:
-        if names.count(name) > 1:
-            raise ConfigError(f"{path}: client {name!r} is listed twice")
-    return entries
-
-
-def parse_token_list(text: str, source: str = "OSFARM_TOKENS") -> list[tuple[str, Principal]]:
-    """``name:role:secret[:max_leases[:max_ttl_s]]``, comma-separated: (digest, principal) pairs.
-    ``secret`` is ``sha256:<hex>`` or the raw token (hashed here, never kept)."""
-    out: list[tuple[str, Principal]] = []
-    for i, item in enumerate(p.strip() for p in text.split(",")):
-        if not item:
-            continue
-        where = f"{source}: entry {i + 1}"
-        parts = item.split(":")
-        if len(parts) >= 4 and parts[2] == "sha256":  # name:role:sha256:<hex>[:...]
-            name, role, _, digest, *limits = parts
-        elif len(parts) >= 3:
-            name, role, raw, *limits = parts
-            if not raw:
-                raise ConfigError(f"{where} ({name}): empty token")
-            digest = token_digest(raw)
-        else:
-            raise ConfigError(f"{where}: expected name:role:token[:max_leases[:max_ttl_s]]")
-        if not _NAME.match(name):
-            raise ConfigError(f"{where}: name {name!r}: letters, digits, '.', '_', '@', '-' only (at most 64)")
-        if role not in ROLES:
-            raise ConfigError(f"{where} ({name}): role {role!r}: expected one of {', '.join(ROLES)}")
-        if not _HEX64.match(digest):
-            raise ConfigError(f"{where} ({name}): sha256 must be 64 lowercase hex digits")
-        if len(limits) > 2:
-            raise ConfigError(f"{where} ({name}): too many fields")
-        try:
-            max_leases = int(limits[0]) if len(limits) > 0 and limits[0] else None
-            max_ttl = float(limits[1]) if len(limits) > 1 and limits[1] else None
-        except ValueError:
-            raise ConfigError(f"{where} ({name}): max_leases and max_ttl_s must be numbers") from None
-        if (max_leases is not None and max_leases < 1) or (max_ttl is not None and max_ttl <= 0):
-            raise ConfigError(f"{where} ({name}): max_leases must be >= 1 and max_ttl_s > 0")
-        out.append((digest, Principal(name, role, max_leases, max_ttl)))  # type: ignore[arg-type]
-    return out
-
-
-def build_token_table(admin_token: str, tokens: str = "", tokens_file: Path | None = None,
-                      client_max_leases: int | None = None, client_max_ttl_s: float | None = None) -> TokenTable:
-    """Every principal the farm knows: the admin token, the token file, the env list. A client
-    without limits of its own gets ``client_max_leases``/``client_max_ttl_s``. Raises
-    ConfigError naming the source of a bad entry or a clash."""
-    table = TokenTable()
-    pairs: list[tuple[str, Principal, str]] = []
-    if tokens_file is not None:
-        pairs += [(e.sha256, e.principal(), str(tokens_file)) for e in read_token_file(tokens_file)]
-    pairs += [(d, p, "OSFARM_TOKENS") for d, p in parse_token_list(tokens)]
-    if admin_token:
-        pairs.append((token_digest(admin_token), Principal(ADMIN_NAME, "admin"), "the farm token (OSFARM_TOKEN)"))
-    for digest, p, source in pairs:
-        if p.role == "client":
-            p = Principal(p.name, p.role, p.max_leases if p.max_leases is not None else client_max_leases,
-                          p.max_ttl_s if p.max_ttl_s is not None else client_max_ttl_s)
-        try:
-            table.add(digest, p)
-        except ValueError as e:
-            raise ConfigError(f"{source}: {e}") from None
-    return table
-
-
-__all__ = ["ADMIN_NAME", "ROLES", "Principal", "Role", "TokenEntry", "TokenTable", "build_token_table",
-           "new_token", "parse_token_list", "read_token_file", "token_digest"]
+__all__ = ["ADMIN_NAME", "DIGEST_RE", "NAME_RE", "ROLES", "Principal", "Role", "TokenTable", "new_token",
+           "token_digest"]
