@@ -104,6 +104,8 @@ LAZY_OSFARM: dict[str, str] = {
     "osfarm.runner.executors.worker_task": "imports celery and redis",
     "osfarm.desktop.guest_server": "the session launcher imports the server stack (fastapi, uvicorn, numpy, "
     "PIL, Xlib: 0.2-0.3 s) while Xvfb starts (~0.15 s), not before: a reset is kill + start",
+    "osfarm.http.download": ("the guest's /setup/download_file imports it on its first call: it imports httpx "
+                             "(and httpx its command line's click, rich, pygments: ~70 ms of every cold start)"),
 }
 
 

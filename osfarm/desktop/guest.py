@@ -81,8 +81,19 @@ def create_app(
         except Exception:
             pass
 
+    def open_capture() -> None:
+        try:
+            desk.capture  # noqa: B018 - made on first use
+        except Exception:
+            pass  # the first request that needs it reports the error
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The screen capture's X connections open now, while the server binds its socket and
+        # the provider claims it (mss finds and loads its X libraries: ~50 ms), rather than in
+        # the first request that asks for the screen: the provider's health check, which the
+        # start waits for.
+        threading.Thread(target=open_capture, daemon=True, name="open-capture").start()
         if warm_code_runner:
             # Hide the interpreter's pyautogui import behind idle time instead of the first step.
             asyncio.get_running_loop().call_later(0.5, lambda: threading.Thread(

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 from urllib.parse import quote
 
@@ -41,7 +42,6 @@ from osfarm.desktop.request_fields import (
     require_str,
 )
 from osfarm.desktop.wallpaper import paint_root
-from osfarm.http.download import DownloadError, DownloadPolicy, DownloadRefused, download
 
 EXECUTE_TIMEOUT_S = 120.0  # OSWorld's subprocess.run timeout for /execute
 RUN_PYTHON_TIMEOUT_S = 30.0
@@ -53,6 +53,15 @@ MAX_FILE_BYTES = MAX_READ_BYTES
 WALLPAPER_MAX_BYTES = 64 << 20  # OSWorld waits up to 1800 s; callers may pass timeout_seconds
 
 router = APIRouter()
+
+
+def downloads() -> ModuleType:
+    """:mod:`osfarm.http.download`, imported by the first ``/setup/download_file``: it imports
+    httpx (which imports click, rich and pygments for its command line: ~70 ms of every cold
+    start for a route most tasks never call)."""
+    from osfarm.http import download
+
+    return download
 
 
 def cannot_start(command: Command, e: OSError, verb: str = "run") -> HTTPException:
@@ -396,16 +405,17 @@ async def download_file(request: Request, desk: DesktopDep) -> PlainTextResponse
     path = expand(require_str(data, "path"))
     if await run_in_threadpool(desk.is_dir, path):
         raise bad("path", f"is a directory: {path}")
-    policy = DownloadPolicy.from_env(timeout_s=DOWNLOAD_TIMEOUT_S)
+    dl = downloads()
+    policy = dl.DownloadPolicy.from_env(timeout_s=DOWNLOAD_TIMEOUT_S)
     if desk.files is not None:
         # Fetched into the guest's own dir, then written as the agent (see agent_files).
         staged = str(desk.work_dir / f"download_{os.getpid()}_{time.monotonic_ns()}")
         try:
             try:
-                got = await download(url, staged, policy, lock=False)
-            except DownloadRefused as e:
+                got = await dl.download(url, staged, policy, lock=False)
+            except dl.DownloadRefused as e:
                 raise bad("url", e.reason) from None
-            except DownloadError as e:
+            except dl.DownloadError as e:
                 return PlainTextResponse(f"Failed to download {url}. No retries left. Error: {e.reason}", 500)
 
             def place() -> int:
@@ -421,10 +431,10 @@ async def download_file(request: Request, desk: DesktopDep) -> PlainTextResponse
             for leftover in (staged, staged + ".part", staged + ".part.json"):
                 Path(leftover).unlink(missing_ok=True)
     try:
-        got = await download(url, path, policy, lock=False)
-    except DownloadRefused as e:
+        got = await dl.download(url, path, policy, lock=False)
+    except dl.DownloadRefused as e:
         raise bad("url", e.reason) from None
-    except DownloadError as e:
+    except dl.DownloadError as e:
         Path(path + ".part").unlink(missing_ok=True)
         Path(path + ".part.json").unlink(missing_ok=True)
         return PlainTextResponse(f"Failed to download {url}. No retries left. Error: {e.reason}", 500)
