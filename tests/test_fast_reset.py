@@ -155,6 +155,59 @@ def test_changed_tree_root_falls_back_to_cold(warm_farm: FarmServer) -> None:
         c.delete(f"/v1/desktops/{lease}").raise_for_status()
 
 
+LEFT_BEHIND = r"""
+import ctypes, os, subprocess, time
+def sh(cmd, root=False):
+    argv = ["sudo", "-S", "-p", "", "sh", "-c", cmd] if root else ["sh", "-c", cmd]
+    subprocess.run(argv, input=b"password\n" if root else None, check=True, capture_output=True)
+# a POSIX message queue (outlives its process, in no file tree the agent sees by default)
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+assert rt.mq_open(b"/leftover", os.O_CREAT | os.O_RDWR, 0o600, None) >= 0, ctypes.get_errno()
+# X server settings that outlive their client: swapped buttons, no Control modifier, screen
+# saver after 2 s, pointer acceleration, no autorepeat, bell, access control off
+sh("xmodmap -e 'pointer = 3 2 1' -e 'clear control'")
+sh("xset s 2 2 m 20 1 -r b 100 1000 100 c 100; xhost +")
+# a client's window kept after it exits (RetainPermanent), hidden inside another client's window
+sh("python3 -c 'from Xlib import display, X; d = display.Display(); d.set_close_down_mode(X.RetainPermanent); "
+   "top = [w for w in d.screen().root.query_tree().children if w.get_attributes().map_state][0]; "
+   "top.create_window(0, 0, 1, 1, 0, d.screen().root_depth); d.sync()'")
+# a timestamp as a message to the next episode, on a dir the reset keeps
+sh("touch -d 2001-02-03 /run/user/1000", root=True)
+"""
+
+CHECK_LEFT = r"""
+import ctypes, os, subprocess
+rt = ctypes.CDLL("librt.so.1", use_errno=True)
+assert rt.mq_open(b"/leftover", os.O_RDWR, 0o600, None) < 0, "the message queue is still there"
+out = subprocess.run("xmodmap -pp -pm; xset q; xhost", shell=True, capture_output=True, text=True).stdout
+assert "Control_L" in out and "timeout:  600" in out and "auto repeat:  on" in out, out
+assert "access control enabled" in out and "acceleration:  2/1" in out, out
+assert [ln.split() for ln in out.splitlines() if ln.strip().startswith("1 ")][0] == ["1", "1"], out
+assert os.stat("/run/user/1000").st_mtime > 1e9 + 1e8, "the kept dir's timestamp is the agent's"
+"""
+
+
+def test_left_behind_in_kernel_and_x_server_warm_reset_away(warm_farm: FarmServer) -> None:
+    """What outlives the agent's processes without being a file of its trees (a POSIX message
+    queue, X server settings from xmodmap/xset/xhost, X resources retained past their client, a
+    timestamp on a kept dir) shows in the fingerprint and is undone by the warm reset (no fallback)."""
+    with _client(warm_farm) as c:
+        lease = _lease(c)
+        cold = _fingerprint(c, lease)
+        _code(c, lease, LEFT_BEHIND)
+        diff = differences(cold, _fingerprint(c, lease), limit=50)
+        for part in ("files./dev/mqueue", "x.controls", "x.orphan_clients"):
+            assert any(d.startswith(part) for d in diff), (part, diff)
+        warm_before = _count("osfarm_resets_total", "warm")
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+        lease = _lease(c)
+        assert _count("osfarm_resets_total", "warm") == warm_before + 1
+        after = _fingerprint(c, lease)
+        assert after["digest"] == cold["digest"], differences(cold, after)
+        _code(c, lease, CHECK_LEFT)
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+
+
 def test_cpu_accounting(warm_farm: FarmServer) -> None:
     with _client(warm_farm) as c:
         lease = _lease(c)

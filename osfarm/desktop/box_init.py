@@ -44,7 +44,7 @@ PLAN_ENV = "OSFARM_BOX_PLAN"  # ``--env``: the plan in this variable (a containe
 class Mount:
     """One step of building a box's file system. ``target`` is a box path.
 
-    kinds: ``bind`` (``source`` on the host; a file or a dir), ``tmpfs`` and ``overlay``
+    kinds: ``bind`` (``source`` on the host; a file or a dir), ``tmpfs``, ``mqueue`` and ``overlay``
     (``options`` is the mount data), ``proc``, ``devpts``, ``dir`` (mkdir with ``mode``,
     ``uid``, ``gid``), ``symlink`` (to ``source``), ``file`` (an empty file: a bind target).
     """
@@ -158,7 +158,7 @@ def _mount(root: str, m: Mount) -> None:
         linux_ns.bind(m.source, target, readonly=m.readonly, nosuid=not m.suid, nodev=not m.dev, noexec=not m.exec)
         return
     os.makedirs(target, exist_ok=True)
-    if m.kind in ("tmpfs", "overlay", "devpts"):
+    if m.kind in ("tmpfs", "overlay", "devpts", "mqueue"):
         linux_ns.mount(m.kind, target, m.kind, m.flags() & ~linux_ns.MS_RDONLY, m.options or None)
         if m.readonly:
             linux_ns.mount(None, target, None, linux_ns.MS_REMOUNT | m.flags())

@@ -2,10 +2,12 @@
 
 A **fingerprint** says what state a desktop is in, in the terms a task or an agent could notice:
 the processes by command line (guest's and agent's), the writable trees (``/home/user``,
-``/tmp``, ``/var/tmp``, ``/dev/shm``, the agent's ``/run``; names, types, modes, owners, sizes,
-content hashes) and what else is in ``/home``, the agent's ``/etc`` and mount table, the X
-server's state (screen size, root window properties, selection owners, pressed keys and buttons,
-pointer, keyboard mapping, top-level windows, the active one) and the guest's own scratch dir.
+``/tmp``, ``/var/tmp``, ``/dev/shm``, the POSIX message queues in ``/dev/mqueue``, the agent's
+``/run``; names, types, modes, owners, sizes, content hashes) and what else is in ``/home``, the
+agent's ``/etc`` and mount table, the X server's state (screen size, root window properties,
+selection owners, pressed keys and buttons, pointer, keyboard mapping, top-level windows, the
+active one, the settings ``xmodmap``/``xset``/``xhost`` change, clients whose resources outlived
+them) and the guest's own scratch dir.
 Random names (temp dirs, window ids, bus addresses) are normalised, so two cold starts give the
 same fingerprint; ``digest`` is its hash.
 
@@ -17,7 +19,8 @@ double-forked daemons are still in the box's PID namespace, a process ignoring S
 choice; the agent's D-Bus and AT-SPI buses too, since a task could have tampered with them), puts
 the home back from the baseline's copy and removes what was added to the other writable trees (as
 the agent's root, in the agent's namespaces), puts the X state back (keys and buttons released,
-pointer, selections, windows of dead clients, root properties, focus), starts the agent's buses
+pointer, selections, windows and resources of dead clients, root properties, focus, button and
+modifier mappings, keyboard/pointer controls, screen saver, font path, access control), starts the agent's buses
 again and returns the new fingerprint's digest (the whole fingerprint where it differs from the
 baseline's); the route then re-arms the guest with a new token and, once it has answered, starts
 the guest's interpreter again. The farm compares the digest to the baseline's and restarts the
@@ -46,12 +49,13 @@ from typing import TYPE_CHECKING, Any
 
 from Xlib import X, Xatom
 from Xlib import display as xdisplay
+from Xlib import error as xerror
 from Xlib.ext import xtest
 
 if TYPE_CHECKING:
     from osfarm.desktop.guest_state import Desktop
 
-WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run")
 KILL_ROUNDS = 50
 KILL_WAIT_S = 2.0  # for the killed processes to exit, all rounds together
 HELPER_TIMEOUT_S = 20.0
@@ -86,7 +90,7 @@ import os, stat, sys
 # Only os, stat and sys at the start: a warm reset waits for the restore, not for imports (json,
 # hashlib, tarfile, shutil each cost milliseconds); the rest is imported where it is needed.
 mode, home = sys.argv[1], sys.argv[2]
-WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/run")
+WRITABLE = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue", "/run")
 
 def sha256():
     try:
@@ -276,6 +280,13 @@ def restore(keep, emptied, data):
                     remove(p)
                     if name in dirs:
                         dirs.remove(name)
+    # What is kept gets the time of now: a timestamp the agent set (touch -d) would carry a message
+    # to the next episode's agent.
+    for p in keep:
+        try:
+            os.utime(p, follow_symlinks=False)
+        except OSError:
+            pass
 
 def paths(blob):
     return [os.fsdecode(x) for x in blob.split(b"\0") if x]
@@ -656,6 +667,8 @@ def _x_state(display: str, conn: Any = None) -> dict[str, Any]:
             except Exception:  # noqa: BLE001 - a window that went away meanwhile
                 continue
         return {
+            "controls": _x_controls(d),
+            "orphan_clients": len(_x_orphans(d)),
             "screen": [s.width_in_pixels, s.height_in_pixels],
             "root_properties": props,
             "selections": selections,
@@ -689,6 +702,113 @@ def _raw_root_properties(d: Any) -> dict[str, tuple[int, int, Any]]:
     return out
 
 
+def _x_controls(d: Any) -> dict[str, Any]:
+    """The X server's settings a client can change and that outlive it (``xmodmap``, ``xset``,
+    ``xhost``): button and modifier mappings, keyboard and pointer controls, screen saver, font
+    path, access control. A next episode's clicks, shortcuts and screenshots depend on them."""
+    kbd = d.get_keyboard_control()
+    ptr = d.get_pointer_control()
+    saver = d.get_screen_saver()
+    hosts = d.list_hosts()
+    return {
+        "pointer_mapping": list(d.get_pointer_mapping()),
+        "modifier_mapping": [list(m) for m in d.get_modifier_mapping()],
+        "keyboard": [kbd.global_auto_repeat, kbd.led_mask, kbd.key_click_percent, kbd.bell_percent,
+                     kbd.bell_pitch, kbd.bell_duration, list(kbd.auto_repeats)],
+        "pointer": [ptr.accel_num, ptr.accel_denom, ptr.threshold],
+        "screen_saver": [saver.timeout, saver.interval, saver.prefer_blanking, saver.allow_exposures],
+        "font_path": list(d.get_font_path()),
+        "access": [hosts.mode, sorted([h.family, list(h.name)] for h in hosts.hosts)],
+    }
+
+
+def _x_orphans(d: Any) -> list[int]:
+    """The X clients with no process behind them, by resource base: what a client left past its
+    connection with ``XSetCloseDownMode(RetainPermanent)`` (windows inside other clients' windows,
+    selections, properties that no window list shows). The server's own (base 0) is not one."""
+    try:
+        from Xlib.ext import res
+        clients = d.res_query_clients().clients
+        ids = d.res_query_client_ids([{"client": c.resource_base, "mask": res.LocalClientPIDMask}
+                                      for c in clients if c.resource_base])
+    except Exception:  # noqa: BLE001 - no X-Resource extension: nothing to say
+        return []
+    pids = {i.spec.client: (i.value[0] if i.value else -1) for i in ids.ids}
+    return sorted(c.resource_base for c in clients
+                  if c.resource_base and not (pids.get(c.resource_base, -1) > 0
+                                              and os.path.exists(f"/proc/{pids[c.resource_base]}")))
+
+
+def _kill_orphans(d: Any) -> None:
+    """Free what :func:`_x_orphans` found. KillClient names a client by one of its resources: its
+    windows, anywhere in the tree (what other clients can see of an orphan is on a window; one
+    with none left, only pixmaps or GCs, still counts in the fingerprint: a cold restart)."""
+    orphans = _x_orphans(d)
+    if not orphans:
+        return
+    mask = d.res_query_clients().clients[0].resource_mask
+    found: dict[int, int] = {}
+    todo = [d.screen().root]
+    while todo:
+        w = todo.pop()
+        with contextlib.suppress(Exception):
+            for child in w.query_tree().children:
+                todo.append(child)
+                base = child.id & ~mask
+                if base in orphans and base not in found:
+                    found[base] = child.id
+                    child.kill_client(onerror=xerror.CatchError())
+    d.sync()
+
+
+def _x_restore_controls(d: Any, base: dict[str, Any]) -> None:
+    """Put :func:`_x_controls` back to ``base`` (what differs only)."""
+    now = _x_controls(d)
+    if not base or now == base:
+        return
+    if now["pointer_mapping"] != base["pointer_mapping"]:
+        for _ in range(20):  # MappingBusy while a button is still down
+            if d.set_pointer_mapping(base["pointer_mapping"]) == X.MappingSuccess:
+                break
+            time.sleep(0.005)
+    if now["modifier_mapping"] != base["modifier_mapping"]:
+        for _ in range(20):
+            if d.set_modifier_mapping(base["modifier_mapping"]) == X.MappingSuccess:
+                break
+            time.sleep(0.005)
+    if now["keyboard"] != base["keyboard"]:
+        auto, leds, click, bell, pitch, duration, repeats = base["keyboard"]
+        d.change_keyboard_control(key_click_percent=click, bell_percent=bell, bell_pitch=pitch,
+                                  bell_duration=duration)
+        for i in range(32):
+            if (leds ^ now["keyboard"][1]) & (1 << i):
+                d.change_keyboard_control(led=i + 1, led_mode=X.LedModeOn if leds & (1 << i) else X.LedModeOff)
+        for i, (b, n) in enumerate(zip(repeats, now["keyboard"][6], strict=False)):
+            for bit in range(8):
+                if (b ^ n) & (1 << bit) and i * 8 + bit >= 8:
+                    d.change_keyboard_control(key=i * 8 + bit, auto_repeat_mode=X.AutoRepeatModeOn
+                                              if b & (1 << bit) else X.AutoRepeatModeOff)
+        d.change_keyboard_control(auto_repeat_mode=X.AutoRepeatModeOn if auto else X.AutoRepeatModeOff)
+    if now["pointer"] != base["pointer"]:
+        num, den, threshold = base["pointer"]
+        d.change_pointer_control(accel=(num, den), threshold=threshold)
+    if now["screen_saver"] != base["screen_saver"]:
+        d.set_screen_saver(*base["screen_saver"])
+    if now["font_path"] != base["font_path"]:
+        d.set_font_path(base["font_path"])
+    if now["access"] != base["access"]:
+        mode, hosts = base["access"]
+        have = {json.dumps(h) for h in now["access"][1]}
+        want = {json.dumps(h) for h in hosts}
+        for h in have - want:
+            family, name = json.loads(h)
+            d.change_hosts(X.HostDelete, family, name)
+        for h in want - have:
+            family, name = json.loads(h)
+            d.change_hosts(X.HostInsert, family, name)
+        d.set_access_control(mode)
+
+
 def _x_reset(display: str, base: Baseline, conn: Any = None) -> None:
     """Release keys and buttons, pointer back, selections dropped, windows of clients that were
     not there at the baseline killed, root properties back to the baseline's."""
@@ -711,9 +831,11 @@ def _x_reset(display: str, base: Baseline, conn: Any = None) -> None:
                 d.set_selection_owner(atom, X.NONE, X.CurrentTime)
         for w in root.query_tree().children:
             if w.id not in base.windows:
-                with contextlib.suppress(Exception):
-                    d.kill_client(w.id)
+                w.kill_client(onerror=xerror.CatchError())
+        _kill_orphans(d)
         d.sync()
+        _x_restore_controls(d, base.controls)
+        d.force_screen_saver(X.ScreenSaverReset)
         now = _raw_root_properties(d)
         for name, (ptype, fmt, value) in now.items():
             if name in WM_MANAGED:
@@ -747,6 +869,7 @@ class Baseline:
     pointer: tuple[int, int]
     screen: tuple[int, int]
     exchange: set[str]
+    controls: dict[str, Any] = field(default_factory=dict)  # _x_controls at the baseline
     active: set[str] = field(default_factory=set)  # the WM-managed root properties set at the baseline
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
@@ -793,11 +916,12 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
             ptr = root.query_pointer()
             s = d.screen()
             screen = (s.width_in_pixels, s.height_in_pixels)
+            controls = _x_controls(d)
         finally:
             d.close()
         base = Baseline(
             home_archive=home_archive, keep=keep, root_properties=props, windows=windows,
-            pointer=(ptr.root_x, ptr.root_y), screen=screen,
+            pointer=(ptr.root_x, ptr.root_y), screen=screen, controls=controls,
             active={k for k in WM_MANAGED if k in props and any(props[k][2])},
             exchange=set(os.listdir(desk.exchange_dir)) if desk.exchange_dir else set(),
         )

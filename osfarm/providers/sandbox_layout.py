@@ -24,7 +24,7 @@ box path                    what it is
 ``/tmp /var/tmp /dev/shm``  tmpfs, size-capped
 ``/run``                    tmpfs; ``/run/osfarm`` is the guest's run dir (token, socket,
                             state; the guest's uid, 0700), bound from the host
-``/dev``                    null, zero, full, random, urandom, tty, a private devpts, shm
+``/dev``                    null, zero, full, random, urandom, tty, a private devpts, shm, mqueue
 ``/proc``                   the box's PID namespace, ``hidepid=invisible``
 ``/sys``                    the host's, read-only
 ``/var``                    tmpfs, with the host's dpkg database and font cache read-only
@@ -306,6 +306,8 @@ def box_plan(
               exec=False),
         Mount("symlink", "/dev/ptmx", source="pts/ptmx"),
         Mount("tmpfs", "/dev/shm", options=f"mode=1777,size={shm_size}", readonly=False),
+        # the box's POSIX message queues (its own IPC namespace): listed here, so a warm reset sees and removes them
+        Mount("mqueue", "/dev/mqueue", readonly=False, exec=False),
         Mount("symlink", "/dev/fd", source="/proc/self/fd"),
         Mount("symlink", "/dev/stdin", source="/proc/self/fd/0"),
         Mount("symlink", "/dev/stdout", source="/proc/self/fd/1"),
