@@ -810,8 +810,8 @@ def _x_restore_controls(d: Any, base: dict[str, Any]) -> None:
 
 
 def _x_reset(display: str, base: Baseline, conn: Any = None) -> None:
-    """Release keys and buttons, pointer back, selections dropped, windows of clients that were
-    not there at the baseline killed, root properties back to the baseline's."""
+    """Release keys and buttons, pointer back, selections dropped, what clients with no process
+    left behind freed, root properties and the server's settings back to the baseline's."""
     with _x_connection(display, conn) as d:
         root = d.screen().root
         keymap = d.query_keymap()
@@ -829,9 +829,8 @@ def _x_reset(display: str, base: Baseline, conn: Any = None) -> None:
             atom = d.intern_atom(sel)
             if d.get_selection_owner(atom):
                 d.set_selection_owner(atom, X.NONE, X.CurrentTime)
-        for w in root.query_tree().children:
-            if w.id not in base.windows:
-                w.kill_client(onerror=xerror.CatchError())
+        # Clients whose process is gone (every agent process is): their windows and resources.
+        # Not every new top-level window: one of the window manager's frames would take it along.
         _kill_orphans(d)
         d.sync()
         _x_restore_controls(d, base.controls)
