@@ -46,6 +46,7 @@ import psutil
 
 from osfarm.config import FarmSettings
 from osfarm.desktop.box_init import BoxPlan
+from osfarm.desktop.process_tree import children, descendants
 from osfarm.providers.base import (
     DesktopHandle,
     DesktopSpec,
@@ -398,10 +399,9 @@ class SandboxProvider:
         cgroup = self._cgroups.pop(desktop_id, None)
         if proc is not None and proc.returncode is None:
             pids = [proc.pid, *_descendants(proc.pid)]
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process(proc.pid).children():  # the box's PID 1
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(child.pid, signal.SIGKILL)
+            for child in children(proc.pid):  # the box's PID 1
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child, signal.SIGKILL)
             try:
                 await asyncio.wait_for(proc.wait(), STOP_WAIT_S)
             except TimeoutError:
@@ -496,10 +496,10 @@ class SandboxProvider:
 
 
 def _descendants(pid: int) -> list[int]:
-    try:
-        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
-    except psutil.Error:
-        return []
+    """From the kernel's per-thread children lists (a few reads per process of the box), not
+    psutil's scan of every process on the host (~35 ms with 400 processes, twice on the path of
+    every cold reset: the kill before and the Xvfb lookup after)."""
+    return descendants(pid)
 
 
 def _running(p: psutil.Process) -> bool:
