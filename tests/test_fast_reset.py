@@ -173,6 +173,13 @@ sh("python3 -c 'from Xlib import display, X; d = display.Display(); d.set_close_
    "top.create_window(0, 0, 1, 1, 0, d.screen().root_depth); d.sync()'")
 # a timestamp as a message to the next episode, on a dir the reset keeps
 sh("touch -d 2001-02-03 /run/user/1000", root=True)
+# XKB: Caps Lock locked, then SlowKeys and StickyKeys on (the next episode's typing swallowed)
+sh("xdotool key Caps_Lock")
+x11 = ctypes.CDLL("libX11.so.6")
+x11.XOpenDisplay.restype = ctypes.c_void_p
+dpy = ctypes.c_void_p(x11.XOpenDisplay(None))
+x11.XkbChangeEnabledControls(dpy, 0x100, 0xA, 0xA)
+x11.XSync(dpy, 0)
 """
 
 CHECK_LEFT = r"""
@@ -181,7 +188,7 @@ rt = ctypes.CDLL("librt.so.1", use_errno=True)
 assert rt.mq_open(b"/leftover", os.O_RDWR, 0o600, None) < 0, "the message queue is still there"
 out = subprocess.run("xmodmap -pp -pm; xset q; xhost", shell=True, capture_output=True, text=True).stdout
 assert "Control_L" in out and "timeout:  600" in out and "auto repeat:  on" in out, out
-assert "access control enabled" in out and "acceleration:  2/1" in out, out
+assert "access control enabled" in out and "acceleration:  2/1" in out and "Caps Lock:   off" in out, out
 assert [ln.split() for ln in out.splitlines() if ln.strip().startswith("1 ")][0] == ["1", "1"], out
 assert os.stat("/run/user/1000").st_mtime > 1e9 + 1e8, "the kept dir's timestamp is the agent's"
 """
@@ -189,15 +196,18 @@ assert os.stat("/run/user/1000").st_mtime > 1e9 + 1e8, "the kept dir's timestamp
 
 def test_left_behind_in_kernel_and_x_server_warm_reset_away(warm_farm: FarmServer) -> None:
     """What outlives the agent's processes without being a file of its trees (a POSIX message
-    queue, X server settings from xmodmap/xset/xhost, X resources retained past their client, a
-    timestamp on a kept dir) shows in the fingerprint and is undone by the warm reset (no fallback)."""
+    queue, X server settings from xmodmap/xset/xhost, XKB controls and locks, X resources retained
+    past their client, a timestamp on a kept dir) shows in the fingerprint and is undone by the
+    warm reset (no fallback)."""
     with _client(warm_farm) as c:
         lease = _lease(c)
         cold = _fingerprint(c, lease)
         _code(c, lease, LEFT_BEHIND)
-        diff = differences(cold, _fingerprint(c, lease), limit=50)
-        for part in ("files./dev/mqueue", "x.controls", "x.orphan_clients"):
-            assert any(d.startswith(part) for d in diff), (part, diff)
+        dirty = _fingerprint(c, lease)
+        assert dirty["files"]["/dev/mqueue"] != cold["files"]["/dev/mqueue"]
+        for part in ("controls", "orphan_clients", "xkb"):
+            assert dirty["x"][part] != cold["x"][part], part
+        assert dirty["x"]["xkb"]["state"] != cold["x"]["xkb"]["state"]
         warm_before = _count("osfarm_resets_total", "warm")
         c.delete(f"/v1/desktops/{lease}").raise_for_status()
         lease = _lease(c)
