@@ -86,6 +86,8 @@ LAZY_THIRD_PARTY = {
     "libvirt_qemu": "system binding (python3-libvirt); only on libvirt hosts",
     "gi": "system binding (AT-SPI over GObject); only inside a desktop with an accessibility bus",
     "pandas": "~0.2 s to import; only the table getters need it",
+    "numpy": ("the session launcher loads it with OpenBLAS single-threaded (an environment variable read at "
+              "load), before the desktop's processes start, so that none of them inherits the setting"),
     "wandb": "optional (not in any extra); only when a W&B project is configured for training",
     "easyocr": "optional extra (ocr); seconds to import (torch); only compare_image_text",
     "easyocr_en_models": "optional extra (ocr): EasyOCR's weights; only compare_image_text",
