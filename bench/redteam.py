@@ -8,7 +8,13 @@ loopback listener untouched, the episode never a success; for bombs an infra err
 limit), else ``BREACH`` with what happened. ``pytest`` probes (hostile task files and API calls,
 the same on every provider) are their tests, run once: the "farm" column.
 
-Usage: python bench/redteam.py [--providers sandbox,docker,libvirt] [--json out.json]
+The ``sandbox-warm`` and ``docker-warm`` columns are warm-reset persistence
+(tests/security/warm_probes.py): on a farm with ``reset_mode: warm``, what one lease's agent leaves
+behind (daemons, listeners, message queues, files, X and XKB settings, retained X resources, the
+window manager's state ...) must be gone for the next lease: ``held (undone)`` by the warm reset,
+``held (cold restart)`` where the fingerprint saw it and the farm restarted the desktop cold.
+
+Usage: python bench/redteam.py [--providers sandbox,docker,sandbox-warm,docker-warm,libvirt] [--json out.json]
 (libvirt under TCG takes minutes per boot; its bombs are not run).
 """
 
@@ -25,10 +31,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "security"), str(ROOT / "tests")]
 
 from adversary import verdicts
+from farms import running_farm
 from probes import PROBES, PROVIDERS, box_probes
-from redteam_farm import bystander_ok, destructive_held, redteam_farm, run_adversary
+from redteam_farm import bystander_ok, destructive_held, farm_options, redteam_farm, run_adversary
 from rich.console import Console
 from rich.table import Table
+from warm_probes import run_warm_probes
 
 BOMB_LIMITS = {"fork_bomb": "process limit", "memory_bomb": "memory limit"}
 
@@ -66,6 +74,15 @@ def run_provider(name: str, console: Console) -> dict[str, str]:
     return cells
 
 
+def run_warm_provider(name: str, console: Console) -> dict[str, str]:
+    """probe name -> cell for ``PROVIDER-warm``: the warm probes, one desktop, warm resets between."""
+    base = name.removesuffix("-warm")
+    console.print(f"[bold]{name}[/]: {sum(p.kind == 'warm' for p in PROBES)} warm-reset probes ...")
+    opts = {**farm_options(base), "pool_min": 1, "pool_max": 1, "reset_mode": "warm", "warm_reset_timeout_s": 60.0}
+    with running_farm(prefix=f"orw{base[:2]}", **opts) as server:
+        return run_warm_probes(server.url, server.token)
+
+
 def run_pytest_probes(console: Console) -> dict[str, str]:
     cells: dict[str, str] = {}
     for p in (p for p in PROBES if p.kind == "pytest"):
@@ -78,17 +95,19 @@ def run_pytest_probes(console: Console) -> dict[str, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--providers", default="sandbox,docker", help=f"comma list of {', '.join(PROVIDERS)}")
+    ap.add_argument("--providers", default="sandbox,docker,sandbox-warm,docker-warm",
+                    help=f"comma list of {', '.join(PROVIDERS)}, sandbox-warm, docker-warm")
     ap.add_argument("--json", type=Path, help="also write the table as JSON here")
     args = ap.parse_args()
     console = Console()
     providers = [p for p in args.providers.split(",") if p]
     columns: dict[str, dict[str, str]] = {}
     for name in providers:
+        warm = name.endswith("-warm")
         try:
-            columns[name] = run_provider(name, console)
+            columns[name] = run_warm_provider(name, console) if warm else run_provider(name, console)
         except Exception as e:  # noqa: BLE001 - a provider that cannot run is a column saying why
-            columns[name] = {p.name: f"not run: {e}"[:200] for p in PROBES if p.kind == "box"}
+            columns[name] = {p.name: f"not run: {e}"[:200] for p in PROBES if p.kind == ("warm" if warm else "box")}
     columns["farm"] = run_pytest_probes(console)
     table = Table(title="red team: probes x providers (held = refused, the farm and the bystander fine)")
     table.add_column("probe")
@@ -97,7 +116,7 @@ def main() -> None:
         table.add_column(name)
     for p in PROBES:
         row = [columns[c].get(p.name, "-") for c in columns]
-        table.add_row(p.name, p.title, *[("[green]held[/]" if v == "held" else f"[red]{v}[/]" if
+        table.add_row(p.name, p.title, *[(f"[green]{v}[/]" if v.startswith("held") else f"[red]{v}[/]" if
                                           v.startswith("BREACH") else v) for v in row])
     console.print(table)
     if args.json:

@@ -1,7 +1,7 @@
 """The red team's probes, one registry for tests/security and ``bench/redteam.py`` (a probes x
 providers table).
 
-Two kinds of probe:
+Three kinds of probe:
 
 * ``box``: code an adversarial agent runs inside a leased desktop (:mod:`adversary`); ``code``
   builds it from a :class:`BoxContext` (what the host knows and the box must not reach). Most
@@ -11,6 +11,8 @@ Two kinds of probe:
   checked by tests/security/test_box_probes.py.
 * ``pytest``: a test elsewhere in tests/security (hostile task files, hostile API calls) whose
   passing means the probe was held; ``node`` is its pytest node id.
+* ``warm``: warm-reset persistence, registered by tests/security/warm_probes.py (``meta``: the
+  agent code that leaves something behind, and the code that looks for it in the next lease).
 
 To add a row: append a :class:`Probe` to :data:`PROBES` (or call :func:`register`). Every box
 probe's code ends by raising ``HELD: ...`` or ``BREACH: ...``.
