@@ -171,6 +171,10 @@ sh("xset s 2 2 m 20 1 -r b 100 1000 100 c 100; xhost +")
 sh("python3 -c 'from Xlib import display, X; d = display.Display(); d.set_close_down_mode(X.RetainPermanent); "
    "top = [w for w in d.screen().root.query_tree().children if w.get_attributes().map_state][0]; "
    "top.create_window(0, 0, 1, 1, 0, d.screen().root_depth); d.sync()'")
+# a property on the panel's window (a strut, a message): a window the reset keeps
+sh("python3 -c 'from Xlib import display, Xatom; d = display.Display(); "
+   "[w.change_property(d.intern_atom(\"LEFTOVER\"), Xatom.STRING, 8, b\"msg\") "
+   "for w in d.screen().root.query_tree().children if w.get_attributes().map_state]; d.sync()'")
 # a timestamp as a message to the next episode, on a dir the reset keeps
 sh("touch -d 2001-02-03 /run/user/1000", root=True)
 # XKB: Caps Lock locked, then SlowKeys and StickyKeys on (the next episode's typing swallowed)
@@ -191,21 +195,24 @@ assert "Control_L" in out and "timeout:  600" in out and "auto repeat:  on" in o
 assert "access control enabled" in out and "acceleration:  2/1" in out and "Caps Lock:   off" in out, out
 assert [ln.split() for ln in out.splitlines() if ln.strip().startswith("1 ")][0] == ["1", "1"], out
 assert os.stat("/run/user/1000").st_mtime > 1e9 + 1e8, "the kept dir's timestamp is the agent's"
+from Xlib import display
+d = display.Display()
+assert not [w for w in d.screen().root.query_tree().children if w.get_full_property(d.intern_atom("LEFTOVER"), 0)]
 """
 
 
 def test_left_behind_in_kernel_and_x_server_warm_reset_away(warm_farm: FarmServer) -> None:
     """What outlives the agent's processes without being a file of its trees (a POSIX message
     queue, X server settings from xmodmap/xset/xhost, XKB controls and locks, X resources retained
-    past their client, a timestamp on a kept dir) shows in the fingerprint and is undone by the
-    warm reset (no fallback)."""
+    past their client, a property on the panel's window, a timestamp on a kept dir) shows in the
+    fingerprint and is undone by the warm reset (no fallback)."""
     with _client(warm_farm) as c:
         lease = _lease(c)
         cold = _fingerprint(c, lease)
         _code(c, lease, LEFT_BEHIND)
         dirty = _fingerprint(c, lease)
         assert dirty["files"]["/dev/mqueue"] != cold["files"]["/dev/mqueue"]
-        for part in ("controls", "orphan_clients", "xkb"):
+        for part in ("controls", "orphan_clients", "xkb", "windows"):
             assert dirty["x"][part] != cold["x"][part], part
         assert dirty["x"]["xkb"]["state"] != cold["x"]["xkb"]["state"]
         warm_before = _count("osfarm_resets_total", "warm")

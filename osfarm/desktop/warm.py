@@ -665,7 +665,8 @@ def _x_state(display: str, conn: Any = None) -> dict[str, Any]:
                 attrs = w.get_attributes()
                 geo = w.get_geometry()
                 cls = w.get_wm_class()
-                windows.append([attrs.map_state, list(cls) if cls else [], geo.width, geo.height])
+                windows.append([attrs.map_state, list(cls) if cls else [], geo.width, geo.height,
+                                _props_digest(d, w)])
             except Exception:  # noqa: BLE001 - a window that went away meanwhile
                 continue
         return {
@@ -695,8 +696,41 @@ def _wait_wm(display: str, want: dict[str, Any], timeout: float = 3.0, conn: Any
         time.sleep(0.005)
 
 
-def _raw_root_properties(d: Any) -> dict[str, tuple[int, int, Any]]:
-    root = d.screen().root
+def _props_digest(d: Any, w: Any) -> str:
+    """A short hash of a window's properties (window and pixmap ids counted, atoms by name)."""
+    rows = []
+    for name, (ptype, fmt, value) in sorted(_raw_root_properties(d, w).items()):
+        if ptype in (Xatom.WINDOW, Xatom.PIXMAP):
+            value = sum(1 for v in value if v)
+        elif ptype == Xatom.ATOM:  # atom numbers depend on the order clients interned them
+            value = sorted(_atom_name(d, v) for v in value)
+        elif isinstance(value, bytes):
+            value = value.hex()
+        elif not isinstance(value, str):
+            value = list(value)
+        rows.append([name, _atom_name(d, ptype) if ptype else "", fmt, value])
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
+
+
+def _restore_properties(d: Any, w: Any, base: dict[str, tuple[int, int, Any]], skip: frozenset[str]) -> None:
+    """Put ``w``'s properties back to ``base`` (added ones deleted, changed or deleted ones set)."""
+    now = _raw_root_properties(d, w)
+    for name, (ptype, fmt, value) in now.items():
+        if name in skip:
+            continue
+        if name not in base:
+            w.delete_property(d.intern_atom(name))
+        elif base[name] != (ptype, fmt, value):
+            btype, bfmt, bvalue = base[name]
+            w.change_property(d.intern_atom(name), btype, bfmt, bvalue)
+    for name, (btype, bfmt, bvalue) in base.items():
+        if name not in now and name not in skip:
+            w.change_property(d.intern_atom(name), btype, bfmt, bvalue)
+
+
+def _raw_root_properties(d: Any, window: Any = None) -> dict[str, tuple[int, int, Any]]:
+    """The properties of the root window (or of ``window``): name -> (type, format, value)."""
+    root = d.screen().root if window is None else window
     out = {}
     for atom in root.list_properties():
         p = root.get_full_property(atom, X.AnyPropertyType)
@@ -932,18 +966,13 @@ def _x_reset(display: str, base: Baseline, conn: Any = None) -> None:
         _Xkb.read(display, restore=base.xkb)
         _x_restore_controls(d, base.controls)
         d.force_screen_saver(X.ScreenSaverReset)
-        now = _raw_root_properties(d)
-        for name, (ptype, fmt, value) in now.items():
-            if name in WM_MANAGED:
-                continue
-            if name not in base.root_properties:
-                root.delete_property(d.intern_atom(name))
-            elif base.root_properties[name] != (ptype, fmt, value):
-                btype, bfmt, bvalue = base.root_properties[name]
-                root.change_property(d.intern_atom(name), btype, bfmt, bvalue)
-        for name, (btype, bfmt, bvalue) in base.root_properties.items():
-            if name not in now and name not in WM_MANAGED:
-                root.change_property(d.intern_atom(name), btype, bfmt, bvalue)
+        _restore_properties(d, root, base.root_properties, WM_MANAGED)
+        # the baseline's windows (the panel's, the window manager's): any client may set their
+        # properties (a strut, a message for the next episode)
+        for w in root.query_tree().children:
+            if w.id in base.window_properties:
+                with contextlib.suppress(Exception):  # a window that went away meanwhile
+                    _restore_properties(d, w, base.window_properties[w.id], frozenset())
         xtest.fake_input(d, X.MotionNotify, x=base.pointer[0], y=base.pointer[1])
         if "_NET_ACTIVE_WINDOW" not in base.active:
             # nothing had the focus at the cold start: give it back to the root (the window
@@ -967,6 +996,7 @@ class Baseline:
     exchange: set[str]
     controls: dict[str, Any] = field(default_factory=dict)  # _x_controls at the baseline
     xkb: dict[str, Any] = field(default_factory=dict)  # _Xkb.read at the baseline
+    window_properties: dict[int, dict[str, tuple[int, int, Any]]] = field(default_factory=dict)  # top-level
     active: set[str] = field(default_factory=set)  # the WM-managed root properties set at the baseline
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
@@ -1010,6 +1040,7 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
             root = d.screen().root
             props = _raw_root_properties(d)
             windows = {w.id for w in root.query_tree().children}
+            window_properties = {w: _raw_root_properties(d, d.create_resource_object("window", w)) for w in windows}
             ptr = root.query_pointer()
             s = d.screen()
             screen = (s.width_in_pixels, s.height_in_pixels)
@@ -1018,6 +1049,7 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
             d.close()
         base = Baseline(
             home_archive=home_archive, keep=keep, root_properties=props, windows=windows,
+            window_properties=window_properties,
             pointer=(ptr.root_x, ptr.root_y), screen=screen, controls=controls, xkb=_Xkb.read(desk.display),
             active={k for k in WM_MANAGED if k in props and any(props[k][2])},
             exchange=set(os.listdir(desk.exchange_dir)) if desk.exchange_dir else set(),

@@ -145,6 +145,19 @@ out = sh("python3 -c 'from Xlib import display; d = display.Display(); "
          "print(d.get_selection_owner(d.intern_atom(\"WARMPROBE\")))'")
 verdict(out.strip() not in ("0", ""), out)
 '''),
+    ("warm_x_window_props", "properties on the panel's and the window manager's windows (a strut, a message)", r'''
+from Xlib import display, Xatom
+d = display.Display()
+for w in d.screen().root.query_tree().children:
+    w.change_property(d.intern_atom("WARMPROBE"), Xatom.STRING, 8, b"answer")
+    w.change_property(d.intern_atom("_NET_WM_STRUT"), Xatom.CARDINAL, 32, [300, 0, 0, 0])
+d.sync()
+''', r'''
+from Xlib import display
+d = display.Display()
+left = [w.id for w in d.screen().root.query_tree().children if w.get_full_property(d.intern_atom("WARMPROBE"), 0)]
+verdict(bool(left), left)
+'''),
     ("warm_wm", "the window manager's state: 4 desktops, the 3rd shown, showing the desktop", r'''
 sh("wmctrl -n 4; wmctrl -s 2; wmctrl -k on")
 ''', 'out = sh("wmctrl -d"); verdict(len(out.splitlines()) != 1 or "*" not in out.split()[1], out)'),
