@@ -171,9 +171,9 @@ sh("xset s 2 2 m 20 1 -r b 100 1000 100 c 100; xhost +")
 sh("python3 -c 'from Xlib import display, X; d = display.Display(); d.set_close_down_mode(X.RetainPermanent); "
    "top = [w for w in d.screen().root.query_tree().children if w.get_attributes().map_state][0]; "
    "top.create_window(0, 0, 1, 1, 0, d.screen().root_depth); d.sync()'")
-# a property on the panel's window (a strut, a message): a window the reset keeps
+# the panel's window moved, a property on it (a message): a window the reset keeps
 sh("python3 -c 'from Xlib import display, Xatom; d = display.Display(); "
-   "[w.change_property(d.intern_atom(\"LEFTOVER\"), Xatom.STRING, 8, b\"msg\") "
+   "[(w.change_property(d.intern_atom(\"LEFTOVER\"), Xatom.STRING, 8, b\"msg\"), w.configure(x=300, y=200)) "
    "for w in d.screen().root.query_tree().children if w.get_attributes().map_state]; d.sync()'")
 # a timestamp as a message to the next episode, on a dir the reset keeps
 sh("touch -d 2001-02-03 /run/user/1000", root=True)
@@ -197,14 +197,16 @@ assert [ln.split() for ln in out.splitlines() if ln.strip().startswith("1 ")][0]
 assert os.stat("/run/user/1000").st_mtime > 1e9 + 1e8, "the kept dir's timestamp is the agent's"
 from Xlib import display
 d = display.Display()
-assert not [w for w in d.screen().root.query_tree().children if w.get_full_property(d.intern_atom("LEFTOVER"), 0)]
+tops = d.screen().root.query_tree().children
+assert not [w for w in tops if w.get_full_property(d.intern_atom("LEFTOVER"), 0)]
+assert not [w for w in tops if (w.get_geometry().x, w.get_geometry().y) == (300, 200)], "the panel stayed moved"
 """
 
 
 def test_left_behind_in_kernel_and_x_server_warm_reset_away(warm_farm: FarmServer) -> None:
     """What outlives the agent's processes without being a file of its trees (a POSIX message
     queue, X server settings from xmodmap/xset/xhost, XKB controls and locks, X resources retained
-    past their client, a property on the panel's window, a timestamp on a kept dir) shows in the
+    past their client, the panel's window moved and given a property, a kept dir's timestamp) shows in the
     fingerprint and is undone by the warm reset (no fallback)."""
     with _client(warm_farm) as c:
         lease = _lease(c)

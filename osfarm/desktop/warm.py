@@ -666,7 +666,7 @@ def _x_state(display: str, conn: Any = None) -> dict[str, Any]:
                 geo = w.get_geometry()
                 cls = w.get_wm_class()
                 windows.append([attrs.map_state, list(cls) if cls else [], geo.width, geo.height,
-                                _props_digest(d, w)])
+                                _props_digest(d, w), geo.x, geo.y])
             except Exception:  # noqa: BLE001 - a window that went away meanwhile
                 continue
         return {
@@ -726,6 +726,22 @@ def _restore_properties(d: Any, w: Any, base: dict[str, tuple[int, int, Any]], s
     for name, (btype, bfmt, bvalue) in base.items():
         if name not in now and name not in skip:
             w.change_property(d.intern_atom(name), btype, bfmt, bvalue)
+
+
+def _geometry(w: Any) -> tuple[int, int, int, int, int, bool]:
+    g = w.get_geometry()
+    return (g.x, g.y, g.width, g.height, g.border_width, w.get_attributes().map_state != X.IsUnmapped)
+
+
+def _restore_geometry(w: Any, base: tuple[int, int, int, int, int, bool] | None) -> None:
+    """A baseline window (the panel) moved, resized or (un)mapped by a client: put back."""
+    if base is None:
+        return
+    now = _geometry(w)
+    if now[:5] != base[:5]:
+        w.configure(x=base[0], y=base[1], width=base[2], height=base[3], border_width=base[4])
+    if now[5] != base[5]:
+        w.map() if base[5] else w.unmap()
 
 
 def _raw_root_properties(d: Any, window: Any = None) -> dict[str, tuple[int, int, Any]]:
@@ -973,6 +989,7 @@ def _x_reset(display: str, base: Baseline, conn: Any = None) -> None:
             if w.id in base.window_properties:
                 with contextlib.suppress(Exception):  # a window that went away meanwhile
                     _restore_properties(d, w, base.window_properties[w.id], frozenset())
+                    _restore_geometry(w, base.window_geometry.get(w.id))
         xtest.fake_input(d, X.MotionNotify, x=base.pointer[0], y=base.pointer[1])
         if "_NET_ACTIVE_WINDOW" not in base.active:
             # nothing had the focus at the cold start: give it back to the root (the window
@@ -997,6 +1014,7 @@ class Baseline:
     controls: dict[str, Any] = field(default_factory=dict)  # _x_controls at the baseline
     xkb: dict[str, Any] = field(default_factory=dict)  # _Xkb.read at the baseline
     window_properties: dict[int, dict[str, tuple[int, int, Any]]] = field(default_factory=dict)  # top-level
+    window_geometry: dict[int, tuple[int, int, int, int, int, bool]] = field(default_factory=dict)
     active: set[str] = field(default_factory=set)  # the WM-managed root properties set at the baseline
     fingerprint: dict[str, Any] = field(default_factory=dict)
 
@@ -1040,7 +1058,9 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
             root = d.screen().root
             props = _raw_root_properties(d)
             windows = {w.id for w in root.query_tree().children}
-            window_properties = {w: _raw_root_properties(d, d.create_resource_object("window", w)) for w in windows}
+            tops = {w: d.create_resource_object("window", w) for w in windows}
+            window_properties = {w: _raw_root_properties(d, obj) for w, obj in tops.items()}
+            window_geometry = {w: _geometry(obj) for w, obj in tops.items()}
             ptr = root.query_pointer()
             s = d.screen()
             screen = (s.width_in_pixels, s.height_in_pixels)
@@ -1049,7 +1069,7 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
             d.close()
         base = Baseline(
             home_archive=home_archive, keep=keep, root_properties=props, windows=windows,
-            window_properties=window_properties,
+            window_properties=window_properties, window_geometry=window_geometry,
             pointer=(ptr.root_x, ptr.root_y), screen=screen, controls=controls, xkb=_Xkb.read(desk.display),
             active={k for k in WM_MANAGED if k in props and any(props[k][2])},
             exchange=set(os.listdir(desk.exchange_dir)) if desk.exchange_dir else set(),

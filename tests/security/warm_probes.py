@@ -145,17 +145,21 @@ out = sh("python3 -c 'from Xlib import display; d = display.Display(); "
          "print(d.get_selection_owner(d.intern_atom(\"WARMPROBE\")))'")
 verdict(out.strip() not in ("0", ""), out)
 '''),
-    ("warm_x_window_props", "properties on the panel's and the window manager's windows (a strut, a message)", r'''
+    ("warm_x_windows", "the panel's and the window manager's windows: a strut, a message, the panel moved", r'''
 from Xlib import display, Xatom
 d = display.Display()
 for w in d.screen().root.query_tree().children:
     w.change_property(d.intern_atom("WARMPROBE"), Xatom.STRING, 8, b"answer")
     w.change_property(d.intern_atom("_NET_WM_STRUT"), Xatom.CARDINAL, 32, [300, 0, 0, 0])
+    if w.get_attributes().map_state:
+        w.configure(x=300, y=200)
 d.sync()
 ''', r'''
 from Xlib import display
 d = display.Display()
-left = [w.id for w in d.screen().root.query_tree().children if w.get_full_property(d.intern_atom("WARMPROBE"), 0)]
+tops = d.screen().root.query_tree().children
+left = [w.id for w in tops if w.get_full_property(d.intern_atom("WARMPROBE"), 0)]
+left += ["moved"] if any((w.get_geometry().x, w.get_geometry().y) == (300, 200) for w in tops) else []
 verdict(bool(left), left)
 '''),
     ("warm_wm", "the window manager's state: 4 desktops, the 3rd shown, showing the desktop", r'''
