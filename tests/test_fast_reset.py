@@ -164,9 +164,9 @@ def sh(cmd, root=False):
 rt = ctypes.CDLL("librt.so.1", use_errno=True)
 assert rt.mq_open(b"/leftover", os.O_CREAT | os.O_RDWR, 0o600, None) >= 0, ctypes.get_errno()
 # X server settings that outlive their client: swapped buttons, no Control modifier, screen
-# saver after 2 s, pointer acceleration, no autorepeat, bell, access control off
+# saver after 2 s, pointer acceleration, no autorepeat, bell, access control off, a red desktop
 sh("xmodmap -e 'pointer = 3 2 1' -e 'clear control'")
-sh("xset s 2 2 m 20 1 -r b 100 1000 100 c 100; xhost +")
+sh("xset s 2 2 m 20 1 -r b 100 1000 100 c 100; xhost +; xsetroot -solid red")
 # a client's window kept after it exits (RetainPermanent), hidden inside another client's window
 sh("python3 -c 'from Xlib import display, X; d = display.Display(); d.set_close_down_mode(X.RetainPermanent); "
    "top = [w for w in d.screen().root.query_tree().children if w.get_attributes().map_state][0]; "
@@ -214,7 +214,7 @@ def test_left_behind_in_kernel_and_x_server_warm_reset_away(warm_farm: FarmServe
         _code(c, lease, LEFT_BEHIND)
         dirty = _fingerprint(c, lease)
         assert dirty["files"]["/dev/mqueue"] != cold["files"]["/dev/mqueue"]
-        for part in ("controls", "orphan_clients", "xkb", "windows"):
+        for part in ("controls", "orphan_clients", "xkb", "windows", "background"):
             assert dirty["x"][part] != cold["x"][part], part
         assert dirty["x"]["xkb"]["state"] != cold["x"]["xkb"]["state"]
         warm_before = _count("osfarm_resets_total", "warm")

@@ -673,6 +673,9 @@ def _x_state(display: str, conn: Any = None) -> dict[str, Any]:
             "controls": _x_controls(d),
             "xkb": _Xkb.read(display),
             "orphan_clients": len(_x_orphans(d)),
+            # what a screenshot sees of the desktop's background (xsetroot sets no property)
+            "background": root.get_image(s.width_in_pixels // 2, s.height_in_pixels // 3, 1, 1, X.ZPixmap,
+                                         0xFFFFFFFF).data.hex(),
             "screen": [s.width_in_pixels, s.height_in_pixels],
             "root_properties": props,
             "selections": selections,
@@ -990,6 +993,10 @@ def _x_reset(display: str, base: Baseline, conn: Any = None) -> None:
                 with contextlib.suppress(Exception):  # a window that went away meanwhile
                     _restore_properties(d, w, base.window_properties[w.id], frozenset())
                     _restore_geometry(w, base.window_geometry.get(w.id))
+        # the root's background (xsetroot; the guest's own wallpaper route refuses a warm reset):
+        # the server's default, which the cold start has
+        root.change_attributes(background_pixmap=X.NONE)
+        root.clear_area(0, 0, 0, 0)
         xtest.fake_input(d, X.MotionNotify, x=base.pointer[0], y=base.pointer[1])
         if "_NET_ACTIVE_WINDOW" not in base.active:
             # nothing had the focus at the cold start: give it back to the root (the window

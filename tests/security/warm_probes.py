@@ -118,12 +118,16 @@ out = sh("xmodmap -pp -pm -pke")
 pointer = [ln.split() for ln in out.splitlines() if ln.strip().startswith("1 ")][:1]
 verdict(pointer != [["1", "1"]] or "Control_L" not in out or "keycode  38 = a" not in out, pointer)
 '''),
-    ("warm_x_settings", "xset: screen saver after 2 s, pointer acceleration, no autorepeat, bell; xhost +", r'''
-sh("xset s 2 2 m 20 1 -r b 100 1000 100 c 100; xhost +")
+    ("warm_x_settings", "xset: screen saver after 2 s, pointer acceleration, no autorepeat, bell; xhost +; "
+     "a red desktop (xsetroot)", r'''
+sh("xset s 2 2 m 20 1 -r b 100 1000 100 c 100; xhost +; xsetroot -solid red")
 ''', r'''
+from Xlib import display, X
+d = display.Display()
+red = d.screen().root.get_image(500, 300, 1, 1, X.ZPixmap, 0xFFFFFFFF).data[:3] == b"\x00\x00\xff"
 out = sh("xset q; xhost")
-verdict("timeout:  2 " in out or "20/1" in out or "auto repeat:  off" in out or "control disabled" in out,
-        [ln for ln in out.splitlines() if "timeout" in ln or "acceleration" in ln or "repeat:" in ln])
+verdict(red or "timeout:  2 " in out or "20/1" in out or "auto repeat:  off" in out or "control disabled" in out,
+        [ln for ln in out.splitlines() if "timeout" in ln or "acceleration" in ln or "repeat:" in ln] + ["red"] * red)
 '''),
     ("warm_xkb", "XKB: Caps Lock locked, SlowKeys and StickyKeys on (the next episode's typing swallowed)", r'''
 sh("xdotool key Caps_Lock")
