@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 from Xlib import X, Xatom
 from Xlib import display as xdisplay
 from Xlib import error as xerror
-from Xlib.ext import xtest
+from Xlib.ext import res, xtest
 
 if TYPE_CHECKING:
     from osfarm.desktop.guest_state import Desktop
@@ -875,7 +875,6 @@ def _x_orphans(d: Any) -> list[int]:
     connection with ``XSetCloseDownMode(RetainPermanent)`` (windows inside other clients' windows,
     selections, properties that no window list shows). The server's own (base 0) is not one."""
     try:
-        from Xlib.ext import res
         clients = d.res_query_clients().clients
         ids = d.res_query_client_ids([{"client": c.resource_base, "mask": res.LocalClientPIDMask}
                                       for c in clients if c.resource_base])
