@@ -177,6 +177,15 @@ sh("python3 -c 'from Xlib import display, Xatom; d = display.Display(); "
    "for w in d.screen().root.query_tree().children if w.get_attributes().map_state]; d.sync()'")
 # a timestamp as a message to the next episode, on a dir the reset keeps
 sh("touch -d 2001-02-03 /run/user/1000", root=True)
+# a process whose main thread exited (its stat says zombie) while a thread serves on loopback, and
+# zombies named by the agent (a message in /proc for the next episode)
+ZOMBIE = ("import ctypes, socket, threading, time\n"
+          "def serve():\n"
+          "    s = socket.socket(); s.bind(('127.0.0.1', 8081)); s.listen(); time.sleep(999)\n"
+          "threading.Thread(target=serve).start(); time.sleep(0.3); ctypes.CDLL(None).pthread_exit(None)")
+subprocess.Popen(["setsid", "python3", "-c", ZOMBIE])
+sh("for i in 1 2 3; do (python3 -c 'import ctypes; ctypes.CDLL(None).prctl(15, b\"leftovermsg\")' &); done")
+time.sleep(0.5)
 # XKB: Caps Lock locked, then SlowKeys and StickyKeys on (the next episode's typing swallowed)
 sh("xdotool key Caps_Lock")
 x11 = ctypes.CDLL("libX11.so.6")
@@ -190,6 +199,16 @@ CHECK_LEFT = r"""
 import ctypes, os, subprocess
 rt = ctypes.CDLL("librt.so.1", use_errno=True)
 assert rt.mq_open(b"/leftover", os.O_RDWR, 0o600, None) < 0, "the message queue is still there"
+import socket
+assert socket.socket().connect_ex(("127.0.0.1", 8081)) != 0, "a thread of a zombie leader survived"
+stats = []
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        try:
+            stats.append(open(f"/proc/{p}/stat").read())
+        except OSError:
+            pass
+assert not [st for st in stats if "leftovermsg" in st or ") Z" in st], stats
 out = subprocess.run("xmodmap -pp -pm; xset q; xhost", shell=True, capture_output=True, text=True).stdout
 assert "Control_L" in out and "timeout:  600" in out and "auto repeat:  on" in out, out
 assert "access control enabled" in out and "acceleration:  2/1" in out and "Caps Lock:   off" in out, out
@@ -206,8 +225,9 @@ assert not [w for w in tops if (w.get_geometry().x, w.get_geometry().y) == (300,
 def test_left_behind_in_kernel_and_x_server_warm_reset_away(warm_farm: FarmServer) -> None:
     """What outlives the agent's processes without being a file of its trees (a POSIX message
     queue, X server settings from xmodmap/xset/xhost, XKB controls and locks, X resources retained
-    past their client, the panel's window moved and given a property, a kept dir's timestamp) shows in the
-    fingerprint and is undone by the warm reset (no fallback)."""
+    past their client, the panel's window moved and given a property, a kept dir's timestamp, a
+    process whose main thread exited, zombies named by the agent) shows in the fingerprint and is
+    undone by the warm reset (no fallback)."""
     with _client(warm_farm) as c:
         lease = _lease(c)
         cold = _fingerprint(c, lease)

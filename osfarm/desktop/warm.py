@@ -54,6 +54,8 @@ from Xlib import display as xdisplay
 from Xlib import error as xerror
 from Xlib.ext import res, xtest
 
+from osfarm.desktop.process_tree import children
+
 if TYPE_CHECKING:
     from osfarm.desktop.guest_state import Desktop
 
@@ -443,7 +445,8 @@ def _files(scan: dict[str, list[list[Any]]]) -> dict[str, list[list[Any]]]:
 
 def _proc_table(cmdline: bool = True) -> dict[int, tuple[int, str, float]]:
     """pid -> (uid, command line, start ticks) of every process this guest can see (the box's);
-    without ``cmdline``, "" for each command line."""
+    without ``cmdline``, "" for each command line. Zombies are left out, but not a process whose
+    main thread exited while its other threads run (its stat says Z: it would escape the kill)."""
     out: dict[int, tuple[int, str, float]] = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -451,17 +454,23 @@ def _proc_table(cmdline: bool = True) -> dict[int, tuple[int, str, float]]:
         pid = int(name)
         try:
             with open(f"/proc/{pid}/status") as f:
-                uid = next(int(ln.split()[1]) for ln in f if ln.startswith("Uid:"))
+                status = {k: v.split() for k, _, v in (ln.partition(":") for ln in f)}
+            uid = int(status["Uid"][0])
             cmd = ""
             if cmdline:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
             with open(f"/proc/{pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+                head, _, tail = f.read().rpartition(b")")
+                fields = tail.split()
             if fields[0] == b"Z":
-                continue
+                # a zombie, unless only its main thread exited (pthread_exit) and others run on:
+                # then it is a live process with no command line, named by its comm
+                if int(status.get("Threads", ["1"])[0]) <= 1:
+                    continue
+                cmd = cmd or "[" + head.partition(b"(")[2].decode(errors="replace") + "]" if cmdline else ""
             out[pid] = (uid, cmd, float(fields[19]))
-        except (OSError, StopIteration, IndexError, ValueError):
+        except (OSError, StopIteration, IndexError, ValueError, KeyError):
             continue
     return out
 
@@ -539,6 +548,24 @@ def _agent_pids(baseline: set[tuple[int, float]] | None = None) -> list[int]:
     guest_uid = os.getuid()
     return [pid for pid, (uid, _, start) in _proc_table(cmdline=False).items()
             if _is_agent(uid, guest_uid) and (baseline is None or (pid, start) not in baseline)]
+
+
+def _reap_agent_zombies() -> int:
+    """Collect the killed agent processes this guest adopted (it is the box's child subreaper)
+    now, not a second later: a zombie keeps its name (``prctl(PR_SET_NAME)``: 15 bytes the agent
+    chose) in ``/proc`` for the next episode's agent to read. Returns how many."""
+    guest_uid, reaped = os.getuid(), 0
+    for pid in children(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = {k: v.split() for k, _, v in (ln.partition(":") for ln in f)}
+            if status["State"][0] not in ("Z", "X") or not _is_agent(int(status["Uid"][0]), guest_uid):
+                continue
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                reaped += 1
+        except (OSError, KeyError, IndexError, ValueError, ChildProcessError):
+            continue
+    return reaped
 
 
 def kill_agent_processes(baseline: set[tuple[int, float]]) -> int:
@@ -1137,6 +1164,7 @@ def warm_reset(desk: Desktop) -> dict[str, Any]:
         kill_agent_processes(set())  # every one: the buses too (a task could have tampered with them)
         mark("kill")
         desk.reset_helpers()  # the interpreter (killed above: no graceful wait), recorder, input bindings
+        _reap_agent_zombies()
         mark("killed")
         # From here on no process of the agent's runs but the ones started below: the helper (its
         # files, as its root) and, once the files are back, its buses.

@@ -56,15 +56,23 @@ enabled = int.from_bytes(ctypes.string_at(desc.contents.ctrls, 16)[12:16], "litt
 
 # name, what it tries, dirty, check
 WARM_PROBES: list[tuple[str, str, str, str]] = [
-    ("warm_daemons", "daemons that escape the kill: setsid, double fork, SIGTERM ignored, one as the agent's root",
+    ("warm_daemons", "daemons that escape the kill: setsid, double fork, SIGTERM ignored, one as the agent's root, "
+     "one whose main thread exited (stat says zombie) serving on loopback",
      r'''
+ZOMBIE = ("import ctypes, socket, threading, time\n"
+          "def serve():\n"
+          "    s = socket.socket(); s.bind(('127.0.0.1', 8082)); s.listen(); time.sleep(999)\n"
+          "threading.Thread(target=serve).start(); time.sleep(0.3); ctypes.CDLL(None).pthread_exit(None)")
+subprocess.Popen(["setsid", "python3", "-c", ZOMBIE])
 sh("setsid -f sh -c 'exec -a warmprobe-daemon sleep 1001'", bg=True)
 sh("(sh -c 'trap \"\" TERM; exec -a warmprobe-trap sleep 1002' &) ; exit 0", bg=True)
 sh("setsid -f sh -c 'exec -a warmprobe-root sleep 1003'", root=True, bg=True)
 time.sleep(0.5)
 ''', r'''
-out = sh("ps -eo args")
-verdict("warmprobe" in out or "sleep 100" in out, [ln for ln in out.splitlines() if "100" in ln])
+out = sh("ps -eo stat,args")
+thread = socket.socket().connect_ex(("127.0.0.1", 8082)) == 0
+verdict("warmprobe" in out or "sleep 100" in out or "defunct" in out or thread,
+        [ln for ln in out.splitlines() if "100" in ln or "defunct" in ln] + ["a zombie leader's thread"] * thread)
 '''),
     ("warm_listener", "a fake server on loopback (tcp 127.0.0.1:8080) and an abstract unix socket for the next episode",
      r'''
