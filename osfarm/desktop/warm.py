@@ -1080,6 +1080,9 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
         raise WarmResetError("warm resets need a box (the agent's own namespaces)")
     with contextlib.suppress(ImportError):  # what a warm reset's bus restart uses: loaded now, not then
         from gi.repository import Gio, GLib  # noqa: F401
+    # The interpreter's start-up runs agent processes of its own (pyautogui's import asks `which
+    # scrot`): over before the baseline, or a loaded machine records one and every reset differs.
+    desk.runner.start()
     with _lock:
         _atom_names.clear()
         _wait_settled(desk)
