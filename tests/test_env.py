@@ -7,16 +7,20 @@ is 0 until DONE/FAIL or max_steps end the episode, then the task's real evaluato
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from boxes import box_processes
 
 from osfarm.client import AsyncFarm
 from osfarm.env import EpisodeTimeout, InfraError, Observation, SyncTaskEnv, TaskEnv
 from osfarm.farm.server import FarmServer
+from osfarm.providers.sandbox import SANDBOX_ENV
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
 
@@ -157,6 +161,28 @@ def test_infra_errors_are_not_the_agents(farm: FarmServer, suite: Any) -> None:
             with pytest.raises(InfraError) as e:
                 await env.reset(suite[INFEASIBLE])
             assert e.value.phase == "lease" and "401" in str(e.value)
+
+    asyncio.run(go())
+    assert leases(farm) == 0
+
+
+def test_a_desktop_lost_before_its_evaluation_is_infra_not_a_zero(farm: FarmServer, suite: Any) -> None:
+    """The desktop dies after the agent's last action: the evaluator's getter cannot run its
+    command and returns None (OSWorld's way), which exact_match scores 0. That zero is the
+    harness's, not the agent's: the episode is an infra error (found by tests/chaos)."""
+
+    async def go() -> None:
+        async with TaskEnv(farm.url, farm.token, max_steps=5) as env:
+            await env.reset(suite[MKDIR])
+            box_dir = f"{farm.settings.state_dir}/sandbox/{env.desktop['desktop_id']}"
+            xvfb = [p for p in box_processes(Path(farm.settings.state_dir))
+                    if p.name() == "Xvfb" and p.environ().get(SANDBOX_ENV) == box_dir]
+            assert len(xvfb) == 1
+            os.kill(xvfb[0].pid, signal.SIGKILL)  # from the host: the agent cannot end its session
+            with pytest.raises(InfraError) as e:
+                await env.evaluate()  # the episode ends here (as DONE would, without its step)
+            assert e.value.phase == "evaluate", e.value
+            assert env.score is None
 
     asyncio.run(go())
     assert leases(farm) == 0

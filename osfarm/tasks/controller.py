@@ -49,6 +49,10 @@ class GuestError(RuntimeError):
         super().__init__(f"guest {where}: {message}")
 
 
+# What a farm in front of the guest answers when the desktop is gone or not answering.
+UNREACHABLE_STATUSES = frozenset({410, 502, 503, 504})
+
+
 class GuestFileTooLarge(GuestError):
     """A desktop file is over the byte cap; nothing of it was kept."""
 
@@ -70,6 +74,10 @@ class GuestController:
         self.base_url = base_url
         self.timeout = timeout
         self._http = httpx.Client(base_url=base_url, transport=transport, headers=headers, timeout=timeout)
+        # Every time the desktop could not be reached, even where a caller swallowed the error (an
+        # OSWorld getter returns None and its metric scores 0): an evaluation reads this to tell
+        # "the agent's result is missing" from "the desktop was gone" (osfarm.tasks.lifecycle).
+        self.unreachable: list[GuestError] = []
 
     @classmethod
     def from_endpoint(cls, endpoint: GuestEndpoint) -> GuestController:
@@ -83,14 +91,22 @@ class GuestController:
         try:
             r = self._http.request(method, route, timeout=timeout if timeout is not None else self.timeout, **kw)
         except httpx.TimeoutException as e:
-            raise GuestError(route, None, f"no reply within the timeout ({type(e).__name__})") from e
+            raise self._gone(GuestError(route, None, f"no reply within the timeout ({type(e).__name__})")) from e
         except httpx.HTTPError as e:
-            raise GuestError(route, None, f"cannot reach the guest: {type(e).__name__}: {e}") from e
+            raise self._gone(GuestError(route, None, f"cannot reach the guest: {type(e).__name__}: {e}")) from e
         if r.status_code == 404 and ok_missing:
             return None
         if r.status_code >= 400:
-            raise GuestError(route, r.status_code, error_detail(r.content, fallback=r.reason_phrase, limit=2000))
+            raise self._failed(route, r)
         return r
+
+    def _gone(self, err: GuestError) -> GuestError:
+        self.unreachable.append(err)
+        return err
+
+    def _failed(self, route: str, r: httpx.Response) -> GuestError:
+        err = GuestError(route, r.status_code, error_detail(r.content, fallback=r.reason_phrase, limit=2000))
+        return self._gone(err) if r.status_code in UNREACHABLE_STATUSES else err
 
     def _json(self, method: str, route: str, **kw: Any) -> Any:
         r = self._request(method, route, **kw)
@@ -118,7 +134,7 @@ class GuestController:
         try:
             r = self._http.post(route, json=body, timeout=120 + max_wait_time + 15)
         except httpx.HTTPError as e:
-            raise GuestError(route, None, f"{type(e).__name__}: {e}") from e
+            raise self._gone(GuestError(route, None, f"cannot reach the guest: {type(e).__name__}: {e}")) from e
         if r.status_code == 500:
             try:
                 data = r.json()
@@ -127,7 +143,7 @@ class GuestController:
             if isinstance(data, dict) and data.get("status") == "verification_failed":
                 return data
         if r.status_code >= 400:
-            raise GuestError(route, r.status_code, error_detail(r.content, fallback=r.reason_phrase, limit=2000))
+            raise self._failed(route, r)
         return r.json()
 
     def launch(self, command: str | list[str], shell: bool = False) -> None:
@@ -179,8 +195,7 @@ class GuestController:
                     return False
                 if r.status_code >= 400:
                     r.read()
-                    raise GuestError(route, r.status_code,
-                                     error_detail(r.content, fallback=r.reason_phrase, limit=2000))
+                    raise self._failed(route, r)
                 announced = r.headers.get("content-length", "")
                 if announced.isdigit() and int(announced) > limit:
                     raise GuestFileTooLarge(route, path, limit, int(announced))
@@ -191,9 +206,9 @@ class GuestController:
                         raise GuestFileTooLarge(route, path, limit)
                     sink(chunk)
         except httpx.TimeoutException as e:
-            raise GuestError(route, None, f"no reply within the timeout ({type(e).__name__})") from e
+            raise self._gone(GuestError(route, None, f"no reply within the timeout ({type(e).__name__})")) from e
         except httpx.HTTPError as e:
-            raise GuestError(route, None, f"cannot reach the guest: {type(e).__name__}: {e}") from e
+            raise self._gone(GuestError(route, None, f"cannot reach the guest: {type(e).__name__}: {e}")) from e
         return True
 
     def get_directory_tree(self, path: str) -> dict | None:
@@ -201,11 +216,11 @@ class GuestController:
         try:
             r = self._http.post(route, json={"path": path})
         except httpx.HTTPError as e:
-            raise GuestError(route, None, f"{type(e).__name__}: {e}") from e
+            raise self._gone(GuestError(route, None, f"cannot reach the guest: {type(e).__name__}: {e}")) from e
         if r.status_code in (400, 404):  # not a directory / missing
             return None
         if r.status_code >= 400:
-            raise GuestError(route, r.status_code, error_detail(r.content, fallback=r.reason_phrase, limit=2000))
+            raise self._failed(route, r)
         return r.json().get("directory_tree")
 
     def wait_for_file(self, path: str, timeout: float = 30.0, min_size: int = 0) -> bool:

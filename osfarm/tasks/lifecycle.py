@@ -90,7 +90,7 @@ def evaluate(run: TaskRun, last_action: Any) -> float:
 
     ``last_action`` is the agent's last action (``"FAIL"`` or ``{"action_type": "FAIL"}`` is what
     scores an infeasible task). Raises EvaluationError for a crash, GuestError for a guest that
-    cannot be reached.
+    cannot be reached (also where a getter swallowed it: see ``GuestController.unreachable``).
     """
     task = run.task
     ev = task.evaluator
@@ -115,6 +115,7 @@ def evaluate(run: TaskRun, last_action: Any) -> float:
         except Exception as e:
             raise EvaluationError(f"evaluation: getter {typ!r} crashed: {type(e).__name__}: {e}") from e
 
+    gone = len(run.controller.unreachable)
     if isinstance(ev.func, list):
         # Metric i gets entry i; entries past len(func) are never fetched (OSWorld's indexing).
         result, expected = ev.aligned("result"), ev.aligned("expected")
@@ -123,6 +124,10 @@ def evaluate(run: TaskRun, last_action: Any) -> float:
     else:
         results = [get(ev.result)]
         expecteds = [get(ev.expected)] if ev.expected is not None else []
+    if len(run.controller.unreachable) > gone:
+        # A getter that could not reach the desktop returns None (OSWorld's way), which its metric
+        # scores 0: that zero would be the harness's failure counted as the agent's.
+        raise run.controller.unreachable[gone]
     try:
         return float(score_fn(evaluator, results, expecteds, last_action, METRICS))
     except Exception as e:
