@@ -205,6 +205,8 @@ async def test_warm_reset_keeps_the_container(state_dir: str) -> None:
         assert h5.info["reset_mode"] == "warm" and h5.info["container"] == h3.info["container"], h5.info
         fp = await guest(h5, "GET", "/v1/session/fingerprint")
         assert fp["digest"] == h3.info["warm_digest"], differences(cold3, fp)
+        await p.stop_all()  # the adopted container too (it carries the first farm's id)
+        assert not p.client.containers.list(all=True, filters={"label": f"org.osfarm.scope={p.scope}"})
     finally:
         await p.stop_all()
         await p.close()

@@ -490,10 +490,12 @@ class DockerProvider:
             return []
 
     async def stop_all(self) -> None:
-        """Remove every container of this provider (not part of the protocol: tests, shutdown)."""
+        """Remove every container of this provider (not part of the protocol: tests, shutdown):
+        those it started, and those it took over (``adopt``: they carry the earlier farm's id)."""
         flt = {"label": [f"{LABEL_SCOPE}={self.scope}", f"{LABEL_FARM}={self.farm_id}"]}
         found = await asyncio.to_thread(self.client.api.containers, all=True, filters=flt)
-        await asyncio.gather(*(asyncio.to_thread(self._remove, c["Id"]) for c in found))
+        ids = {c["Id"] for c in found} | set(self._containers.values())
+        await asyncio.gather(*(asyncio.to_thread(self._remove, cid) for cid in ids))
         for desktop_id in list(self._containers):
             self._containers.pop(desktop_id, None)
             await asyncio.to_thread(shutil.rmtree, self.shared_dir / desktop_id, True)
