@@ -118,6 +118,17 @@ for cmd in ("touch /etc/ld.so.preload", "mount -t tmpfs none /mnt"):
 """
 
 
+def _release_expecting_a_cold_restart(c: httpx.Client, lease: str, cold: dict) -> None:
+    """Release the dirtied desktop: its warm reset must see a mismatch and restart it cold, which
+    gives the cold start's fingerprint back."""
+    mismatches = _count("osfarm_warm_reset_fallbacks_total", "mismatch")
+    c.delete(f"/v1/desktops/{lease}").raise_for_status()
+    lease = _lease(c)
+    assert _count("osfarm_warm_reset_fallbacks_total", "mismatch") == mismatches + 1
+    assert _fingerprint(c, lease)["digest"] == cold["digest"]
+    c.delete(f"/v1/desktops/{lease}").raise_for_status()
+
+
 def test_tampered_agent_world_falls_back_to_cold(warm_farm: FarmServer) -> None:
     """What a warm reset does not undo (the agent's own mounts and /etc layer, where its root could
     also hide a forged helper) shows in the fingerprint, seen from the kernel: the farm restarts cold."""
@@ -129,12 +140,7 @@ def test_tampered_agent_world_falls_back_to_cold(warm_farm: FarmServer) -> None:
         dirty = _fingerprint(c, lease)
         assert dirty["agent_world"]["loader"]["ld.so.preload"] is not None
         assert any("/mnt" in m for m in dirty["agent_world"]["mounts"])
-        mismatches = _count("osfarm_warm_reset_fallbacks_total", "mismatch")
-        c.delete(f"/v1/desktops/{lease}").raise_for_status()
-        lease = _lease(c)
-        assert _count("osfarm_warm_reset_fallbacks_total", "mismatch") == mismatches + 1
-        assert _fingerprint(c, lease)["digest"] == cold["digest"]
-        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+        _release_expecting_a_cold_restart(c, lease, cold)
 
 
 def test_changed_tree_root_falls_back_to_cold(warm_farm: FarmServer) -> None:
@@ -147,12 +153,7 @@ def test_changed_tree_root_falls_back_to_cold(warm_farm: FarmServer) -> None:
                         'input=b"password\\n", check=True)')
         home = {e[0]: e for e in _fingerprint(c, lease)["files"]["home"]}
         assert home["."][2] == 0o750
-        mismatches = _count("osfarm_warm_reset_fallbacks_total", "mismatch")
-        c.delete(f"/v1/desktops/{lease}").raise_for_status()
-        lease = _lease(c)
-        assert _count("osfarm_warm_reset_fallbacks_total", "mismatch") == mismatches + 1
-        assert _fingerprint(c, lease)["digest"] == cold["digest"]
-        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+        _release_expecting_a_cold_restart(c, lease, cold)
 
 
 LEFT_BEHIND = r"""
