@@ -56,7 +56,7 @@ EPISODE_CPU = Histogram(
 )
 RESETS = Counter("osfarm_resets_total", "desktop resets, by mode (warm, cold)", ["mode"], registry=REGISTRY)
 # A warm reset that could not prove a clean desktop (fingerprint differs from the cold start's,
-# an error, its deadline) and ended in a cold restart; reason: mismatch, error, timeout, every_n.
+# an error, its deadline, a dead box) and ended in a cold restart; reason: mismatch, error, timeout, every_n, dead.
 WARM_FALLBACKS = Counter(
     "osfarm_warm_reset_fallbacks_total", "warm resets that fell back to a cold restart, by reason", ["reason"],
     registry=REGISTRY,

@@ -421,9 +421,12 @@ class DockerProvider:
 
     async def reset(self, handle: DesktopHandle) -> DesktopHandle:
         """``reset_mode`` warm: the same container put back by its guest (see the module doc),
-        else (and where that fails) :meth:`_replace`."""
-        live = bool(handle.pid) and self._containers.get(handle.id) == handle.info.get("container")
-        return await self.warm.reset(handle, live, self._replace)
+        else (and where that fails, or at once where the container is not :meth:`alive`)
+        :meth:`_replace`."""
+        problem = None
+        if self.warm.enabled:  # a dead container is replaced at once (an inspect: a few ms)
+            problem = await self.alive(handle) if handle.pid else "the container has no pid"
+        return await self.warm.reset(handle, problem, self._replace)
 
     async def _replace(self, handle: DesktopHandle) -> DesktopHandle:
         """A new container from the image, started while the old one is removed."""

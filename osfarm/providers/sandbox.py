@@ -439,11 +439,10 @@ class SandboxProvider:
     async def reset(self, handle: DesktopHandle) -> DesktopHandle:
         """``reset_mode`` warm: a warm reset (:class:`~osfarm.providers.warm_reset.WarmResets`),
         falling back to a cold restart (counted in ``info["reset_fallback"]``) on a fingerprint
-        mismatch, an error, its deadline, or every ``cold_every`` resets; cold: kill the box and
-        start a new one."""
-        proc = self._procs.get(handle.id)
-        live = proc is not None and proc.pid == handle.pid and proc.returncode is None
-        return await self.warm.reset(handle, live, self._cold_reset)
+        mismatch, an error, its deadline, every ``cold_every`` resets, or at once where the box is
+        not :meth:`alive` (Xvfb or the session gone, a limit hit); cold: kill the box and start a
+        new one."""
+        return await self.warm.reset(handle, await self.alive(handle), self._cold_reset)
 
     async def _cold_reset(self, handle: DesktopHandle) -> DesktopHandle:
         await self._kill(handle.id, self._procs.get(handle.id))

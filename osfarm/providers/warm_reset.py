@@ -4,11 +4,12 @@ With ``reset_mode: warm`` a provider calls :meth:`WarmResets.after_cold_start` o
 ready (the guest records its baseline, ``/v1/session/baseline``) and :meth:`WarmResets.reset` to
 reset it: the guest puts the box back (``/v1/session/warm_reset``, :mod:`osfarm.desktop.warm`)
 with a new token, and the reset is kept only when the new fingerprint's digest equals the
-baseline's. Otherwise (a mismatch, an error, no answer within ``warm_reset_timeout_s``, or every
-``cold_every`` resets) the provider's cold reset runs, and the new handle says why
-(``info["reset_fallback"]``, ``info["reset_fallback_kind"]``: mismatch, error, timeout, every_n;
-the pool counts them). The baseline's digest is also kept in the handle (``info["warm_digest"]``),
-so a farm that takes over a running box after a restart (:meth:`WarmResets.adopted`) can still
+baseline's. Otherwise (a mismatch, an error, no answer within ``warm_reset_timeout_s``, every
+``cold_every`` resets, or a box that is not alive) the provider's cold reset runs, and the new
+handle says why (``info["reset_fallback"]``, ``info["reset_fallback_kind"]``: mismatch, error,
+timeout, every_n, or dead: the box was not alive, so no warm reset was tried; the pool counts
+them). The baseline's digest is also kept in the handle (``info["warm_digest"]``), so a farm that
+takes over a running box after a restart (:meth:`WarmResets.adopted`) can still
 reset it warm.
 """
 
@@ -95,14 +96,20 @@ class WarmResets:
         steps = ",".join(f"{k}={v:g}" for k, v in (fp.get("timings_ms") or {}).items())
         return dataclasses.replace(handle, endpoint=endpoint, info={**info, "reset_mode": "warm", "warm_ms": steps})
 
-    async def reset(self, handle: DesktopHandle, live: bool,
+    async def reset(self, handle: DesktopHandle, problem: str | None,
                     cold: Callable[[DesktopHandle], Awaitable[DesktopHandle]]) -> DesktopHandle:
-        """A warm reset of ``handle`` where warm resets are on, it has a baseline and its box is
-        ``live``, else (or where it fails) ``cold(handle)``, the provider's kill and restart."""
+        """A warm reset of ``handle`` where warm resets are on and it has a baseline, else (or
+        where it fails) ``cold(handle)``, the provider's kill and restart. ``problem``: what the
+        provider's ``alive`` says is wrong with the box (None: it looks alive); a dead box (its X
+        server or session gone, a limit hit, its container exited) is restarted cold at once, never
+        sent a warm reset that would only wait for its deadline (fallback kind ``dead``)."""
         fallback = kind = ""
-        if self.enabled and live and handle.id in self._baselines:
+        if self.enabled and handle.id in self._baselines:
             every = self.settings.cold_every
-            if every and self._counts.get(handle.id, 0) + 1 >= every:
+            if problem is not None:
+                fallback, kind = f"the box is not alive: {problem}", "dead"
+                log.warning("dead box restarted cold, no warm reset tried id=%s: %s", handle.id, problem[:300])
+            elif every and self._counts.get(handle.id, 0) + 1 >= every:
                 fallback, kind = f"every {every} resets: a cold one", "every_n"
             else:
                 t0 = time.monotonic()
