@@ -111,8 +111,9 @@ def main() -> None:
     ap.add_argument("--learner-cpus", default="0",
                     help="CPUs of the learner, the rest run the rollouts (as a cluster's trainer and inference "
                          "devices); 'none': everything shares every CPU")
-    ap.add_argument("--reset-mode", choices=("cold", "warm"), default="cold",
-                    help="the in-process farm's reset_mode in every setting (issue 15: warm resets)")
+    ap.add_argument("--reset-mode", choices=("cold", "warm"), default="warm",
+                    help="the in-process farm's reset_mode in every setting (warm: the farm's default; run once "
+                         "with cold to compare)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     args.learner_cpus = None if args.learner_cpus == "none" else [int(c) for c in args.learner_cpus.split(",")]

@@ -12,7 +12,9 @@ The ``sandbox-warm`` and ``docker-warm`` columns are warm-reset persistence
 (tests/security/warm_probes.py): on a farm with ``reset_mode: warm``, what one lease's agent leaves
 behind (daemons, listeners, message queues, files, X and XKB settings, retained X resources, the
 window manager's state ...) must be gone for the next lease: ``held (undone)`` by the warm reset,
-``held (cold restart)`` where the fingerprint saw it and the farm restarted the desktop cold.
+``held (cold restart)`` where the fingerprint saw it and the farm restarted the desktop cold
+(``cold_every: 0``, so no periodic cold restart hides a probe). The box columns run on the farm's
+default reset (warm since issue 15's default change): their episodes follow warm resets too.
 
 Usage: python bench/redteam.py [--providers sandbox,docker,sandbox-warm,docker-warm,libvirt] [--json out.json]
 (libvirt under TCG takes minutes per boot; its bombs are not run).
@@ -78,7 +80,8 @@ def run_warm_provider(name: str, console: Console) -> dict[str, str]:
     """probe name -> cell for ``PROVIDER-warm``: the warm probes, one desktop, warm resets between."""
     base = name.removesuffix("-warm")
     console.print(f"[bold]{name}[/]: {sum(p.kind == 'warm' for p in PROBES)} warm-reset probes ...")
-    opts = {**farm_options(base), "pool_min": 1, "pool_max": 1, "reset_mode": "warm", "warm_reset_timeout_s": 60.0}
+    opts = {**farm_options(base), "pool_min": 1, "pool_max": 1, "reset_mode": "warm", "cold_every": 0,
+            "warm_reset_timeout_s": 60.0}
     with running_farm(prefix=f"orw{base[:2]}", **opts) as server:
         return run_warm_probes(server.url, server.token)
 

@@ -43,12 +43,13 @@ from osfarm.config import FarmSettings  # noqa: E402
 from osfarm.providers import make_provider  # noqa: E402
 from osfarm.providers.base import DesktopHandle, DesktopSpec, tree_cpu_seconds  # noqa: E402
 
-# name -> (provider, settings overrides)
+# name -> (provider, settings overrides); both reset modes named (warm is the farm's default), and
+# no periodic cold reset in the warm variants (cold_every 0): each column measures one mode
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
-    "sandbox": ("sandbox", {}),
-    "sandbox-warm": ("sandbox", {"reset_mode": "warm"}),
-    "docker": ("docker", {"docker_network": "none"}),
-    "docker-warm": ("docker", {"docker_network": "none", "reset_mode": "warm"}),
+    "sandbox": ("sandbox", {"reset_mode": "cold"}),
+    "sandbox-warm": ("sandbox", {"reset_mode": "warm", "cold_every": 0}),
+    "docker": ("docker", {"docker_network": "none", "reset_mode": "cold"}),
+    "docker-warm": ("docker", {"docker_network": "none", "reset_mode": "warm", "cold_every": 0}),
     # libvirt VMs (disk: `osfarm image build-vm`): fresh overlay + boot, and internal snapshot revert
     "libvirt-boot": ("libvirt", {"libvirt_reset": "boot", "libvirt_memory_mb": 2048}),
     "libvirt-snapshot": ("libvirt", {"libvirt_reset": "snapshot", "libvirt_memory_mb": 2048}),

@@ -12,8 +12,8 @@ The comparison row is OSWorld's harness floor from ../shared/reference/osworld.m
 sleep after reset + 20 s before evaluating + 2 s after every step — waits alone, before its
 VM snapshot revert; not measured here.
 
-With ``--reset-modes cold,warm`` every --envs run is made once per reset mode (the farm's
-``reset_mode``), and the throughput table compares them side by side (issue 15: warm vs cold).
+Every --envs run is made once per reset mode of ``--reset-modes`` (the farm's ``reset_mode``;
+default cold,warm), and the throughput table compares them side by side (issue 15: warm vs cold).
 
 Usage: python bench/task_overhead.py [--suite DIR] [--per-domain K] [--envs 1,2,4] [--reset-modes cold,warm]
 """
@@ -77,7 +77,9 @@ def main() -> None:
     ap.add_argument("--suite", type=Path, default=ROOT / "tasks" / "osfarm-offline")
     ap.add_argument("--per-domain", type=int, default=2)
     ap.add_argument("--envs", default="1,2,4")
-    ap.add_argument("--reset-modes", default="cold", help="comma-separated farm reset modes to compare (cold,warm)")
+    ap.add_argument("--reset-modes", default="cold,warm",
+                    help="comma-separated farm reset modes to compare side by side (cold,warm; warm is the farm's "
+                         "default, with its cold_every)")
     args = ap.parse_args()
     envs_list = [int(x) for x in args.envs.split(",")]
     modes = [m.strip() for m in args.reset_modes.split(",") if m.strip()]

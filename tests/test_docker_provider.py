@@ -84,7 +84,9 @@ async def test_reset_replaces_the_container(state_dir: str) -> None:
     from osfarm.providers.docker import CAPS, DockerProvider
 
     ensure_images("desktop")
-    p = DockerProvider(settings(state_dir, docker_memory="1g", docker_cpus=1.0))
+    # cold: this test is about the container replace (a new container, the old one removed);
+    # test_warm_reset_keeps_the_container is the default's (warm) test
+    p = DockerProvider(settings(state_dir, docker_memory="1g", docker_cpus=1.0, reset_mode="cold"))
     h1 = await p.start("rep1", SPEC)
     try:
         attrs = p.client.api.inspect_container(h1.info["container"])

@@ -58,7 +58,9 @@ pyautogui.moveTo(17, 23)
 
 @pytest.fixture(scope="module")
 def warm_farm() -> Iterator[FarmServer]:
-    with running_farm(prefix="osfw", pool_min=1, pool_max=1, reset_mode="warm", warm_reset_timeout_s=60.0) as server:
+    # cold_every 0: every reset here must be a warm one (the tests count warm resets and fallbacks)
+    with running_farm(prefix="osfw", pool_min=1, pool_max=1, reset_mode="warm", cold_every=0,
+                      warm_reset_timeout_s=60.0) as server:
         yield server
 
 
@@ -323,6 +325,7 @@ def test_offline_tasks_then_warm_reset_equal_cold_start(tmp_path: Path, monkeypa
     state = tempfile.mkdtemp(prefix="ofw", dir="/tmp")  # short: guest sockets live under it
     monkeypatch.setenv("OSFARM_STATE_DIR", state)
     monkeypatch.setenv("OSFARM_RESET_MODE", "warm")
+    monkeypatch.setenv("OSFARM_COLD_EVERY", "0")  # every reset proved by its fingerprint, none skipped
     fallbacks = sum(_count("osfarm_warm_reset_fallbacks_total", k) for k in ("mismatch", "error", "timeout"))
     warm = _count("osfarm_resets_total", "warm")
     app = typer.Typer()

@@ -80,7 +80,10 @@ async def _release_during_checks(state_dir: Path) -> list[dict[str, Any]]:
     assert type(loop).__module__.startswith("uvloop")
     errors: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _loop, context: errors.append(context))
-    settings = FarmSettings(state_dir=state_dir, pool_min=1, pool_max=1, health_interval_s=0.02, start_timeout_s=30)
+    # cold: the test is about a box killed under a waiting check (a warm reset keeps it), and
+    # STALLING_GUEST has no warm-reset routes (/v1/session/baseline).
+    settings = FarmSettings(state_dir=state_dir, pool_min=1, pool_max=1, health_interval_s=0.02, start_timeout_s=30,
+                            reset_mode="cold")
     pool = LeasePool(SandboxProvider(settings, launcher=[BOX_PYTHON, "-c", STALLING_GUEST]), settings)
     await pool.start()
     try:

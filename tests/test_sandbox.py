@@ -152,8 +152,10 @@ async def test_reset_gives_fresh_home_and_tmp_is_private(provider):
 
         t0 = time.monotonic()
         h2 = await provider.reset(h)
-        print(f"\nsandbox reset: {time.monotonic() - t0:.3f}s")
-        assert h2.id == h.id and h2.pid != h.pid
+        print(f"\nsandbox reset: {time.monotonic() - t0:.3f}s {h2.info.get('reset_mode')}")
+        # the default reset_mode (warm): the same box put back (a cold restart, a new box: below)
+        assert h2.id == h.id and h2.info["reset_mode"] == "warm" and "reset_fallback" not in h2.info, h2.info
+        assert h2.pid == h.pid
         assert h2.endpoint.token != h.endpoint.token
         assert (await sh(h2, "ls -A ~/Desktop; ls /tmp/osf-inside.txt 2>&1 || true")).strip().endswith(
             "No such file or directory"
@@ -164,6 +166,26 @@ async def test_reset_gives_fresh_home_and_tmp_is_private(provider):
         await provider.stop(h2)
     finally:
         marker.unlink()
+
+
+async def test_dead_box_is_restarted_cold_without_a_warm_attempt(provider):
+    """A box whose X server died is reset cold at once (fallback kind ``dead``), not sent a warm
+    reset that would wait for warm_reset_timeout_s; the new box takes its own baseline, so the
+    next reset is warm again."""
+    h = await provider.start("t9", SPEC)
+    assert h.info.get("warm_digest"), h.info  # the first start took the baseline (after_cold_start)
+    provider._xvfb[h.id].kill()
+    deadline = time.monotonic() + 10
+    while await provider.alive(h) is None:
+        assert time.monotonic() < deadline, "the box's death was not seen"
+        await asyncio.sleep(0.05)
+    h2 = await provider.reset(h)
+    assert h2.info["reset_mode"] == "cold" and h2.info["reset_fallback_kind"] == "dead", h2.info
+    assert h2.pid != h.pid and h2.info.get("warm_digest") and await provider.alive(h2) is None
+    assert (await sh(h2, "echo ok")).strip() == "ok"
+    h3 = await provider.reset(h2)
+    assert h3.info["reset_mode"] == "warm" and h3.pid == h2.pid, h3.info
+    await provider.stop(h3)
 
 
 async def test_private_network_has_only_loopback(provider):

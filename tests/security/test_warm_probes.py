@@ -12,7 +12,8 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def test_nothing_survives_a_warm_reset() -> None:
-    with running_farm(prefix="osww", pool_min=1, pool_max=1, reset_mode="warm", warm_reset_timeout_s=60.0) as s:
+    with running_farm(prefix="osww", pool_min=1, pool_max=1, reset_mode="warm", cold_every=0,
+                      warm_reset_timeout_s=60.0) as s:
         cells = run_warm_probes(s.url, s.token)
     assert cells and all(v.startswith("held") for v in cells.values()), cells
     # what a warm reset undoes stays warm (no cold restart for these)
