@@ -20,6 +20,7 @@ from osfarm.desktop import warm
 from osfarm.desktop.a11y import accessibility_tree
 from osfarm.desktop.actions import Action, ActionError, CodeAction, is_terminal, parse_actions
 from osfarm.desktop.capture import encode_frame
+from osfarm.desktop.fingerprint import fingerprint
 from osfarm.desktop.guest_state import Desktop, DesktopDep
 from osfarm.desktop.models import (
     ActionResult,
@@ -38,6 +39,7 @@ from osfarm.desktop.models import (
     WaitResult,
 )
 from osfarm.desktop.request_fields import expand
+from osfarm.desktop.warm_reset_error import WarmResetError
 from osfarm.desktop.windows import wait_for_window as find_window_within
 from osfarm.http.principals import ADMIN_NAME, Principal
 
@@ -239,7 +241,8 @@ async def wait_for_file(req: WaitForFile) -> WaitResult:
     return await run_in_threadpool(work)
 
 
-# ---- warm reset (osfarm.desktop.warm): the farm's, with the guest's token
+# ---- warm reset (osfarm.desktop.warm) and fingerprint (osfarm.desktop.fingerprint): the farm's, with the
+# guest's token
 
 
 class WarmResetRequest(BaseModel):
@@ -250,8 +253,8 @@ class WarmResetRequest(BaseModel):
 async def session_fingerprint(desk: DesktopDep) -> JSONResponse:
     """The desktop's state as a warm reset must leave it (processes, writable trees, X state)."""
     try:
-        return JSONResponse(await run_in_threadpool(warm.fingerprint, desk))
-    except warm.WarmResetError as e:
+        return JSONResponse(await run_in_threadpool(fingerprint, desk))
+    except WarmResetError as e:
         raise HTTPException(500, str(e)) from None
 
 
@@ -262,7 +265,7 @@ async def session_baseline(desk: DesktopDep) -> JSONResponse:
     """Record the state warm resets go back to (right after a cold start); its fingerprint."""
     try:
         return JSONResponse(await run_in_threadpool(warm.take_baseline, desk))
-    except warm.WarmResetError as e:
+    except WarmResetError as e:
         raise HTTPException(500, str(e)) from None
 
 
@@ -273,7 +276,7 @@ async def session_warm_reset(body: WarmResetRequest, request: Request, desk: Des
     steps' timings. 409: this desktop cannot be put back warm (restart it cold)."""
     try:
         fp = await run_in_threadpool(warm.warm_reset, desk)
-    except warm.WarmResetError as e:
+    except WarmResetError as e:
         raise HTTPException(409, str(e)) from None
     request.app.state.tokens.replace_token(body.token, Principal(ADMIN_NAME, "admin"))
     # the interpreter starts again once the answer is out (it is not needed before the next step)
