@@ -241,8 +241,9 @@ class TaskEnv:
         # people who took control of the desktop from the dashboard during this episode (the
         # lease's control spans, read when the desktop is released): the score had human help
         self.controlled_by: list[dict[str, Any]] = []
-        # what the episode's desktop cost (read when it is released): {"cpu_s": CPU-seconds}
-        self.desktop_usage: dict[str, float] = {}
+        # what the episode's desktop cost (read when it is released): {"cpu_s": CPU-seconds,
+        # "reset": how it was made ready (warm, cold, start), "reset_fallback": why cold, if meant warm}
+        self.desktop_usage: dict[str, float | str] = {}
 
     # -- gymnasium surface ---------------------------------------------------------------------
 
@@ -459,6 +460,10 @@ class TaskEnv:
                 self.controlled_by[:] = [c.model_dump() for c in info.control]
                 if info.cpu_s is not None:
                     self.desktop_usage["cpu_s"] = info.cpu_s
+                if info.reset_mode is not None:
+                    self.desktop_usage["reset"] = info.reset_mode
+                if info.reset_fallback is not None:
+                    self.desktop_usage["reset_fallback"] = info.reset_fallback
             with contextlib.suppress(FarmAPIError):
                 await desk.close()
 

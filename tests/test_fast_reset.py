@@ -107,6 +107,8 @@ def test_dirty_then_warm_reset_equals_cold_start(warm_farm: FarmServer) -> None:
         after = _fingerprint(c, lease)
         assert after["digest"] == cold["digest"], differences(cold, after)
         assert _count("osfarm_resets_total", "warm") == warm_before + 1
+        info = c.get(f"/v1/desktops/{lease}").raise_for_status().json()  # the lease (the episode record) says so
+        assert info["reset_mode"] == "warm" and info["reset_fallback"] is None, info
         # the desktop still works: code runs, the old token is gone
         _code(c, lease, "import pyautogui; pyautogui.moveTo(5, 5)")
         c.delete(f"/v1/desktops/{lease}").raise_for_status()
@@ -127,6 +129,8 @@ def _release_expecting_a_cold_restart(c: httpx.Client, lease: str, cold: dict) -
     c.delete(f"/v1/desktops/{lease}").raise_for_status()
     lease = _lease(c)
     assert _count("osfarm_warm_reset_fallbacks_total", "mismatch") == mismatches + 1
+    info = c.get(f"/v1/desktops/{lease}").raise_for_status().json()
+    assert info["reset_mode"] == "cold" and info["reset_fallback"] == "mismatch", info
     assert _fingerprint(c, lease)["digest"] == cold["digest"]
     c.delete(f"/v1/desktops/{lease}").raise_for_status()
 
@@ -343,3 +347,5 @@ def test_offline_tasks_then_warm_reset_equal_cold_start(tmp_path: Path, monkeypa
     assert _count("osfarm_resets_total", "warm") >= warm + len(domains) - 1
     records = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines()]
     assert all(r.get("desktop_cpu_s", 0) > 0 for r in records), [r.get("desktop_cpu_s") for r in records]
+    resets = [r.get("desktop_reset") for r in records]  # a new box (start), then warm resets
+    assert set(resets) <= {"start", "warm"} and "warm" in resets, resets

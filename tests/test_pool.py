@@ -95,6 +95,10 @@ async def test_memory_states_starting_ready_leased_resetting_ready(memory_pool) 
         await pool.release(lease.id)  # idempotent
     await wait_until(lambda: counts(pool)["ready"] == 2, 5, "the released desktop back to ready")
     assert boxes.started == ["d1", "d2", "d1"]
+    # each lease says how its desktop was made ready (the episode record's desktop_reset)
+    assert lease.reset_mode == "start" and lease.reset_fallback is None
+    again = [await pool.lease(), await pool.lease()]
+    assert sorted((x.desktop_id, x.reset_mode) for x in again) == [("d1", "cold"), ("d2", "start")]
 
 
 async def test_memory_ttl_expiry_and_heartbeats(memory_pool) -> None:

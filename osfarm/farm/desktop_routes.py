@@ -55,6 +55,8 @@ def lease_info(lease: Lease) -> LeaseInfo:
         client=lease.principal,
         control=[ControlInfo(by=c.by, started_at=c.started_at, ended_at=c.ended_at) for c in lease.control],
         cpu_s=lease.cpu_s,
+        reset_mode=lease.reset_mode,
+        reset_fallback=lease.reset_fallback,
     )
 
 

@@ -96,6 +96,10 @@ class Lease:
     cpu_mark: float | None = None
     cpu_acc: float = 0.0
     cpu_s: float | None = None  # the latest reading (heartbeat, release): the runner records it
+    # how its desktop was made ready (the runner records it): "warm", "cold" (a box restarted,
+    # ``reset_fallback`` naming why where a warm reset was meant) or "start" (a new box)
+    reset_mode: str | None = None
+    reset_fallback: str | None = None
 
 
 @dataclass
@@ -436,6 +440,8 @@ class LeasePool:
             image=d.handle.info.get("image"),
             principal=principal,
             cpu_mark=self.cpu_seconds(d.handle),
+            reset_mode=d.handle.info.get("reset_mode", "start"),
+            reset_fallback=d.handle.info.get("reset_fallback_kind"),
         )
         d.lease_id = lease.id
         self._leases[lease.id] = lease
@@ -535,8 +541,9 @@ class LeasePool:
 
     def _reset_cpu(self, before: float | None, handle: DesktopHandle) -> None:
         """Count a reset: its mode, a warm reset's fallback, and its CPU-seconds (a warm reset:
-        what the box used during it; a cold one: what the new box used to start)."""
-        mode = handle.info.get("reset_mode", "cold")
+        what the box used during it; a cold one: what the new box used to start). A provider that
+        does not say (libvirt: a reboot or a snapshot revert) made a cold one."""
+        mode = handle.info.setdefault("reset_mode", "cold")
         metrics.RESETS.labels(mode).inc()
         if handle.info.get("reset_fallback"):
             metrics.WARM_FALLBACKS.labels(handle.info.get("reset_fallback_kind", "error")).inc()
@@ -593,6 +600,8 @@ class LeasePool:
             raise LeaseGone(f"lease {lease.id} ended during the reset; lease a new desktop")
         d.handle, d.misses = handle, 0
         lease.endpoint = handle.endpoint
+        lease.reset_mode, lease.reset_fallback = handle.info.get("reset_mode", "start"), handle.info.get(
+            "reset_fallback_kind")
         lease.screen = (handle.spec.width, handle.spec.height)
         if self.registry is not None:
             self._save_lease(lease, handle)

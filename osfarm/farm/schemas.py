@@ -74,6 +74,15 @@ class LeaseInfo(BaseModel):
         description="CPU-seconds the desktop used since the lease was granted (its processes, resets in place "
         "excluded), as of this answer; null where the provider cannot tell",
     )
+    reset_mode: str | None = Field(
+        default=None, description="how the desktop was made ready for this lease (or its last reset in place): "
+        "warm (the session put back, proven by its fingerprint), cold (a new box for the desktop) or start (a "
+        "desktop's first box); null for a lease taken over after a farm restart",
+    )
+    reset_fallback: str | None = Field(
+        default=None, description="a cold reset where a warm one was meant: why (mismatch, error, timeout, every_n, "
+        "dead)",
+    )
 
 
 class DesktopStatus(BaseModel):

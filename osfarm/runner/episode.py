@@ -90,7 +90,7 @@ class EpisodeResult:
     recording_error: str | None = None  # a failed recording is noted, never the episode's failure
     action_timing: ActionTiming = "osworld"  # how the actions were paced (EpisodeConfig.action_timing)
     controlled_by: list[dict[str, Any]] = field(default_factory=list)  # dashboard take-overs (TaskEnv.controlled_by)
-    desktop_usage: dict[str, float] = field(default_factory=dict)  # the desktop's CPU-seconds (TaskEnv.desktop_usage)
+    desktop_usage: dict[str, float | str] = field(default_factory=dict)  # CPU-seconds, reset (TaskEnv.desktop_usage)
 
 
 def episode_id(run_id: str, task_id: str) -> str:

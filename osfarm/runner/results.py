@@ -109,6 +109,8 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         **({"controlled_by": res.controlled_by} if res.controlled_by else {}),
         # CPU-seconds the desktop used during the episode (its cgroup), where the farm tells
         **({"desktop_cpu_s": res.desktop_usage["cpu_s"]} if "cpu_s" in res.desktop_usage else {}),
+        # how the desktop was made ready (warm, cold, start) and, for a cold one meant warm, why
+        **{f"desktop_{k}": res.desktop_usage[k] for k in ("reset", "reset_fallback") if k in res.desktop_usage},
     }
 
 
@@ -159,8 +161,9 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
         row["recording_error"] = res.recording_error
     if res.controlled_by:
         row["controlled_by"] = [c.get("by") for c in res.controlled_by]
-    if "cpu_s" in res.desktop_usage:
-        row["desktop_cpu_s"] = res.desktop_usage["cpu_s"]
+    for k in ("cpu_s", "reset", "reset_fallback"):
+        if k in res.desktop_usage:
+            row[f"desktop_{k}"] = res.desktop_usage[k]
     (d / "episode.json").write_text(json.dumps(row, indent=2))
     rec = episode_record(res, run_id, blobs)
     if emit is not None:
