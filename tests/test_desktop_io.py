@@ -229,6 +229,54 @@ def test_capture_size_and_formats(cap: ScreenCapture) -> None:
         encode_image(img, "png", scale=0)
 
 
+def test_settle_finds_and_grabs_the_window_alone(xsession: dict[str, Any], cap: ScreenCapture) -> None:
+    """osfarm-settle polls one window: its geometry from EWMH on one connection (as the guest's
+    window list reports it) and a grab of that rectangle, equal to the same crop of a full frame."""
+    from Xlib import display as xdisplay
+
+    from osfarm.desktop.settle import wait_settled
+
+    app: TkApp = xsession["app"]
+    d = xdisplay.Display(xsession["display"])
+    try:
+        geo = win.client_geometry(d, app.title)
+        w = win.find_window(title=app.title, display=xsession["display"])
+        assert w is not None and geo == (w.x, w.y, w.width, w.height)
+        assert win.client_geometry(d, "osfarm input test") is None  # case-sensitive, like grep
+        x, y, gw, gh = geo
+        region = cap.grab_region(x, y, gw, gh)
+        assert region is not None and (region.width, region.height) == (gw, gh)
+        full = cap.grab_frame(cursor=False).pixels()
+        assert (region.pixels() == full[y:y + gh, x:x + gw]).all()
+        clipped = cap.grab_region(W - 10, H - 20, 100, 100)  # clipped to the screen
+        assert clipped is not None and (clipped.width, clipped.height) == (10, 20)
+        assert cap.grab_region(W + 5, 0, 10, 10) is None
+        # the Tk app's empty Text widget is one colour: not painted yet, as far as settling goes
+        assert wait_settled(app.title, 0.5, 0.1, cap, x=d) == "window not painted (one colour)"
+        assert wait_settled("no such window", 0.3, 0.1, cap, x=d) == "no window titled *no such window*"
+        striped = subprocess.Popen([SYS_PYTHON, "-c", STRIPED_APP], env={**os.environ, "DISPLAY": xsession["display"]})
+        try:
+            _wait(lambda: win.client_geometry(d, "Osfarm Striped"), 10, "striped window")
+            assert wait_settled("Osfarm Striped", 10, 0.3, cap, x=d) is None
+        finally:
+            _stop(striped)
+    finally:
+        d.close()
+
+
+STRIPED_APP = """
+import tkinter as tk
+root = tk.Tk()
+root.title("Osfarm Striped")
+root.geometry("300x200+700+100")
+c = tk.Canvas(root, width=300, height=200, bg="white", highlightthickness=0)
+c.pack()
+for i in range(0, 300, 10):
+    c.create_rectangle(i, 0, i + 5, 200, fill="black", width=0)
+root.mainloop()
+"""
+
+
 def test_capture_draws_cursor(cap: ScreenCapture, ctl: InputController) -> None:
     x, y = 1200, 700  # over the bare root window, away from the app
     act(ctl, {"action_type": "MOVE_TO", "parameters": {"x": x, "y": y}})

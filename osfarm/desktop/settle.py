@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Iterable
 
 import numpy as np
 import psutil
+from Xlib import display as xdisplay
 
 from osfarm.desktop.capture import ScreenCapture
+from osfarm.desktop.windows import client_geometry
 
 BLANK_SHARE = 0.97  # a window whose most common colour covers more than this is not painted yet
 IDLE_CPU = 0.10  # share of one core below which a process counts as idle
@@ -47,21 +48,6 @@ def cpu_seconds(name: str) -> float:
     return total_cpu_seconds(p for p in psutil.process_iter(["name"]) if p.info["name"] == name)
 
 
-def window_geometry(title_part: str) -> tuple[int, int, int, int] | None:
-    """(x, y, w, h) of the first mapped window whose title contains ``title_part``."""
-    try:
-        out = subprocess.run(["wmctrl", "-lG"], capture_output=True, text=True, timeout=5).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    for line in out.splitlines():
-        parts = line.split(None, 7)
-        if len(parts) == 8 and title_part in parts[7]:
-            x, y, w, h = (int(v) for v in parts[2:6])
-            if w > 0 and h > 0:
-                return x, y, w, h
-    return None
-
-
 def painted(region: np.ndarray) -> bool:
     flat = region[::4, ::4].reshape(-1, 4)[:, :3]  # every 16th pixel is plenty to tell
     packed = (flat[:, 0].astype(np.uint32) << 16) | (flat[:, 1].astype(np.uint32) << 8) | flat[:, 2]
@@ -70,26 +56,33 @@ def painted(region: np.ndarray) -> bool:
 
 
 def wait_settled(title_part: str, timeout: float, quiet: float, cap: ScreenCapture,
-                 process: str | None = None) -> str | None:
-    """None when settled, else why not."""
+                 process: str | None = None, x: xdisplay.Display | None = None) -> str | None:
+    """None when settled, else why not. Each poll reads the window list on one X connection and
+    grabs the window alone (no ``wmctrl`` process, no full-screen frame): a poll costs about a
+    millisecond, so waiting for a starting app costs the desktop next to nothing."""
+    own = x is None
+    d = xdisplay.Display(cap.display_name) if x is None else x
+    try:
+        return _poll_settled(d, title_part, timeout, quiet, cap, process)
+    finally:
+        if own:
+            d.close()
+
+
+def _poll_settled(d: xdisplay.Display, title_part: str, timeout: float, quiet: float, cap: ScreenCapture,
+                  process: str | None) -> str | None:
     deadline = time.monotonic() + timeout
-    last: bytes | None = None
+    last: bytearray | None = None
     since = time.monotonic()
-    cpu_at_since = cpu_seconds(process) if process else 0.0
+    cpu_at_since = 0.0
     why = f"no window titled *{title_part}*"
     while time.monotonic() < deadline:
-        geo = window_geometry(title_part)
+        geo = client_geometry(d, title_part)
         if geo is not None:
-            frame = cap.grab_frame(cursor=False)
-            x, y, w, h = geo
-            px = frame.pixels()[max(0, y):y + h, max(0, x):x + w]
-            if px.size and painted(px):
-                data = px.tobytes()
-                now = time.monotonic()
-                if data != last:
-                    last, since = data, now
-                    cpu_at_since = cpu_seconds(process) if process else 0.0
-                elif now - since >= quiet:
+            frame = cap.grab_region(*geo)
+            now = time.monotonic()
+            if frame is not None and frame.bgrx == last:  # unchanged (and painted when it was stored)
+                if now - since >= quiet:
                     if not process:
                         return None
                     share = (cpu_seconds(process) - cpu_at_since) / (now - since)
@@ -98,8 +91,10 @@ def wait_settled(title_part: str, timeout: float, quiet: float, cap: ScreenCaptu
                     since, cpu_at_since = now, cpu_seconds(process)
                     why = f"{process} still busy ({share:.0%} of a core)"
                     continue
-                else:
-                    why = "window still changing"
+                why = "window still changing"
+            elif frame is not None and painted(frame.pixels()):
+                last, since = frame.bgrx, now
+                cpu_at_since = cpu_seconds(process) if process else 0.0
             else:
                 last, why = None, "window not painted (one colour)"
         time.sleep(0.05)

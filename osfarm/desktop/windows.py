@@ -17,14 +17,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from Xlib import X, Xatom
 from Xlib import display as xdisplay
 from Xlib.error import ConnectionClosedError, XError
 from Xlib.protocol import event as xevent
 
-from osfarm.desktop.models import Window
+if TYPE_CHECKING:  # osfarm-settle polls client_geometry without loading the guest's pydantic models
+    from osfarm.desktop.models import Window
 
 T = TypeVar("T")
 
@@ -125,6 +126,8 @@ def _wm_class(win) -> str:  # noqa: ANN001
 
 
 def _describe(d: xdisplay.Display, wid: int, active: int) -> Window | None:
+    from osfarm.desktop.models import Window
+
     win = d.create_resource_object("window", wid)
     root = d.screen().root
     try:
@@ -136,6 +139,24 @@ def _describe(d: xdisplay.Display, wid: int, active: int) -> Window | None:
         )
     except XError:
         return None  # the window went away while we looked at it
+
+
+def client_geometry(d: xdisplay.Display, title_part: str) -> tuple[int, int, int, int] | None:
+    """(x, y, width, height) in root coordinates of the first managed window whose title contains
+    ``title_part`` (case-sensitive, like ``wmctrl -lG | grep``), on the caller's connection ``d``."""
+    root = d.screen().root
+    for wid in _client_ids(d):
+        win = d.create_resource_object("window", wid)
+        try:
+            if title_part not in _title(d, win):
+                continue
+            geom = win.get_geometry()
+            pos = root.translate_coords(win, 0, 0)
+        except XError:
+            continue  # the window went away while we looked at it
+        if geom.width > 0 and geom.height > 0:
+            return pos.x, pos.y, geom.width, geom.height
+    return None
 
 
 def _list(d: xdisplay.Display) -> list[Window]:
