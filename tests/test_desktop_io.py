@@ -264,6 +264,46 @@ def test_settle_finds_and_grabs_the_window_alone(xsession: dict[str, Any], cap: 
         d.close()
 
 
+def test_wait_still_grabs_only_when_something_was_drawn(xsession: dict[str, Any], cap: ScreenCapture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A still screen settles without grabbing frames (the server reports drawing); a window
+    that keeps drawing holds the wait until it stops, and past the timeout it does not settle."""
+    grabs = []
+    real = cap.grab_frame
+    monkeypatch.setattr(cap, "grab_frame", lambda cursor=True: grabs.append(1) or real(cursor))
+    assert cap.wait_still(5, quiet=0.3)
+    assert len(grabs) <= 3, f"{len(grabs)} grabs of a still screen"
+    env = {**os.environ, "DISPLAY": xsession["display"]}
+    blink = subprocess.Popen([SYS_PYTHON, "-c", BLINK_APP, "1.5"], env=env)
+    try:
+        d = win.find_window  # the app is drawing once its window is listed
+        _wait(lambda: d(title="Osfarm Blink", display=xsession["display"]), 10, "blinking window")
+        assert not cap.wait_still(0.6, quiet=0.3), "settled while the window was still drawing"
+        grabs.clear()
+        t0 = time.monotonic()
+        assert cap.wait_still(10, quiet=0.3)
+        assert time.monotonic() - t0 > 0.4 and len(grabs) > 3  # it waited out the drawing, grabbing
+    finally:
+        _stop(blink)
+
+
+BLINK_APP = """
+import sys, time, tkinter as tk
+root = tk.Tk()
+root.title("Osfarm Blink")
+root.geometry("200x200+900+300")
+c = tk.Canvas(root, width=200, height=200, highlightthickness=0)
+c.pack()
+end = time.monotonic() + float(sys.argv[1])
+def tick(i=0):
+    c.configure(bg=("black", "white")[i % 2])
+    if time.monotonic() < end:
+        root.after(50, tick, i + 1)
+root.after(0, tick)
+root.mainloop()
+"""
+
+
 STRIPED_APP = """
 import tkinter as tk
 root = tk.Tk()

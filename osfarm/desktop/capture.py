@@ -29,6 +29,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 from Xlib import display as xdisplay
+from Xlib.error import XError
+from Xlib.ext import damage as xdamage
 from Xlib.ext import xfixes  # noqa: F401  (registers the XFixes requests on Display)
 
 if TYPE_CHECKING:
@@ -64,6 +66,8 @@ class ScreenCapture:
         self._mss: MSS | None = None
         self._x: xdisplay.Display | None = None
         self._has_xfixes = False
+        self._has_damage = False
+        self._damage_hits: dict[int, bool] = {}  # per DAMAGE object: drawn on since last asked
         self._connect()
 
     def _connect(self) -> None:
@@ -74,6 +78,9 @@ class ScreenCapture:
             # so the version handshake is mandatory before GetCursorImage.
             self._x.xfixes_query_version()
             self._has_xfixes = True
+        if self._x.has_extension("DAMAGE"):
+            self._x.damage_query_version()  # the same mandatory handshake
+            self._has_damage = True
 
     def size(self) -> tuple[int, int]:
         with self._lock:
@@ -124,28 +131,88 @@ class ScreenCapture:
         With ``cpu`` (cumulative CPU seconds of the desktop's apps) the screen must also stay
         unchanged while the apps use under ``idle_share`` of a core for ``cpu_window`` seconds:
         a CPU-starved app can show a still screen while it has not yet handled the input (and
-        LibreOffice then even applies queued shortcuts after text typed later)."""
+        LibreOffice then even applies queued shortcuts after text typed later).
+
+        Where the server has DAMAGE, a poll grabs a frame only when something was drawn since
+        the last one: the server reports any drawing, so a frame nothing drew on is the same as
+        the last one, and a still screen costs no grabs (the cursor's sprite is not drawing)."""
         deadline = time.monotonic() + timeout
-        last = self.grab_frame(cursor=False).bgrx
-        still_since = time.monotonic()
-        mark: tuple[float, float] | None = None  # (time, cpu seconds) when the idle check began
-        while time.monotonic() < deadline:
-            time.sleep(interval)
-            frame = self.grab_frame(cursor=False).bgrx
-            now = time.monotonic()
-            if frame != last:  # memcmp of two frames: a few ms at 1920x1080
-                last, still_since, mark = frame, now, None
-            elif now - still_since >= quiet:
-                if cpu is None:
-                    return True
-                if mark is None:
-                    mark = (now, cpu())
-                elif now - mark[0] >= cpu_window:
-                    used = cpu()
-                    if (used - mark[1]) / (now - mark[0]) < idle_share:
+        damage = self._damage_start()
+        try:
+            last = self.grab_frame(cursor=False).bgrx
+            still_since = time.monotonic()
+            mark: tuple[float, float] | None = None  # (time, cpu seconds) when the idle check began
+            while time.monotonic() < deadline:
+                time.sleep(interval)
+                changed = False
+                if damage is None or self._damaged(damage):
+                    frame = self.grab_frame(cursor=False).bgrx
+                    changed = frame != last  # memcmp of two frames: a few ms at 1920x1080
+                    last = frame
+                now = time.monotonic()
+                if changed:
+                    still_since, mark = now, None
+                elif now - still_since >= quiet:
+                    if cpu is None:
                         return True
-                    mark = (now, used)
-        return False
+                    if mark is None:
+                        mark = (now, cpu())
+                    elif now - mark[0] >= cpu_window:
+                        used = cpu()
+                        if (used - mark[1]) / (now - mark[0]) < idle_share:
+                            return True
+                        mark = (now, used)
+            return False
+        finally:
+            if damage is not None:
+                self._damage_stop(damage)
+
+    def _damage_start(self) -> int | None:
+        """A DAMAGE object on the root window that reports once until subtracted (None: none)."""
+        if not self._has_damage:
+            return None
+        with self._lock:
+            assert self._x is not None
+            try:
+                d = self._x.screen().root.damage_create(xdamage.DamageReportNonEmpty)
+                self._x.sync()  # created before the first grab: what is drawn after it is reported
+                self._damage_hits[d] = False
+                return d
+            except XError:
+                return None
+
+    def _damaged(self, damage: int) -> bool:
+        """Whether anything was drawn since the last call (or since ``damage`` was made); a
+        True clears the report before the caller grabs, so drawing after it is seen next time."""
+        with self._lock:
+            assert self._x is not None
+            # Reports for every waiter's object arrive on this one connection: note them all.
+            while self._x.pending_events():
+                ev = self._x.next_event()
+                d = getattr(ev, "damage", None)
+                if d in self._damage_hits:
+                    self._damage_hits[d] = True
+            hit = self._damage_hits.get(damage, True)
+            if hit:
+                self._damage_hits[damage] = False
+                self._x.damage_subtract(damage)
+                self._x.sync()
+            return hit
+
+    def _damage_stop(self, damage: int) -> None:
+        with self._lock:
+            if self._x is None:
+                return
+            self._damage_hits.pop(damage, None)
+            try:
+                self._x.damage_destroy(damage)
+                self._x.sync()
+                while self._x.pending_events():  # note other waiters' reports, drop this one's
+                    d = getattr(self._x.next_event(), "damage", None)
+                    if d in self._damage_hits:
+                        self._damage_hits[d] = True
+            except XError:
+                pass
 
     def _blend_cursor(self, frame: Frame) -> None:
         assert self._x is not None
