@@ -56,11 +56,20 @@ def _ts(s: str) -> float:
     return datetime.fromisoformat(s).timestamp()
 
 
+CPU: dict[tuple[str, int], tuple[float, float]] = {}  # (mode, envs) -> (harness, desktops) CPU-s of the run
+
+
 def run_once(suite: Path, index_file: Path, envs: int, out: Path, reset_mode: str = "cold") -> list[dict]:
     os.environ["OSFARM_STATE_DIR"] = tempfile.mkdtemp(prefix="oto", dir="/tmp")
     opts = RunOptions(suite=suite, agent="replay", out=out, index=index_file, envs=envs, progress=False,
                       farm_overrides={"reset_mode": reset_mode})
+    t0 = os.times()
     res = run_eval(opts)
+    t1 = os.times()
+    # This process is the farm, the runner and the agent; the desktops are its children, reaped
+    # (their CPU added here) when the in-process farm stops at the end of run_eval.
+    CPU[reset_mode, envs] = (t1.user - t0.user + t1.system - t0.system,
+                             t1.children_user - t0.children_user + t1.children_system - t0.children_system)
     if res["success_rate"] != 1.0:
         bad = [t["task_id"] for t in res["tasks"] if t["status"] != "success"]
         Console(stderr=True).print(f"[yellow]{reset_mode} envs={envs}: replay did not solve {bad} (still timed)")
@@ -104,7 +113,8 @@ def main() -> None:
         overhead_table(console, runs[mode, min(envs_list)], f"{mode} reset, envs={min(envs_list)}")
 
     thr = Table(title="replay throughput")
-    for c in ("reset", "envs", "episodes", "wall s", "episodes/hour", "vs envs=1", "vs cold"):
+    for c in ("reset", "envs", "episodes", "wall s", "episodes/hour", "vs envs=1", "vs cold",
+              "CPU-s/ep harness", "CPU-s/ep desktops", "CPU-s/ep total"):
         thr.add_column(c, justify="right")
     eph: dict[tuple[str, int], float] = {}
     for (mode, n), recs in runs.items():
@@ -115,8 +125,10 @@ def main() -> None:
             vs_cold = f"{eph[mode, n] / eph['cold', n]:.2f}x" if ("cold", n) in eph else "-"
             recs = runs[mode, n]
             span = len(recs) / eph[mode, n] * 3600
+            harness, desks = (v / len(recs) for v in CPU[mode, n])
             thr.add_row(mode, str(n), str(len(recs)), f"{span:.1f}", f"{eph[mode, n]:.0f}",
-                        f"{eph[mode, n] / eph[mode, envs_list[0]]:.2f}x", vs_cold)
+                        f"{eph[mode, n] / eph[mode, envs_list[0]]:.2f}x", vs_cold,
+                        f"{harness:.2f}", f"{desks:.2f}", f"{harness + desks:.2f}")
     console.print(thr)
     console.print(f"(this machine: {os.cpu_count()} cores; desktops and the harness share them)")
 
