@@ -22,6 +22,7 @@ import pytest
 from PIL import Image
 from waiting import wait_until
 
+from osfarm.desktop import ewmh
 from osfarm.desktop import windows as win
 from osfarm.desktop.actions import ActionError, parse_action
 from osfarm.desktop.capture import ScreenCapture, encode_image
@@ -239,10 +240,10 @@ def test_settle_finds_and_grabs_the_window_alone(xsession: dict[str, Any], cap: 
     app: TkApp = xsession["app"]
     d = xdisplay.Display(xsession["display"])
     try:
-        geo = win.client_geometry(d, app.title)
+        geo = ewmh.client_geometry(d, app.title)
         w = win.find_window(title=app.title, display=xsession["display"])
         assert w is not None and geo == (w.x, w.y, w.width, w.height)
-        assert win.client_geometry(d, "osfarm input test") is None  # case-sensitive, like grep
+        assert ewmh.client_geometry(d, "osfarm input test") is None  # case-sensitive, like grep
         x, y, gw, gh = geo
         region = cap.grab_region(x, y, gw, gh)
         assert region is not None and (region.width, region.height) == (gw, gh)
@@ -256,7 +257,7 @@ def test_settle_finds_and_grabs_the_window_alone(xsession: dict[str, Any], cap: 
         assert wait_settled("no such window", 0.3, 0.1, cap, x=d) == "no window titled *no such window*"
         striped = subprocess.Popen([SYS_PYTHON, "-c", STRIPED_APP], env={**os.environ, "DISPLAY": xsession["display"]})
         try:
-            _wait(lambda: win.client_geometry(d, "Osfarm Striped"), 10, "striped window")
+            _wait(lambda: ewmh.client_geometry(d, "Osfarm Striped"), 10, "striped window")
             assert wait_settled("Osfarm Striped", 10, 0.3, cap, x=d) is None
         finally:
             _stop(striped)

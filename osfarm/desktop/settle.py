@@ -25,7 +25,7 @@ import psutil
 from Xlib import display as xdisplay
 
 from osfarm.desktop.capture import ScreenCapture
-from osfarm.desktop.windows import client_geometry
+from osfarm.desktop.ewmh import client_geometry
 
 BLANK_SHARE = 0.97  # a window whose most common colour covers more than this is not painted yet
 IDLE_CPU = 0.10  # share of one core below which a process counts as idle

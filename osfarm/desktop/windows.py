@@ -17,15 +17,17 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from Xlib import X, Xatom
 from Xlib import display as xdisplay
 from Xlib.error import ConnectionClosedError, XError
 from Xlib.protocol import event as xevent
 
-if TYPE_CHECKING:  # osfarm-settle polls client_geometry without loading the guest's pydantic models
-    from osfarm.desktop.models import Window
+from osfarm.desktop.ewmh import atom as _atom
+from osfarm.desktop.ewmh import client_ids as _client_ids
+from osfarm.desktop.ewmh import window_title as _title
+from osfarm.desktop.models import Window
 
 T = TypeVar("T")
 
@@ -78,44 +80,11 @@ def close_connections() -> None:
                 pass
 
 
-def _atom(d: xdisplay.Display, name: str) -> int:
-    return d.intern_atom(name)
-
-
-def _client_ids(d: xdisplay.Display) -> list[int]:
-    root = d.screen().root
-    prop = root.get_full_property(_atom(d, "_NET_CLIENT_LIST"), Xatom.WINDOW)
-    if prop is not None and prop.value is not None:
-        return [int(w) for w in prop.value]
-    # No EWMH window manager: the root's mapped children are the top-level windows.
-    ids = []
-    for child in root.query_tree().children:
-        try:
-            attrs = child.get_attributes()
-            if attrs.map_state == X.IsViewable and not attrs.override_redirect:
-                ids.append(child.id)
-        except XError:
-            continue
-    return ids
-
-
 def _active_id(d: xdisplay.Display) -> int:
     prop = d.screen().root.get_full_property(_atom(d, "_NET_ACTIVE_WINDOW"), Xatom.WINDOW)
     if prop is None or not len(prop.value):
         return 0
     return int(prop.value[0])
-
-
-def _title(d: xdisplay.Display, win) -> str:  # noqa: ANN001 - Xlib window resource
-    prop = win.get_full_property(_atom(d, "_NET_WM_NAME"), _atom(d, "UTF8_STRING"))
-    if prop is not None and prop.value:
-        v = prop.value
-        return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-    prop = win.get_full_property(Xatom.WM_NAME, X.AnyPropertyType)
-    if prop is None or not prop.value:
-        return ""
-    v = prop.value
-    return v.decode("latin-1") if isinstance(v, bytes) else str(v)
 
 
 def _wm_class(win) -> str:  # noqa: ANN001
@@ -126,8 +95,6 @@ def _wm_class(win) -> str:  # noqa: ANN001
 
 
 def _describe(d: xdisplay.Display, wid: int, active: int) -> Window | None:
-    from osfarm.desktop.models import Window
-
     win = d.create_resource_object("window", wid)
     root = d.screen().root
     try:
@@ -139,24 +106,6 @@ def _describe(d: xdisplay.Display, wid: int, active: int) -> Window | None:
         )
     except XError:
         return None  # the window went away while we looked at it
-
-
-def client_geometry(d: xdisplay.Display, title_part: str) -> tuple[int, int, int, int] | None:
-    """(x, y, width, height) in root coordinates of the first managed window whose title contains
-    ``title_part`` (case-sensitive, like ``wmctrl -lG | grep``), on the caller's connection ``d``."""
-    root = d.screen().root
-    for wid in _client_ids(d):
-        win = d.create_resource_object("window", wid)
-        try:
-            if title_part not in _title(d, win):
-                continue
-            geom = win.get_geometry()
-            pos = root.translate_coords(win, 0, 0)
-        except XError:
-            continue  # the window went away while we looked at it
-        if geom.width > 0 and geom.height > 0:
-            return pos.x, pos.y, geom.width, geom.height
-    return None
 
 
 def _list(d: xdisplay.Display) -> list[Window]:
