@@ -14,7 +14,7 @@ behind (daemons, listeners, message queues, files, X and XKB settings, retained 
 window manager's state ...) must be gone for the next lease: ``held (undone)`` by the warm reset,
 ``held (cold restart)`` where the fingerprint saw it and the farm restarted the desktop cold
 (``cold_every: 0``, so no periodic cold restart hides a probe). The box columns run on the farm's
-default reset (warm since issue 15's default change): their episodes follow warm resets too.
+default reset (cold).
 
 Usage: python bench/redteam.py [--providers sandbox,docker,sandbox-warm,docker-warm,libvirt] [--json out.json]
 (libvirt under TCG takes minutes per boot; its bombs are not run).

@@ -43,7 +43,7 @@ from osfarm.config import FarmSettings  # noqa: E402
 from osfarm.providers import make_provider  # noqa: E402
 from osfarm.providers.base import DesktopHandle, DesktopSpec, tree_cpu_seconds  # noqa: E402
 
-# name -> (provider, settings overrides); both reset modes named (warm is the farm's default), and
+# name -> (provider, settings overrides); both reset modes named (cold is the farm's default), and
 # no periodic cold reset in the warm variants (cold_every 0): each column measures one mode
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sandbox": ("sandbox", {"reset_mode": "cold"}),

@@ -59,7 +59,9 @@ async def sh(handle: DesktopHandle, command: str) -> str:
 @pytest.fixture
 async def provider():
     sd = new_state_dir()
-    p = SandboxProvider(FarmSettings(state_dir=sd, start_timeout_s=45))
+    # warm: the reset tests below check a warm reset and a dead box's cold restart (every other
+    # test's farm runs the default, cold)
+    p = SandboxProvider(FarmSettings(state_dir=sd, start_timeout_s=45, reset_mode="warm"))
     yield p
     await p.stop_all()
     await p.close()
@@ -153,7 +155,7 @@ async def test_reset_gives_fresh_home_and_tmp_is_private(provider):
         t0 = time.monotonic()
         h2 = await provider.reset(h)
         print(f"\nsandbox reset: {time.monotonic() - t0:.3f}s {h2.info.get('reset_mode')}")
-        # the default reset_mode (warm): the same box put back (a cold restart, a new box: below)
+        # reset_mode warm (the fixture's): the same box put back (a cold restart, a new box: below)
         assert h2.id == h.id and h2.info["reset_mode"] == "warm" and "reset_fallback" not in h2.info, h2.info
         assert h2.pid == h.pid
         assert h2.endpoint.token != h.endpoint.token
