@@ -112,7 +112,7 @@ def main() -> None:
                     help="CPUs of the learner, the rest run the rollouts (as a cluster's trainer and inference "
                          "devices); 'none': everything shares every CPU")
     ap.add_argument("--reset-mode", choices=("cold", "warm"), default="warm",
-                    help="the in-process farm's reset_mode in every setting (the farm's default is cold; run once "
+                    help="the in-process farm's reset_mode in every setting (the farm's default is warm; run once "
                          "with each to compare)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()

@@ -103,11 +103,11 @@ class FarmSettings(BaseSettings):
     start_timeout_s: float = Field(default=60.0, gt=0)
     # --- reset (sandbox and docker desktops: osfarm/desktop/warm.py; libvirt resets by libvirt_reset) ---
     reset_mode: Literal["warm", "cold"] = Field(
-        default="cold", description="cold: a new box every reset. warm: end the task's processes and put files "
-        "and X state back, keeping the session, kept only where its fingerprint equals the cold start's (else, on "
-        "an error, past warm_reset_timeout_s or when the box died, a cold restart, counted); ~5x faster and ~1/3 "
-        "of the CPU of a cold one, not the default yet (docs/security.md: what the fingerprint cannot see). "
-        "Sandbox and docker only; libvirt ignores it (libvirt_reset)",
+        default="warm", description="warm: end the task's processes and put files and X state back, keeping the "
+        "session, kept only where its fingerprint equals the cold start's (else, on an error, past "
+        "warm_reset_timeout_s or when the box died, a cold restart, counted); ~5x faster and ~1/3 of the CPU of a "
+        "cold one. cold: a new box every reset, the strictest isolation between episodes (docs/security.md: what "
+        "the fingerprint cannot see). Sandbox and docker only; libvirt ignores it (libvirt_reset)",
     )
     cold_every: int = Field(
         default=25, ge=0, description="with reset_mode warm: every Nth reset is cold (0: never). A cold restart "
