@@ -9,7 +9,7 @@ selection owners, pressed keys and buttons, pointer, keyboard mapping, top-level
 active one, the settings ``xmodmap``/``xset``/``xhost`` change, clients whose resources outlived
 them) and the guest's own scratch dir.
 Random names (temp dirs, window ids, bus addresses) are normalised, so two cold starts give the
-same fingerprint; ``digest`` is its hash. :func:`differences` says where two fingerprints differ.
+same fingerprint; ``digest`` is its hash. :mod:`osfarm.desktop.fingerprint_diff` says where two differ.
 
 The file scans come from the agent-side helper (:mod:`osfarm.desktop.agent_root_helper`); what
 that helper runs on (the agent's mount table and loader files) is read by the guest from the
@@ -241,30 +241,3 @@ def fingerprint(desk: Desktop, scan: dict[str, Any] | None = None, x: dict[str, 
     }
     fp["digest"] = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
     return fp
-
-
-def differences(a: dict[str, Any], b: dict[str, Any], limit: int = 8) -> list[str]:
-    """Where two fingerprints differ, as short paths (for the log and the fallback's reason)."""
-    out: list[str] = []
-
-    def walk(x: Any, y: Any, path: str) -> None:
-        if len(out) >= limit or x == y:
-            return
-        if isinstance(x, dict) and isinstance(y, dict):
-            for k in sorted(set(x) | set(y)):
-                walk(x.get(k), y.get(k), f"{path}.{k}" if path else k)
-        elif isinstance(x, list) and isinstance(y, list) and path.count(".") < 2:
-            sx = {json.dumps(e, sort_keys=True) for e in x}
-            sy = {json.dumps(e, sort_keys=True) for e in y}
-            for e in sorted(sx - sy)[:3]:
-                out.append(f"{path}: only before {e[:160]}")
-            for e in sorted(sy - sx)[:3]:
-                out.append(f"{path}: only after {e[:160]}")
-            if sx == sy:
-                out.append(f"{path}: order")
-        else:
-            out.append(f"{path}: {json.dumps(x)[:120]} != {json.dumps(y)[:120]}")
-
-    skip = ("digest", "timings_ms")
-    walk({k: v for k, v in a.items() if k not in skip}, {k: v for k, v in b.items() if k not in skip}, "")
-    return out[:limit]

@@ -20,7 +20,6 @@ from osfarm.desktop import warm
 from osfarm.desktop.a11y import accessibility_tree
 from osfarm.desktop.actions import Action, ActionError, CodeAction, is_terminal, parse_actions
 from osfarm.desktop.capture import encode_frame
-from osfarm.desktop.fingerprint import fingerprint
 from osfarm.desktop.guest_state import Desktop, DesktopDep
 from osfarm.desktop.models import (
     ActionResult,
@@ -253,7 +252,7 @@ class WarmResetRequest(BaseModel):
 async def session_fingerprint(desk: DesktopDep) -> JSONResponse:
     """The desktop's state as a warm reset must leave it (processes, writable trees, X state)."""
     try:
-        return JSONResponse(await run_in_threadpool(fingerprint, desk))
+        return JSONResponse(await run_in_threadpool(warm.current_fingerprint, desk))
     except WarmResetError as e:
         raise HTTPException(500, str(e)) from None
 

@@ -62,6 +62,13 @@ class Baseline:
 _lock = threading.Lock()
 
 
+def current_fingerprint(desk: Desktop) -> dict[str, Any]:
+    """The desktop's fingerprint now; waits for a baseline or a warm reset in progress, so it never
+    shows one half done."""
+    with _lock:
+        return fingerprint(desk)
+
+
 def take_baseline(desk: Desktop) -> dict[str, Any]:
     """Record the state a warm reset goes back to (call once the cold start is ready, before any
     agent action); returns its fingerprint."""

@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from osfarm.config import FarmSettings
-from osfarm.desktop.fingerprint import differences
+from osfarm.desktop.fingerprint_diff import differences
 from osfarm.providers.base import DesktopHandle, GuestEndpoint, ProviderError
 from osfarm.providers.boxes import discarded_on_failure
 
