@@ -99,6 +99,11 @@ class FarmSettings(BaseSettings):
     )
     sandbox_uid_base: int = Field(default=0x70000000, ge=65536, le=0x7FFE0000,
                                   description="first host uid of the sandboxes' uid slots (131072 ids per desktop)")
+    sandbox_start: Literal["exec", "fork"] = Field(
+        default="exec", description="how a sandbox box starts. exec: a new interpreter per box (unshare + box init + "
+        "launcher). fork: from a pre-initialised template process that has imported the guest's server stack once "
+        "(osfarm/desktop/box_zygote.py); boxes then share its address-space layout and hash seed (docs/security.md)",
+    )
     health_interval_s: float = Field(default=2.0, gt=0)
     start_timeout_s: float = Field(default=60.0, gt=0)
     # --- reset (sandbox and docker desktops: osfarm/desktop/warm.py; libvirt resets by libvirt_reset) ---

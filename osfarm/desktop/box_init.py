@@ -211,9 +211,12 @@ _STARTED = time.monotonic()
 TIMES_VAR = "OSFARM_BOX_TIMES"
 
 
-def run(plan: BoxPlan) -> None:
-    """Carry out the plan, then exec the launcher (does not return)."""
-    times = {"init": _STARTED}
+def prepare(plan: BoxPlan, started: float | None = None) -> dict[str, str]:
+    """Carry out the plan up to the launcher (steps 1-4, as the box's root); returns the
+    launcher's environment. Shared by :func:`run` and a box forked from the template
+    (:mod:`osfarm.desktop.box_zygote`, ``sandbox_start: fork``); ``started``: when the box's init
+    began (monotonic; default: when this module was imported)."""
+    times = {"init": _STARTED if started is None else started}
     join_cgroups(plan.cgroup_procs)
     if plan.loopback_up:
         linux_ns.loopback_up()
@@ -238,6 +241,11 @@ def run(plan: BoxPlan) -> None:
         env[ENV_VAR] = world.to_env()
     times["agent_world"] = time.monotonic()
     env[TIMES_VAR] = json.dumps(times)
+    return env
+
+
+def become_guest(plan: BoxPlan) -> None:
+    """Step 5 without the exec: the plan's cwd, then the guest uid (no groups, no capabilities)."""
     os.chdir(plan.cwd)
     os.setgroups([])
     os.setresgid(plan.guest_gid, plan.guest_gid, plan.guest_gid)
@@ -246,7 +254,23 @@ def run(plan: BoxPlan) -> None:
         # Changing credentials cleared the parent-death signal the box was started with
         # (``unshare --kill-child``): set it again, so the box still dies with its parent.
         linux_ns.set_parent_death_signal(plan.death_signal)
+
+
+def run(plan: BoxPlan) -> None:
+    """Carry out the plan, then exec the launcher (does not return)."""
+    env = prepare(plan)
+    become_guest(plan)
     os.execve(plan.launcher[0], plan.launcher, env)
+
+
+def read_plan(path: str) -> BoxPlan:
+    """A plan file as the farm wrote it: a regular file (no symlink) of root's, mode 0600."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) & 0o077:
+            raise ValueError(f"{path}: not a regular file of root's, mode 0600")
+        return BoxPlan.from_json(f.read())
 
 
 def main(argv: list[str] | None = None) -> int:

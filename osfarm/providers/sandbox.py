@@ -54,6 +54,7 @@ from osfarm.providers.base import (
     ProviderError,
     tree_cpu_seconds,
 )
+from osfarm.providers.box_template import BoxTemplate, ForkedBox, TemplateError
 from osfarm.providers.boxes import (
     SOCKET_PATH_MAX,
     SocketClaim,
@@ -66,7 +67,7 @@ from osfarm.providers.boxes import (
     wait_pids_gone,
 )
 from osfarm.providers.cgroups import CgroupRoot, DesktopCgroup, Limits, parse_size
-from osfarm.providers.sandbox_layout import BOX_PYTHON, BOX_RUN, Templates, box_plan
+from osfarm.providers.sandbox_layout import BOX_OSFARM, BOX_PYTHON, BOX_RUN, Templates, box_plan
 from osfarm.providers.slots import Slot, SlotPool
 from osfarm.providers.warm_reset import WarmResets
 
@@ -163,7 +164,10 @@ class SandboxProvider:
             log.warning("%s", self.templates.agent_python_note)
         if self.templates.bytecode_note:
             log.warning("%s", self.templates.bytecode_note)
-        self._procs: dict[str, asyncio.subprocess.Process] = {}
+        self._procs: dict[str, asyncio.subprocess.Process | ForkedBox] = {}
+        self._template: BoxTemplate | None = None  # sandbox_start fork: started on the first start
+        self._template_lock = asyncio.Lock()
+        self.start_fallbacks = 0  # fork starts that failed and were started by exec instead
         self._slots: dict[str, Slot] = {}
         self._cgroups: dict[str, DesktopCgroup] = {}
         self._xvfb: dict[str, psutil.Process] = {}  # found once per start: alive() stays cheap
@@ -231,6 +235,50 @@ class SandboxProvider:
 
     # -- protocol ---------------------------------------------------------------------------
 
+    @property
+    def template_tag(self) -> str:
+        """On the box template's command line (and so on every forked box's): orphan reaping
+        finds them by it, as it finds exec'd boxes by their plan's path."""
+        return f"{self.root}/.box-template"
+
+    async def box_template(self) -> BoxTemplate:
+        """The running box template (``sandbox_start: fork``), started (again) if need be."""
+        async with self._template_lock:
+            old = self._template
+            if old is not None and old.alive():
+                return old
+            if old is not None:
+                log.warning("sandbox box template exited (pid=%s code=%s): starting a new one", old.pid,
+                            old.proc.returncode if old.proc else None)
+                await old.close()
+            env = {k: os.environ[k] for k in PASSED_ENV if k in os.environ}
+            env.setdefault("LANG", "C.UTF-8")
+            env.update(PATH=BOX_PATH, PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
+            binds = [*self.templates.guest_paths["binds"], (str(self.templates.osfarm_bin), f"{BOX_OSFARM}/bin")]
+            template = BoxTemplate(self.template_tag, binds, env, BOX_PYTHON, self.state_dir / "box-template.log")
+            self._template = template
+            await template.start()
+            log.info("sandbox box template ready pid=%s threads=%s", template.pid, template.info.get("threads"))
+            return template
+
+    async def _spawn(self, desktop_id: str, spec: DesktopSpec, log_path: Path,
+                     fork: bool) -> asyncio.subprocess.Process | ForkedBox:
+        """Start the box's processes: forked from the box template, or ``box_argv`` exec'd."""
+        plan_file = self.desktop_dir(desktop_id) / "box.json"
+        with open(log_path, "wb") as logf:
+            if fork:
+                template = await self.box_template()
+                return await template.fork(str(plan_file), logf.fileno(), spec.private_network)
+            env = {k: os.environ[k] for k in (*PASSED_ENV, "PATH", "PYTHONPATH") if k in os.environ}
+            return await asyncio.create_subprocess_exec(
+                *self.box_argv(desktop_id, spec),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+            )
+
     def box_argv(self, desktop_id: str, spec: DesktopSpec) -> list[str]:
         """The host command of a box: namespaces by ``unshare`` (its child is the box's PID 1),
         a parent-death signal so that a box never outlives its farm."""
@@ -281,6 +329,8 @@ class SandboxProvider:
         process that escaped the box's process tree).
         """
         ours = {p.pid for p in self._procs.values()}
+        if self._template is not None and self._template.alive() and self._template.pid:
+            ours.add(self._template.pid)
         for pid in list(ours):
             ours.update(_descendants(pid))
         prefix = f"{self.root}/"
@@ -316,13 +366,31 @@ class SandboxProvider:
         return len(boxes)
 
     async def start(self, desktop_id: str, spec: DesktopSpec) -> DesktopHandle:
+        """A new box: exec'd, or with ``sandbox_start: fork`` forked from the box template; a
+        forked start that fails is done again by exec, once (logged, counted in
+        ``start_fallbacks`` and the handle's ``info["start_fallback"]``)."""
         if self._closed:
             raise ProviderError("sandbox provider is closed")
         check_desktop_id(desktop_id)
         old = self._procs.get(desktop_id)
         if old is not None and old.returncode is None:
             raise ProviderError(f"desktop {desktop_id} is already running")
-        await self._kill(desktop_id, old)  # a crashed box: forget it
+        if self.settings.sandbox_start != "fork":
+            return await self._start(desktop_id, spec, fork=False)
+        try:
+            return await self._start(desktop_id, spec, fork=True)
+        except (TemplateError, ProviderError) as e:
+            if self._closed:
+                raise
+            self.start_fallbacks += 1
+            log.warning("sandbox fork start failed, starting it by exec (fallback %d) id=%s: %s",
+                        self.start_fallbacks, desktop_id, str(e)[:2000])
+        handle = await self._start(desktop_id, spec, fork=False)
+        handle.info["start_fallback"] = "fork"
+        return handle
+
+    async def _start(self, desktop_id: str, spec: DesktopSpec, fork: bool) -> DesktopHandle:
+        await self._kill(desktop_id, self._procs.get(desktop_id))  # a crashed box: forget it
         t0 = time.monotonic()
         slot = self._slots.get(desktop_id) or self.slots.acquire()
         self._slots[desktop_id] = slot
@@ -336,16 +404,7 @@ class SandboxProvider:
         with os.fdopen(fd, "w") as f:
             f.write(plan.to_json())
         log_path = ddir / "session.log"
-        env = {k: os.environ[k] for k in (*PASSED_ENV, "PATH", "PYTHONPATH") if k in os.environ}
-        with open(log_path, "wb") as logf:
-            proc = await asyncio.create_subprocess_exec(
-                *self.box_argv(desktop_id, spec),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-            )
+        proc = await self._spawn(desktop_id, spec, log_path, fork)
         self._procs[desktop_id] = proc
         endpoint = GuestEndpoint(base_url="http://guest", token=token, uds=str(ddir / "guest.sock"))
         handle = DesktopHandle(
@@ -355,7 +414,8 @@ class SandboxProvider:
             endpoint=endpoint,
             pid=proc.pid,
             info={"dir": str(ddir), "log": str(log_path), "slot": str(slot.index),
-                  "guest_uid": str(slot.guest_uid), "agent_uid": str(slot.agent_id(1000))},
+                  "guest_uid": str(slot.guest_uid), "agent_uid": str(slot.agent_id(1000)),
+                  "start": "fork" if fork else "exec"},
         )
         claim = SocketClaim(ddir / "run" / "guest.sock", ddir / "guest.sock", slot.guest_uid,
                             ready=ddir / "run" / "state.json")
@@ -371,7 +431,7 @@ class SandboxProvider:
         log.info("sandbox ready id=%s pid=%d start_s=%s", desktop_id, proc.pid, handle.info["start_s"])
         return handle
 
-    async def _wait_ready(self, handle: DesktopHandle, proc: asyncio.subprocess.Process, t0: float,
+    async def _wait_ready(self, handle: DesktopHandle, proc: asyncio.subprocess.Process | ForkedBox, t0: float,
                           claim: SocketClaim) -> None:
         cgroup = self._cgroups.get(handle.id)
 
@@ -387,7 +447,7 @@ class SandboxProvider:
         await wait_guest_ready(handle, t0 + self.settings.start_timeout_s, self.settings.start_timeout_s,
                                box_gone=launcher_exited, box_log=session_log, claim=claim)
 
-    async def _kill(self, desktop_id: str, proc: asyncio.subprocess.Process | None) -> None:
+    async def _kill(self, desktop_id: str, proc: asyncio.subprocess.Process | ForkedBox | None) -> None:
         """Kill the box: SIGKILL its PID 1 so the kernel kills every process in it.
 
         The launcher's own SIGTERM cleanup buys nothing here (home and /tmp are thrown away)
@@ -490,6 +550,9 @@ class SandboxProvider:
         if self._closed:
             return
         self._closed = True
+        if self._template is not None:
+            await self._template.close()  # its boxes die with it
+            self._template = None
         with contextlib.suppress(OSError):
             os.close(self._lock_fd)
 

@@ -1,0 +1,206 @@
+"""``sandbox_start: fork``: sandbox boxes forked from the box template (osfarm/desktop/box_zygote.py,
+osfarm/providers/box_template.py), with real namespaces, cgroups, Xvfb and the launcher."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from test_sandbox import SPEC, dead, new_state_dir, sh, wait_no_box_processes
+
+from osfarm.config import FarmSettings
+from osfarm.desktop.fingerprint_diff import differences
+from osfarm.desktop.process_tree import children, descendants
+from osfarm.providers.base import DesktopHandle
+from osfarm.providers.sandbox import SandboxProvider
+
+RANDOM = "import random, secrets; print(random.random(), secrets.token_hex(8))"
+
+
+@pytest.fixture
+async def forking():
+    sd = new_state_dir()
+    p = SandboxProvider(FarmSettings(state_dir=sd, start_timeout_s=45, reset_mode="cold", sandbox_start="fork"))
+    yield p
+    await p.stop_all()
+    await p.close()
+    assert not await wait_no_box_processes(sd)
+    shutil.rmtree(sd, ignore_errors=True)
+
+
+def _box_init(p: SandboxProvider, h: DesktopHandle) -> int:
+    """The box's PID 1 (the launcher), seen from the host."""
+    (pid,) = children(p._procs[h.id].pid)
+    return pid
+
+
+def _ns(pid: int, kind: str) -> str:
+    return os.readlink(f"/proc/{pid}/ns/{kind}")
+
+
+async def test_forked_desktop_works(forking: SandboxProvider) -> None:
+    h = await forking.start("fk1", SPEC)
+    assert h.info["start"] == "fork" and "start_fallback" not in h.info
+    template = forking._template
+    assert template is not None and template.info["threads"] == 1
+    assert template.info["session"].startswith("/opt/osfarm/lib/osfarm/desktop/"), template.info
+    async with h.endpoint.client(timeout=30) as c:
+        health = (await c.get("/v1/health")).json()
+        assert health["pid"] == 1 and health["screen"] == {"width": 1024, "height": 768}
+        shot = await c.get("/v1/screenshot")
+        assert shot.status_code == 200 and shot.content.startswith(b"\x89PNG")
+        r = await c.post("/v1/step", json={"actions": [{"action_type": "MOVE_TO", "parameters": {"x": 101, "y": 57}}],
+                                           "observe": {"screenshot": True, "a11y": False}})
+        assert r.status_code == 200, r.text
+        step = r.json()
+        assert step["results"][0]["ok"] and step["observation"]["cursor"] == [101, 57]
+        assert base64.b64decode(step["observation"]["screenshot"]).startswith(b"\x89PNG")
+        # a11y: the registry comes up a little after the guest answers; gi is imported lazily (the
+        # first a11y call), from the box's paths
+        deadline = time.monotonic() + 20
+        while not (await c.get("/v1/health")).json()["a11y_bus"] and time.monotonic() < deadline:
+            await asyncio.sleep(0.3)
+        obs = (await c.get("/v1/observation", params={"screenshot": False, "a11y": True})).json()
+        assert obs["a11y"].startswith("<desktop-frame"), obs["a11y"][:200]
+    # the box's processes: PID 1 and every descendant as the guest uid (or the agent's range), in
+    # the box's namespaces, not the template's or the host's
+    top = forking._procs[h.id]
+    init = _box_init(forking, h)
+    guest_uid = int(h.info["guest_uid"])
+    assert psutil.Process(init).uids() == (guest_uid, guest_uid, guest_uid)
+    assert psutil.Process(top.pid).ppid() == template.pid
+    for kind in ("pid", "mnt", "ipc", "uts"):
+        assert _ns(init, kind) != _ns(template.pid, kind) and _ns(init, kind) != _ns(os.getpid(), kind), kind
+    procs = [psutil.Process(p) for p in descendants(init)]
+    assert procs and all(_ns(p.pid, "pid") == _ns(init, "pid") for p in procs)
+    agent_base = int(h.info["agent_uid"]) - 1000
+    assert all(p.uids().real == guest_uid or agent_base <= p.uids().real < agent_base + 65536 for p in procs)
+    # module paths are the box's: openbox's rc file (session.ASSETS, from __file__) and the guest's
+    wm = next(p for p in procs if p.name() == "openbox")
+    rc = wm.cmdline()[wm.cmdline().index("--config-file") + 1]
+    assert rc.startswith("/opt/osfarm/lib/osfarm/desktop/assets/"), rc
+    assert "osfarm" in (await sh(h, "echo osfarm")), "the agent's shell runs"
+
+
+async def test_two_forked_boxes_are_separate(forking: SandboxProvider) -> None:
+    a, b = await asyncio.gather(forking.start("fka", SPEC), forking.start("fkb", SPEC))
+    assert a.endpoint.token != b.endpoint.token
+    ia, ib = _box_init(forking, a), _box_init(forking, b)
+    for kind in ("pid", "mnt", "ipc", "uts", "net"):
+        assert _ns(ia, kind) != _ns(ib, kind) or (kind == "net" and not SPEC.private_network), kind
+    # the guests' own random names (tempfile, in the forked launcher's process) differ
+    runs = [json.loads((Path(h.info["dir"]) / "run" / "state.json").read_text())["run_dir"] for h in (a, b)]
+    assert runs[0] != runs[1], runs
+
+
+def test_random_is_reseeded_in_a_forked_template_child() -> None:
+    """What forked boxes rely on: ``random`` re-seeds itself in a forked child (os.register_at_fork),
+    so two boxes of one template draw different numbers, and not the template's next one."""
+    code = textwrap.dedent("""
+        import os, random, sys
+        import osfarm.desktop.box_zygote
+        outs = []
+        for _ in range(2):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                os.write(w, repr(random.random()).encode()); os._exit(0)
+            os.close(w); outs.append(os.read(r, 100).decode()); os.close(r); os.waitpid(pid, 0)
+        outs.append(repr(random.random()))
+        print(" ".join(outs))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert len(set(out)) == 3, out
+
+
+async def test_box_dies_with_its_pid1_and_provider_sees_it(forking: SandboxProvider) -> None:
+    h = await forking.start("fkd", SPEC)
+    top = forking._procs[h.id]
+    inside = [top.pid, *descendants(top.pid)]
+    os.kill(_box_init(forking, h), signal.SIGKILL)
+    code = await asyncio.wait_for(top.wait(), 5)
+    assert code == -signal.SIGKILL and top.returncode == code
+    assert "exited" in (await forking.alive(h) or "")
+    deadline = time.monotonic() + 5
+    while not all(dead(p) for p in inside) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert all(dead(p) for p in inside)
+
+
+async def test_template_death_kills_its_boxes_and_is_restarted(forking: SandboxProvider) -> None:
+    """Its boxes die with it (parent-death signals: as an exec'd box dies with its farm); the next
+    start starts a new template."""
+    h = await forking.start("fkt", SPEC)
+    top = forking._procs[h.id]
+    inside = [top.pid, *descendants(top.pid)]
+    old = forking._template
+    assert old is not None
+    os.kill(old.pid, signal.SIGKILL)
+    assert await asyncio.wait_for(top.wait(), 5) == -signal.SIGKILL
+    deadline = time.monotonic() + 5
+    while not all(dead(p) for p in inside) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert all(dead(p) for p in inside)
+    await forking.stop(h)
+    h2 = await forking.start("fkt", SPEC)
+    assert forking._template is not old and forking._template.alive()
+    assert h2.info["start"] == "fork" and "start_fallback" not in h2.info
+    async with h2.endpoint.client(timeout=30) as c:
+        assert (await c.get("/v1/health")).status_code == 200
+
+
+async def test_orphan_reaping_finds_forked_boxes(forking: SandboxProvider) -> None:
+    """A farm that crashed with its boxes still running (its death signal did not fire): the next
+    provider's reap_orphans finds the template and its forked boxes by the template's command line."""
+    h = await forking.start("fko", SPEC)
+    top = forking._procs[h.id]
+    template = forking._template
+    assert template is not None
+    victims = [template.pid, top.pid, *descendants(top.pid)]
+    forking._procs.clear()  # forget them, as a new farm would not know them
+    forking._template = None
+    assert await forking.reap_orphans() >= 1
+    assert all(dead(p) for p in victims)
+    await template.close()
+
+
+async def test_fork_start_fingerprint_equals_exec_start_and_warm_reset() -> None:
+    """An exec'd box and a forked one are the same to the agent (equal fingerprints), and a warm
+    reset of a forked box gives its cold start's fingerprint."""
+    sd = new_state_dir()
+    p = SandboxProvider(FarmSettings(state_dir=sd, start_timeout_s=45, reset_mode="warm", cold_every=0,
+                                     sandbox_start="exec"))
+    try:
+        h = await p.start("fkf", SPEC)
+        assert h.info["start"] == "exec"
+        async with h.endpoint.client(timeout=30) as c:
+            exec_fp = (await c.get("/v1/session/fingerprint")).json()
+        await p.stop(h)
+        p.settings = p.settings.model_copy(update={"sandbox_start": "fork"})
+        h = await p.start("fkf", SPEC)
+        assert h.info["start"] == "fork"
+        async with h.endpoint.client(timeout=30) as c:
+            fork_fp = (await c.get("/v1/session/fingerprint")).json()
+            assert fork_fp["digest"] == exec_fp["digest"], differences(exec_fp, fork_fp)
+            await c.post("/v1/pyautogui", json={"code": "open('/tmp/dirt', 'w').write('x')"})
+        h = await p.reset(h)
+        assert h.info.get("reset_mode") == "warm" and not h.info.get("reset_fallback"), h.info
+        async with h.endpoint.client(timeout=30) as c:
+            after = (await c.get("/v1/session/fingerprint")).json()
+        assert after["digest"] == fork_fp["digest"], differences(fork_fp, after)
+    finally:
+        await p.stop_all()
+        await p.close()
+        assert not await wait_no_box_processes(sd)
+        shutil.rmtree(sd, ignore_errors=True)
