@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -204,3 +205,22 @@ async def test_fork_start_fingerprint_equals_exec_start_and_warm_reset() -> None
         await p.close()
         assert not await wait_no_box_processes(sd)
         shutil.rmtree(sd, ignore_errors=True)
+
+
+async def test_stuck_template_falls_back_to_exec_once(forking: SandboxProvider, monkeypatch) -> None:
+    """A template that does not answer (stopped here): that start is done by exec (counted), the
+    template is replaced, and the next start forks again."""
+    monkeypatch.setattr("osfarm.providers.box_template.REQUEST_TIMEOUT_S", 1.0)
+    template = await forking.box_template()
+    os.kill(template.pid, signal.SIGSTOP)
+    try:
+        h = await forking.start("fks", SPEC)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(template.pid, signal.SIGCONT)
+    assert h.info["start"] == "exec" and h.info["start_fallback"] == "fork" and forking.start_fallbacks == 1
+    assert not template.alive()
+    async with h.endpoint.client(timeout=30) as c:
+        assert (await c.get("/v1/health")).status_code == 200
+    h2 = await forking.start("fks2", SPEC)
+    assert h2.info["start"] == "fork" and forking._template is not template and forking.start_fallbacks == 1

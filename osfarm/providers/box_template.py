@@ -206,7 +206,8 @@ class BoxTemplate:
                 reply = await asyncio.wait_for(asyncio.shield(fut), REQUEST_TIMEOUT_S)
             except TimeoutError:
                 self._replies.pop(rid, None)
-                raise TemplateError("the box template did not answer") from None
+                await self.close()  # a template that does not answer is stuck: the next start starts another
+                raise TemplateError(f"the box template did not answer in {REQUEST_TIMEOUT_S:.0f} s") from None
         if "error" in reply:
             raise TemplateError(f"the box template could not fork the box: {reply['error']}")
         return reply["box"]
