@@ -9,7 +9,8 @@
 * CPU-seconds per reset: the box's (its cgroup, else its processes) from the reset's start until
   SETTLE_S after it is ready (a cold box's panel and accessibility registry finish starting after
   its guest answers), less what the idle desktop uses over as long, plus the farm process's own.
-  Warm resets that fell back to cold are counted.
+  Warm resets that fell back to cold are counted. ``sandbox-fork``: the box template's own CPU
+  (its fork of each box) counts as the farm's.
 * warm lease: ``POST /v1/desktops`` on a real `osfarm serve --provider X` with ready desktops.
 * idle memory: PSS of every process of one idle desktop (shared pages shared out).
 
@@ -48,6 +49,8 @@ from osfarm.providers.base import DesktopHandle, DesktopSpec, tree_cpu_seconds  
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sandbox": ("sandbox", {"reset_mode": "cold"}),
     "sandbox-warm": ("sandbox", {"reset_mode": "warm", "cold_every": 0}),
+    # cold starts forked from the box template (sandbox_start fork); a warm reset does not start a box
+    "sandbox-fork": ("sandbox", {"reset_mode": "cold", "sandbox_start": "fork"}),
     "docker": ("docker", {"docker_network": "none", "reset_mode": "cold"}),
     "docker-warm": ("docker", {"docker_network": "none", "reset_mode": "warm", "cold_every": 0}),
     # libvirt VMs (disk: `osfarm image build-vm`): fresh overlay + boot, and internal snapshot revert
@@ -83,6 +86,19 @@ def box_cpu(provider: Any, handle: DesktopHandle) -> float:
     fn = getattr(provider, "cpu_seconds", None)
     used = fn(handle) if fn is not None else tree_cpu_seconds(provider.pids(handle))
     return used or 0.0
+
+
+def template_cpu(provider: Any) -> float:
+    """CPU-s of the sandbox's box template itself (``sandbox_start: fork``; its forks of new
+    boxes), not its reaped children (a box's processes, counted in the box's cgroup)."""
+    template = getattr(provider, "_template", None)
+    if template is None or template.pid is None:
+        return 0.0
+    try:
+        t = psutil.Process(template.pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return t.user + t.system
 
 
 def pss_mib(pids: list[int]) -> float:
@@ -126,10 +142,11 @@ async def resets(name: str, n: int, width: int, height: int, clean: bool = False
             if not clean:
                 await dirty(handle)
             before = box_cpu(provider, handle)
+            tpl = template_cpu(provider)
             p0, m0, t0 = time.process_time(), time.monotonic(), time.perf_counter()
             handle = await provider.reset(handle)
             out.append(time.perf_counter() - t0)
-            farm = time.process_time() - p0
+            farm = time.process_time() - p0 + template_cpu(provider) - tpl
             await asyncio.sleep(SETTLE_S)  # also lets the old box's teardown finish outside the timing
             if handle.info.get("reset_mode") != "warm":
                 got = cold_parts(handle, m0, out[-1], warm)
