@@ -224,3 +224,27 @@ async def test_stuck_template_falls_back_to_exec_once(forking: SandboxProvider, 
         assert (await c.get("/v1/health")).status_code == 200
     h2 = await forking.start("fks2", SPEC)
     assert h2.info["start"] == "fork" and forking._template is not template and forking.start_fallbacks == 1
+
+
+PLANT = ("open('/home/user/httpx.py', 'w').write(\"import os\\n"
+         "open('/tmp/planted-ran', 'w').write(str(os.getuid()))\\n\")")
+
+
+@pytest.mark.parametrize("start", ["exec", "fork"])
+async def test_guest_never_imports_from_the_agents_home(start: str) -> None:
+    """The launcher runs in the agent's home (its cwd), which ``python -m`` would put first on the
+    guest's sys.path: a module the agent plants there must not be what the guest imports later
+    (here httpx, imported on the first /setup/download_file)."""
+    sd = new_state_dir()
+    p = SandboxProvider(FarmSettings(state_dir=sd, start_timeout_s=45, reset_mode="cold", sandbox_start=start))
+    try:
+        h = await p.start("fkp", SPEC)
+        async with h.endpoint.client(timeout=30) as c:
+            assert (await c.post("/v1/pyautogui", json={"code": PLANT})).json()["ok"]
+            r = await c.post("/setup/download_file", json={"url": "http://127.0.0.1:9/x", "path": "/home/user/x"})
+            assert r.status_code == 400 and "non-public address" in r.text, r.text  # refused by osfarm's policy
+        assert "No such file" in await sh(h, "cat /tmp/planted-ran 2>&1")
+    finally:
+        await p.stop_all()
+        await p.close()
+        shutil.rmtree(sd, ignore_errors=True)

@@ -141,6 +141,16 @@ def import_numpy_single_threaded() -> None:
             os.environ.pop(BLAS_THREADS, None)
 
 
+def drop_cwd_from_path() -> None:
+    """``python -m`` puts the working directory first on ``sys.path``, and a box starts the
+    launcher in the agent's home, which the agent can write: every module the guest imports
+    later (lazily: httpx on the first download, gi, mss) could then be the agent's, run as the
+    guest. Imports resolve from the interpreter's own paths only (a forked box's template runs
+    with ``-P``, the same)."""
+    cwd = os.getcwd()
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]
+
+
 def start_desktop(session: Session, failed: list[BaseException]) -> None:
     """Once Xvfb is up: the desktop's environment, the home's settings, its processes (a thread
     of its own, while the main thread imports the server stack); an error goes to ``failed``."""
@@ -157,6 +167,7 @@ def start_desktop(session: Session, failed: list[BaseException]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    drop_cwd_from_path()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.socket is None and args.port is None:
