@@ -60,6 +60,8 @@ def mount_box_osfarm(binds: list[list[str]]) -> None:
     ``/opt`` becomes a tmpfs with each of its entries bound back."""
     linux_ns.unshare(linux_ns.CLONE_NEWNS)
     linux_ns.mount(None, "/", None, linux_ns.MS_REC | linux_ns.MS_PRIVATE)
+    # the sources, held open: the tmpfs below hides whatever of them lies under /opt/osfarm
+    sources = [(os.open(host, os.O_PATH), box) for host, box in binds if box.startswith(BOX_OSFARM + "/")]
     if not os.path.isdir(BOX_OSFARM):
         opt = os.path.dirname(BOX_OSFARM)
         old = os.open(opt, os.O_PATH | os.O_DIRECTORY)
@@ -78,11 +80,10 @@ def mount_box_osfarm(binds: list[list[str]]) -> None:
         os.close(old)
         os.mkdir(BOX_OSFARM)
     linux_ns.mount("tmpfs", BOX_OSFARM, "tmpfs", linux_ns.MS_NOSUID | linux_ns.MS_NODEV, "mode=755,size=64k")
-    for host, box in binds:
-        if not box.startswith(BOX_OSFARM + "/"):
-            continue  # same path in the box and on the host (an interpreter outside /usr)
+    for fd, box in sources:  # (a bind outside /opt/osfarm has the same path in the box and here)
         os.makedirs(box, exist_ok=True)
-        linux_ns.bind(host, box, readonly=True, nosuid=True, nodev=True, recursive=True)
+        linux_ns.bind(f"/proc/self/fd/{fd}", box, readonly=True, nosuid=True, nodev=True, recursive=True)
+        os.close(fd)
 
 
 # -- step 2: the template ----------------------------------------------------------------------
