@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_sandbox import SPEC, dead, new_state_dir, sh, wait_no_box_processes
+from test_sandbox import SPEC, _farm_then_kill9, dead, new_state_dir, sh, wait_no_box_processes
 
 from osfarm.config import FarmSettings
 from osfarm.desktop.fingerprint_diff import differences
@@ -174,6 +174,25 @@ async def test_orphan_reaping_finds_forked_boxes(forking: SandboxProvider) -> No
     assert await forking.reap_orphans() >= 1
     assert all(dead(p) for p in victims)
     await template.close()
+
+
+async def test_forked_box_dies_with_killed_farm(monkeypatch) -> None:
+    """kill -9 of a farm with a forked box: the template and the box die with it (farm -> template
+    -> box top -> PID 1, each a parent-death signal); the next provider finds nothing to reap."""
+    monkeypatch.setenv("OSFARM_SANDBOX_START", "fork")
+    sd = new_state_dir()
+    try:
+        pids = await _farm_then_kill9(sd, "normal")
+        assert (sd / "box-template.log").exists()  # the farm forked its box
+        assert not await wait_no_box_processes(sd), "box or template survived kill -9 of its farm"
+        assert [x for x in pids if not dead(x)] == []
+        p = SandboxProvider(FarmSettings(state_dir=sd))
+        try:
+            assert await p.reap_orphans() == 0
+        finally:
+            await p.close()
+    finally:
+        shutil.rmtree(sd, ignore_errors=True)
 
 
 async def test_fork_start_fingerprint_equals_exec_start_and_warm_reset() -> None:
