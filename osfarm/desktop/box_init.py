@@ -13,7 +13,9 @@ container's or the VM's for Docker and libvirt) carries out a :class:`BoxPlan`:
 5. drops to the guest uid (no groups, no capabilities) and executes the session launcher.
 
 The sandbox provider starts it as PID 1 of new namespaces (``unshare``), so the launcher ends up
-as the box's PID 1: killing it from the host kills the box. Standard library only (it starts on
+as the box's PID 1: killing it from the host kills the box. A box forked from the sandbox's box template
+(:mod:`osfarm.desktop.box_zygote`) runs steps 1-4 (:func:`prepare`) and the drop of step 5
+(:func:`become_guest`) the same way, then the launcher in its process. Standard library only (it starts on
 every reset).
 """
 

@@ -8,6 +8,11 @@ size-capped tmpfs for the home and /tmp), makes the agent's world
 agent's processes run as ``user`` in their own user namespace, where ``sudo`` with OSWorld's
 password gives them a root that is not the host's.
 
+``sandbox_start: fork`` (opt-in) starts the same box without a new interpreter: forked from a box
+template that imported the guest's server stack once (:mod:`osfarm.providers.box_template`,
+:mod:`osfarm.desktop.box_zygote`); the provider then holds a :class:`ForkedBox` in place of the
+``unshare`` process.
+
 Host side, per desktop (``<state_dir>/sandbox/<id>/``, the farm's; none of it is in the box but
 ``run``):
 
