@@ -12,6 +12,10 @@ The comparison row is OSWorld's harness floor from ../shared/reference/osworld.m
 sleep after reset + 20 s before evaluating + 2 s after every step — waits alone, before its
 VM snapshot revert; not measured here.
 
+CPU-seconds per episode: the harness process's own (os.times), and the desktops' from their
+cgroups through the farm's ``osfarm_desktop_cpu_seconds_total`` (box starts, resets and
+episodes; "of which resets" is the reset phase).
+
 Every --envs run is made once per reset mode of ``--reset-modes`` (the farm's ``reset_mode``;
 default cold,warm), and the throughput table compares them side by side (issue 15: warm vs cold).
 
@@ -31,6 +35,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from osfarm.farm import metrics
 from osfarm.runner.results import read_episodes
 from osfarm.runner.run import RunOptions, run_eval
 from osfarm.tasks.suite import load_suite
@@ -56,20 +61,30 @@ def _ts(s: str) -> float:
     return datetime.fromisoformat(s).timestamp()
 
 
-CPU: dict[tuple[str, int], tuple[float, float]] = {}  # (mode, envs) -> (harness, desktops) CPU-s of the run
+# (mode, envs) -> CPU-s of the run: the harness, the desktops (starts, resets, episodes), their resets
+CPU: dict[tuple[str, int], tuple[float, float, float]] = {}
+PHASES = ("start", "reset", "episode")
+
+
+def desktop_cpu() -> dict[str, float]:
+    """The in-process farm's osfarm_desktop_cpu_seconds_total by phase: read from each desktop's
+    cgroup, so it counts what a killed box's processes used too (a cold reset's SIGKILLed apps are
+    not all reaped into this process's os.times: the kernel reaps a dead PID namespace's last
+    processes outside it)."""
+    return {ph: metrics.REGISTRY.get_sample_value("osfarm_desktop_cpu_seconds_total", {"phase": ph}) or 0.0
+            for ph in PHASES}
 
 
 def run_once(suite: Path, index_file: Path, envs: int, out: Path, reset_mode: str = "cold") -> list[dict]:
     os.environ["OSFARM_STATE_DIR"] = tempfile.mkdtemp(prefix="oto", dir="/tmp")
     opts = RunOptions(suite=suite, agent="replay", out=out, index=index_file, envs=envs, progress=False,
                       farm_overrides={"reset_mode": reset_mode})
-    t0 = os.times()
+    t0, d0 = os.times(), desktop_cpu()
     res = run_eval(opts)
-    t1 = os.times()
-    # This process is the farm, the runner and the agent; the desktops are its children, reaped
-    # (their CPU added here) when the in-process farm stops at the end of run_eval.
+    t1, d1 = os.times(), desktop_cpu()
+    # This process is the farm, the runner and the agent (its own CPU); the desktops' is their cgroups'.
     CPU[reset_mode, envs] = (t1.user - t0.user + t1.system - t0.system,
-                             t1.children_user - t0.children_user + t1.children_system - t0.children_system)
+                             sum(d1[ph] - d0[ph] for ph in PHASES), d1["reset"] - d0["reset"])
     if res["success_rate"] != 1.0:
         bad = [t["task_id"] for t in res["tasks"] if t["status"] != "success"]
         Console(stderr=True).print(f"[yellow]{reset_mode} envs={envs}: replay did not solve {bad} (still timed)")
@@ -114,7 +129,7 @@ def main() -> None:
 
     thr = Table(title="replay throughput")
     for c in ("reset", "envs", "episodes", "wall s", "episodes/hour", "vs envs=1", "vs cold",
-              "CPU-s/ep harness", "CPU-s/ep desktops", "CPU-s/ep total"):
+              "CPU-s/ep harness", "CPU-s/ep desktops", "of which resets", "CPU-s/ep total"):
         thr.add_column(c, justify="right")
     eph: dict[tuple[str, int], float] = {}
     for (mode, n), recs in runs.items():
@@ -125,10 +140,10 @@ def main() -> None:
             vs_cold = f"{eph[mode, n] / eph['cold', n]:.2f}x" if ("cold", n) in eph else "-"
             recs = runs[mode, n]
             span = len(recs) / eph[mode, n] * 3600
-            harness, desks = (v / len(recs) for v in CPU[mode, n])
+            harness, desks, resets = (v / len(recs) for v in CPU[mode, n])
             thr.add_row(mode, str(n), str(len(recs)), f"{span:.1f}", f"{eph[mode, n]:.0f}",
                         f"{eph[mode, n] / eph[mode, envs_list[0]]:.2f}x", vs_cold,
-                        f"{harness:.2f}", f"{desks:.2f}", f"{harness + desks:.2f}")
+                        f"{harness:.2f}", f"{desks:.2f}", f"{resets:.2f}", f"{harness + desks:.2f}")
     console.print(thr)
     console.print(f"(this machine: {os.cpu_count()} cores; desktops and the harness share them)")
 
