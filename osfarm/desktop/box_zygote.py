@@ -42,6 +42,8 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
+from typing import NoReturn
 
 from osfarm.desktop import box_init, launcher, linux_ns
 
@@ -97,6 +99,25 @@ def preload() -> None:
 
 def threads() -> int:
     return len(os.listdir("/proc/self/task"))
+
+
+def exit_child(work: Callable[[], int], brief: tuple[type[BaseException], ...] = ()) -> NoReturn:
+    """In a forked child: run ``work`` and leave with its exit code, never returning into the
+    template's loop. A ``brief`` error is one line in the box's log, any other its traceback (code 1)."""
+    code = 1
+    try:
+        code = work()
+    except brief as e:
+        with contextlib.suppress(BaseException):
+            print(f"osfarm-box-init: {e}", file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - reported in the box's log
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
 
 
 class Template:
@@ -162,17 +183,7 @@ class Template:
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            code = 1
-            try:
-                code = self.box_top(plan, log_fd, net)
-            except BaseException:  # noqa: BLE001 - the child must never return into the template's loop
-                with contextlib.suppress(BaseException):
-                    traceback.print_exc()
-            finally:
-                with contextlib.suppress(BaseException):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                os._exit(code)
+            exit_child(lambda: self.box_top(plan, log_fd, net))
         pidfd = os.pidfd_open(pid)
         self.boxes[pidfd] = pid
         self.sel.register(pidfd, selectors.EVENT_READ)
@@ -204,18 +215,7 @@ class Template:
         me = os.getpid()
         pid = os.fork()
         if pid == 0:
-            code = 1
-            try:
-                code = self.box_init(plan, started, me)
-            except (OSError, box_init.BoxInitError) as e:
-                print(f"osfarm-box-init: {e}", file=sys.stderr)
-            except BaseException:  # noqa: BLE001 - reported in the box's log
-                traceback.print_exc()
-            finally:
-                with contextlib.suppress(BaseException):
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                os._exit(code)
+            exit_child(lambda: self.box_init(plan, started, me), brief=(OSError, box_init.BoxInitError))
         while True:
             try:
                 _, status = os.waitpid(pid, 0)
