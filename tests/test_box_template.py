@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,9 +22,11 @@ import pytest
 from test_sandbox import SPEC, _farm_then_kill9, dead, new_state_dir, sh, wait_no_box_processes
 
 from osfarm.config import FarmSettings
+from osfarm.desktop.box_init import PLAN_MAX_BYTES, read_plan
 from osfarm.desktop.fingerprint_diff import differences
 from osfarm.desktop.process_tree import children, descendants
 from osfarm.providers.base import DesktopHandle
+from osfarm.providers.box_template import TemplateError
 from osfarm.providers.sandbox import SandboxProvider
 
 RANDOM = "import random, secrets; print(random.random(), secrets.token_hex(8))"
@@ -276,3 +279,57 @@ async def test_guest_never_imports_from_the_agents_home(start: str) -> None:
         await p.stop_all()
         await p.close()
         shutil.rmtree(sd, ignore_errors=True)
+
+
+def test_read_plan_refuses_what_the_farm_did_not_write(tmp_path: Path) -> None:
+    """The template reads a plan only as the farm writes it: root's regular file, 0600, capped."""
+    good = tmp_path / "good.json"
+    good.write_text("{}")
+    os.chmod(good, 0o600)
+    with pytest.raises(TypeError):  # the checks pass; an empty plan lacks its fields
+        read_plan(str(good))
+    link = tmp_path / "link.json"
+    link.symlink_to(good)
+    with pytest.raises(OSError):  # O_NOFOLLOW
+        read_plan(str(link))
+    wide = tmp_path / "wide.json"
+    wide.write_text("{}")
+    os.chmod(wide, 0o644)
+    with pytest.raises(ValueError, match="mode 0600"):
+        read_plan(str(wide))
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text("{}")
+    os.chmod(theirs, 0o600)
+    os.chown(theirs, 1000, 1000)
+    with pytest.raises(ValueError, match="root's"):
+        read_plan(str(theirs))
+    big = tmp_path / "big.json"
+    big.write_text(" " * (PLAN_MAX_BYTES + 1))
+    os.chmod(big, 0o600)
+    with pytest.raises(ValueError, match="at most"):
+        read_plan(str(big))
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(ValueError, match="regular file"):  # refused, not a blocked read
+        read_plan(str(fifo))
+
+
+async def test_template_answers_bad_requests_and_keeps_forking(forking: SandboxProvider, tmp_path: Path) -> None:
+    """A request the template cannot carry out (a plan it refuses, a malformed message) gets an
+    error answer or none; the template stays up and the next start forks."""
+    h = await forking.start("fkb", SPEC)
+    template = forking._template
+    assert template is not None
+    wide = tmp_path / "wide.json"
+    wide.write_text((Path(h.info["dir"]) / "box.json").read_text())
+    os.chmod(wide, 0o644)
+    with open(os.devnull, "wb") as log:
+        for plan in (str(wide), str(tmp_path / "missing.json"), "/proc/self/environ"):
+            with pytest.raises(TemplateError, match="could not fork"):
+                await template.fork(plan, log.fileno(), False)
+        socket.send_fds(template._chan, [b"not json"], [log.fileno()])
+        socket.send_fds(template._chan, [b'{"id": 99, "plan": "/nonexistent"}'], [])
+    await forking.stop(h)
+    h2 = await forking.start("fkb", SPEC)
+    assert forking._template is template and template.alive()
+    assert h2.info["start"] == "fork" and "start_fallback" not in h2.info

@@ -265,14 +265,20 @@ def run(plan: BoxPlan) -> None:
     os.execve(plan.launcher[0], plan.launcher, env)
 
 
+PLAN_MAX_BYTES = 1 << 20  # a plan is ~16 KiB (mounts, ids, the launcher's arguments)
+
+
 def read_plan(path: str) -> BoxPlan:
-    """A plan file as the farm wrote it: a regular file (no symlink) of root's, mode 0600."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """A plan file as the farm wrote it: a regular file (no symlink) of root's, mode 0600, at most
+    PLAN_MAX_BYTES."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     with os.fdopen(fd) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or stat.S_IMODE(st.st_mode) & 0o077:
             raise ValueError(f"{path}: not a regular file of root's, mode 0600")
-        return BoxPlan.from_json(f.read())
+        if st.st_size > PLAN_MAX_BYTES:
+            raise ValueError(f"{path}: {st.st_size} bytes, a plan has at most {PLAN_MAX_BYTES}")
+        return BoxPlan.from_json(f.read(PLAN_MAX_BYTES))
 
 
 def main(argv: list[str] | None = None) -> int:
