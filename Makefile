@@ -14,6 +14,7 @@ TORCH ?= torch==2.13.0
 # Debian packages, then VS Code for the vs_code tasks (code-server from npm, built with Node 24: ~3 min once)
 system:
 	bash scripts/setup-system.sh
+	bash scripts/setup-fonts.sh
 	bash scripts/setup-vscode.sh
 
 $(VENV)/.installed: pyproject.toml | system

@@ -81,6 +81,16 @@ class FarmSettings(BaseSettings):
     width: int = Field(default=1920, ge=320, le=7680)
     height: int = Field(default=1080, ge=200, le=4320)
     depth: Literal[16, 24] = 24
+    desktop: Literal["gnome", "light"] = Field(
+        default="light", description="the desktop session. gnome: OSWorld's Ubuntu 22.04 screen (GNOME Shell with "
+        "the top bar, the Ubuntu Dock on the left, Yaru, the Ubuntu font; osfarm/desktop/gnome.py). light: openbox "
+        "with a tint2 panel, the cheapest desktop. Every lease, results.json row and episode record says which ran",
+    )
+    desktop_timezone: str = Field(
+        default="America/Los_Angeles", pattern=r"^[A-Za-z0-9_+-]+(/[A-Za-z0-9_+-]+)*$",
+        description="the GNOME desktop's time zone (/etc/localtime; timedatectl changes it). Not UTC, so that a "
+        "task asking for UTC+0 is not done before it starts",
+    )
     private_network: bool = Field(
         default=True,
         description="give each sandbox its own network namespace (only loopback): no port or X socket "

@@ -376,7 +376,7 @@ class TaskEnv:
         except FarmAPIError as e:
             raise InfraError(f"lease: {e}", "lease") from e
         self._desk = desk
-        self.desktop = {"provider": desk.info.provider, "image": desk.info.image,
+        self.desktop = {"provider": desk.info.provider, "image": desk.info.image, "session": desk.info.desktop,
                         "desktop_id": desk.info.desktop_id, "lease_id": desk.id}
         self._clock.lap("lease")
         self._controller = GuestController(base_url=f"{self.farm.url}/v1/desktops/{desk.id}/guest",

@@ -136,8 +136,9 @@ class AgentWorld:
             os.fstat(fd)  # fail now, not at the first command, when the fds did not survive
         return world
 
-    def command(self, argv: list[str], cwd: str | None = None) -> list[str]:
-        """``argv`` run as the agent's user in its namespaces (``cwd`` is opened before).
+    def command(self, argv: list[str], cwd: str | None = None, root: bool = False) -> list[str]:
+        """``argv`` run as the agent's user in its namespaces (``cwd`` is opened before); with
+        ``root``, as the agent's root (what ``sudo`` gives it: the GNOME desktop's system bus).
 
         ``nsenter`` enters the namespaces as the agent's root; ``setpriv``, the first program run
         there, becomes ``user`` with its groups (``sudo``...) from the agent's /etc/group, as a
@@ -153,6 +154,8 @@ class AgentWorld:
         ]  # fmt: skip
         if cwd:
             pre.append(f"--wd={cwd}")
+        if root:
+            return [*pre, "--", *argv]
         become = [self.setpriv, f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", "--"]
         return [*pre, "--", *become, *argv]
 

@@ -26,6 +26,7 @@ from dataclasses import fields
 from pathlib import Path
 from types import FrameType
 
+from osfarm.desktop.gnome import DESKTOPS
 from osfarm.desktop.process_tree import set_child_subreaper
 from osfarm.desktop.session import Session, SessionConfig
 from osfarm.desktop.xserver import DisplayError
@@ -75,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-file", help="JSON written atomically once the guest server is ready")
     p.add_argument("--run-dir", help="private runtime dir (XDG_RUNTIME_DIR); default: a new temp dir")
     p.add_argument("--home", default=os.environ.get("HOME", "/root"), help="HOME for apps (default $HOME)")
+    p.add_argument("--desktop", choices=list(DESKTOPS), default="light",
+                   help="gnome: OSWorld's Ubuntu GNOME (top bar, dock, Yaru; needs a box); light: openbox + tint2")
     p.add_argument("--no-wm", action="store_true", help="do not start openbox")
     p.add_argument("--no-panel", action="store_true", help="do not start tint2")
     p.add_argument("--xvfb", default="Xvfb", help=argparse.SUPPRESS)

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypedDict
 
+from osfarm.desktop import gnome
 from osfarm.desktop.a11y_bus import open_connection
 from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.process_tree import kill_tree
@@ -124,6 +125,7 @@ class SessionConfig:
     state_file: str | None = None
     run_dir: str | None = None  # None: a new temp dir, removed on stop
     home: str = "/root"
+    desktop: str = "light"  # gnome: OSWorld's Ubuntu GNOME (osfarm.desktop.gnome); light: openbox + tint2
     no_wm: bool = False
     no_panel: bool = False
     xvfb: str = "Xvfb"
@@ -247,6 +249,8 @@ class Session:
         env["PATH"] = f"{ASSETS / 'bin'}:{env.get('PATH', '/usr/bin:/bin')}"
         # For assets/bin/osfarm-settle (a box may name a wrapper that finds osfarm's packages).
         env["OSFARM_PYTHON"] = os.environ.get("OSFARM_PYTHON") or sys.executable
+        if self.config.desktop == "gnome":
+            env = gnome.session_env(env)
         self.env = env
         # The guest runs its subprocesses with os.environ, so make this process's env the
         # desktop env too (key by key, never empty: the main thread may be importing meanwhile).
@@ -255,16 +259,18 @@ class Session:
         os.environ.update(env)
 
     def _spawn(self, name: str, cmd: list[str], pass_fds: tuple[int, ...] = (),
-               as_agent: bool = False) -> subprocess.Popen[bytes] | None:
+               as_agent: bool = False, agent_root: bool = False) -> subprocess.Popen[bytes] | None:
         """Start one of the desktop's processes: the guest's own, or (``as_agent``, in a box)
-        one of the agent's session (its buses: they run the services its apps activate)."""
+        one of the agent's session (its buses: they run the services its apps activate; GNOME
+        Shell), as the agent's root with ``agent_root`` (the GNOME desktop's system bus)."""
         exe = shutil.which(cmd[0], path=self.env.get("PATH"))
         if exe is None:
             log.warning("%s not found; %s not started", cmd[0], name)
             return None
         argv, env = [exe, *cmd[1:]], self.env
         if as_agent and self.agent is not None:
-            argv, env = self.agent.command(argv, self.agent.home), self.agent.env(self.env)
+            cwd = "/" if agent_root else self.agent.home
+            argv, env = self.agent.command(argv, cwd, root=agent_root), self.agent.env(self.env)
             if name == "atspi":
                 # The AT-SPI bus listens in <XDG_RUNTIME_DIR>/at-spi/, and the guest must reach it:
                 # the agent's runtime dir exists only in the agent's mounts (and is 0700), so the
@@ -351,12 +357,41 @@ class Session:
 
     def start_desktop(self) -> None:
         """WM, panel, D-Bus and AT-SPI; none of them delays the guest server."""
+        if self.config.desktop == "gnome":
+            self.check_gnome()
+            self.start_agent_buses()
+            self.start_gnome()
+            self.mark("desktop_spawned_ms")
+            return
         if not self.config.no_wm:
             self._spawn("openbox", ["openbox", "--config-file", str(ASSETS / "openbox-rc.xml")])
         if not self.config.no_panel:
             self._spawn("tint2", ["tint2", "-c", str(ASSETS / "tint2rc")])
         self.start_agent_buses()
         self.mark("desktop_spawned_ms")
+
+    def check_gnome(self) -> None:
+        """The GNOME desktop runs in a box (the shell is the agent's) with GNOME installed."""
+        if self.agent is None:
+            raise SessionError("the GNOME desktop runs in a box (sandbox, docker or libvirt provider): its shell "
+                               "and system bus are the agent's; use --desktop light for a bare session")
+        missing = gnome.missing_parts()
+        if missing:
+            raise SessionError(f"the GNOME desktop needs {', '.join(missing)}: install GNOME "
+                               "(scripts/system-packages.txt) or use --desktop light")
+
+    def start_gnome(self) -> None:
+        """The box's system bus (the agent's root), GNOME Shell and the settings daemons (the
+        agent's user), once the session bus runs (osfarm.desktop.gnome)."""
+        if not self.dbus_address:
+            raise SessionError("GNOME Shell needs the session bus, which did not start")
+        self._spawn("system-bus", gnome.system_bus_command(), as_agent=True, agent_root=True)
+        # the shell connects to the system bus as it starts: wait for its socket (the agent's /run)
+        wait_bus = (f"i=0; while [ ! -S {gnome.SYSTEM_BUS_SOCKET} ] && [ $i -lt 250 ]; do sleep 0.02; "
+                    "i=$((i+1)); done; exec \"$0\" \"$@\"")
+        self._spawn("gnome-shell", ["/bin/sh", "-c", wait_bus, *gnome.shell_command()], as_agent=True)
+        for name, cmd in gnome.settings_daemon_commands().items():
+            self._spawn(name, cmd, as_agent=True)
 
     def restart_agent_buses(self) -> dict[str, float]:
         """Start the agent's buses anew once a warm reset killed them (osfarm/desktop/warm.py):
@@ -368,7 +403,7 @@ class Session:
         def mark(what: str) -> None:
             steps[what] = round((time.perf_counter() - t0) * 1000, 1)
 
-        for name in ("atspi", "dbus"):
+        for name in ("atspi", "dbus", "system-bus", "gnome-shell", *gnome.SETTINGS_DAEMONS):
             proc = self.procs.pop(name, None)
             if proc is not None:
                 try:
@@ -381,6 +416,9 @@ class Session:
         os.environ.pop("AT_SPI_BUS_ADDRESS", None)
         link = self.start_dbus(link_wait=False)
         mark("dbus")
+        if self.config.desktop == "gnome":
+            self.start_gnome()
+            mark("gnome")
         if self.dbus_address:
             launcher = self.config.atspi_launcher
             if os.path.exists(launcher):

@@ -52,6 +52,7 @@ def lease_info(lease: Lease) -> LeaseInfo:
         guest_url=f"/v1/desktops/{lease.id}/guest",
         provider=lease.provider,
         image=lease.image,
+        desktop=lease.desktop,
         client=lease.principal,
         control=[ControlInfo(by=c.by, started_at=c.started_at, ended_at=c.ended_at) for c in lease.control],
         cpu_s=lease.cpu_s,

@@ -88,6 +88,7 @@ class Lease:
     wait_s: float
     provider: str = "sandbox"
     image: str | None = None
+    desktop: str | None = None  # the session (gnome, light); None for a lease taken over after a restart
     principal: str | None = None  # the client (token) holding it; only it and admins see the lease
     task_id: str | None = None  # the task of the last reset to a task (shown on the dashboard)
     control: list[ControlSpan] = field(default_factory=list)  # people who took control (dashboard)
@@ -191,6 +192,8 @@ class LeasePool:
             height=settings.height,
             depth=settings.depth,
             private_network=settings.private_network,
+            desktop=settings.desktop,
+            timezone=settings.desktop_timezone,
         )
         self._desktops: dict[str, _Desktop] = {}
         self._leases: dict[str, Lease] = {}
@@ -438,6 +441,7 @@ class LeasePool:
             wait_s=self.clock.monotonic() - t0,
             provider=d.handle.provider,
             image=d.handle.info.get("image"),
+            desktop=d.handle.spec.desktop,
             principal=principal,
             cpu_mark=self.cpu_seconds(d.handle),
             reset_mode=d.handle.info.get("reset_mode", "start"),

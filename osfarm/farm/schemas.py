@@ -63,6 +63,8 @@ class LeaseInfo(BaseModel):
     guest_url: str = Field(description="path of the OSWorld-compatible guest passthrough")
     provider: str = Field(default="sandbox", description="the box: sandbox, docker or libvirt")
     image: str | None = Field(default=None, description="the desktop image (docker, libvirt); none for sandbox")
+    desktop: str | None = Field(default=None, description="the desktop session: gnome (OSWorld's Ubuntu GNOME) or "
+                                "light (openbox); null for a lease taken over after a farm restart")
     client: str | None = Field(default=None, description="name of the token (client) holding the lease")
     control: list[ControlInfo] = Field(
         default_factory=list,

@@ -26,6 +26,8 @@ class DesktopSpec:
     height: int = 1080
     depth: int = 24
     private_network: bool = True
+    desktop: str = "light"  # the session: gnome (OSWorld's Ubuntu GNOME) or light (openbox); osfarm.desktop.gnome
+    timezone: str = "America/Los_Angeles"  # the GNOME desktop's (the light one keeps the host's)
     extra_env: dict[str, str] = field(default_factory=dict)
 
 

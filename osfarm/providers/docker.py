@@ -195,6 +195,7 @@ class DockerProvider:
     def _launcher_args(self, spec: DesktopSpec, port: int | None, display: int) -> list[str]:
         cmd = ["--width", str(spec.width), "--height", str(spec.height),
                "--depth", str(spec.depth), "--display", f":{display}", "--home", "/home/user",
+               "--desktop", spec.desktop,
                "--token-file", f"{BOX_RUN_DIR}/token", "--state-file", f"{BOX_RUN_DIR}/state.json"]
         if port is None:
             cmd += ["--socket", f"{BOX_RUN_DIR}/guest.sock"]

@@ -142,6 +142,7 @@ def vm_plan(spec: DesktopSpec) -> BoxPlan:
     """What the VM's init (as the VM's root) does before the session: as the Docker desktop's
     (the VM's disk is that image's), the guest listening on the VM's network for the host forward."""
     args = ["--width", str(spec.width), "--height", str(spec.height), "--depth", str(spec.depth),
+            "--desktop", spec.desktop,
             "--display", ":0", "--host", "0.0.0.0", "--port", str(GUEST_PORT), "--allow-non-loopback",
             "--token-file", "/run/osfarm/token", "--state-file", "/run/osfarm/state.json",
             "--run-dir", "/run/osfarm", "--home", "/home/user"]

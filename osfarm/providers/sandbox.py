@@ -309,13 +309,16 @@ class SandboxProvider:
         env.update(spec.extra_env)
         args = [
             "--width", str(spec.width), "--height", str(spec.height), "--depth", str(spec.depth),
+            "--desktop", spec.desktop,
             "--display", ":0", "--home", "/home/user",
             "--socket", f"{BOX_RUN}/guest.sock", "--token-file", f"{BOX_RUN}/token",
             "--state-file", f"{BOX_RUN}/state.json",
         ]  # fmt: skip
         plan = box_plan(
             ddir=ddir, slot=slot, templates=self.templates,
-            guest_etc=self.templates.guest_etc(ddir / "etc-guest", slot, hostname), hostname=hostname,
+            guest_etc=self.templates.guest_etc(ddir / "etc-guest", slot, hostname,
+                                               spec.timezone if spec.desktop == "gnome" else None),
+            hostname=hostname,
             launcher_args=args, env=env, cgroup_procs=cgroup.procs_files,
             home_size=str(self.home_size), tmp_size=str(self.tmp_size), shm_size=SHM_SIZE,
         )  # fmt: skip

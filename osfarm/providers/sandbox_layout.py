@@ -56,6 +56,7 @@ import sys
 from pathlib import Path
 
 import osfarm
+from osfarm.desktop import gnome
 from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import BoxPlan, Mount
 from osfarm.desktop.session import ASSETS, HOME_FILES
@@ -91,6 +92,9 @@ AGENT_MODULES = ("pyautogui", "pymsgbox", "pytweening", "pyscreeze", "pygetwindo
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 TOP_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 AT_SPI_CONF = "/usr/share/defaults/at-spi2/accessibility.conf"
+# systemd's list of NTP services: timedated asks systemd (absent in a box) about each one, and
+# `timedatectl status` fails on the first ("No route to host"). A box sees an empty list.
+NTP_UNITS = "/usr/lib/systemd/ntp-units.d"
 
 
 class Templates:
@@ -106,6 +110,20 @@ class Templates:
         self.osfarm_bin = self._osfarm_bin()
         self.agent_local, self.agent_python_note = self._agent_local()
         self.password_hash = password_hash(PASSWORD)
+        self.empty = self.root / "empty"
+        self.empty.mkdir(mode=0o755, exist_ok=True)
+        self._gnome_db: Path | None = None
+
+    def gnome_db(self) -> Path:
+        """The GNOME desktop's defaults as a dconf database (osfarm.desktop.gnome), compiled once
+        per version of the settings file."""
+        if self._gnome_db is None:
+            text = b"".join(p.read_bytes() for p in sorted((gnome.GNOME / "dconf").iterdir()))
+            dest = self.root / f"gnome-dconf-{hashlib.sha256(text).hexdigest()[:12]}"
+            if not dest.is_file():
+                gnome.compile_defaults(dest)
+            self._gnome_db = dest
+        return self._gnome_db
 
     def _etc_mask(self) -> Path:
         """A layer of overlayfs whiteouts (0:0 char devices) over every host /etc entry that is
@@ -165,8 +183,9 @@ class Templates:
             _publish(tmp, dest)
         return dest, note
 
-    def guest_etc(self, dest: Path, slot: Slot, hostname: str) -> Path:
-        """The box's own /etc files for the guest's view (top of the /etc overlay)."""
+    def guest_etc(self, dest: Path, slot: Slot, hostname: str, gnome_timezone: str | None = None) -> Path:
+        """The box's own /etc files for the guest's view (top of the /etc overlay); with
+        ``gnome_timezone``, a GNOME desktop's too (dconf defaults, the time zone)."""
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(mode=0o755)
@@ -185,6 +204,18 @@ class Templates:
         for name, text in files.items():
             (dest / name).write_text(text)
             (dest / name).chmod(0o644)
+        if gnome_timezone is not None:
+            for rel, content in gnome.etc_files(self.gnome_db(), gnome_timezone).items():
+                path = dest / rel
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
+                if isinstance(content, str) and content.startswith("->"):
+                    path.symlink_to(content[2:])
+                    continue
+                if isinstance(content, str):
+                    path.write_text(content)
+                else:
+                    path.write_bytes(content)
+                path.chmod(0o644)
         return dest
 
 
@@ -292,6 +323,8 @@ def box_plan(
     ]  # fmt: skip
     if os.path.isfile(AT_SPI_CONF):
         m.append(Mount("bind", AT_SPI_CONF, source=str(ASSETS / "dbus" / "accessibility.conf")))
+    if os.path.isdir(NTP_UNITS):
+        m.append(Mount("bind", NTP_UNITS, source=str(templates.empty)))
     # The guest's interpreter and code.
     m.append(Mount("dir", BOX_OSFARM))
     for host, box in templates.guest_paths["binds"]:

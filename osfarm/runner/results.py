@@ -95,7 +95,8 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "attempt": res.attempt,
         "agent": res.agent,
         "policy": _policy(res),
-        "desktop": {"provider": res.desktop.get("provider", "sandbox"), "image": res.desktop.get("image")},
+        "desktop": {"provider": res.desktop.get("provider", "sandbox"), "image": res.desktop.get("image"),
+                    "session": res.desktop.get("session")},
         "status": res.status,
         "score": res.score,
         "error": res.error,
@@ -154,7 +155,7 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
     row = {"task_id": res.task.id, "domain": res.task.domain, "status": res.status, "score": res.score,
            "error": res.error, "steps": len(res.steps), "attempts": res.attempt,
            "seconds": round(res.finished_at - res.started_at, 2), "episode_id": res.episode_id,
-           "action_timing": res.action_timing}
+           "action_timing": res.action_timing, "desktop": res.desktop.get("session")}
     if res.timings:
         row["timings"] = res.timings
     if res.recording_error:
@@ -253,6 +254,8 @@ def summarize(
         "infra_errors": sum(1 for r in rows if r["status"] == INFRA_ERROR),
         "timeouts": sum(1 for r in rows if r["status"] == TIMEOUT),
         "infra_retries": sum(max(0, int(r.get("attempts", 1)) - 1) for r in rows if not r.get("resumed")),
+        # the desktop sessions the episodes ran on (gnome, light): scores on different screens differ
+        "desktops": sorted({r["desktop"] for r in rows if r.get("desktop")}),
         "by_domain": by_domain,
         "by_group": by_group,
         "tasks": rows,

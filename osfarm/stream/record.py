@@ -66,6 +66,7 @@ class Policy(_Open):
 class Desktop(_Open):
     provider: str | None = None
     image: str | None = None
+    session: str | None = None  # gnome or light (osfarm.desktop.gnome); absent in older records
 
 
 class EpisodeRecord(_Open):

@@ -1,0 +1,131 @@
+"""The GNOME desktop (``--desktop gnome``): the screen OSWorld's Ubuntu 22.04 VM shows.
+
+GNOME Shell runs as an X11 compositor on the desktop's Xvfb (software rendering), in Ubuntu's
+session mode (``assets/gnome/share/gnome-shell/modes/ubuntu.json``: the Yaru shell theme and
+dash-to-dock as the Ubuntu Dock), with Ubuntu's settings as a dconf system database under the
+user's (``assets/gnome/dconf/ubuntu-defaults``, compiled by :func:`compile_defaults` into the
+box's ``/etc/dconf``): the dock on the left, always shown, OSWorld's favourites, Yaru, the Ubuntu
+font, animations off. Beside it: ``gsd-xsettings`` (GTK apps get the theme, fonts and text
+scaling from it, as under gnome-session), ``gsd-media-keys`` (Ctrl+Alt+T opens the terminal) and
+``gsd-a11y-settings``.
+
+Everything here runs in the agent's world, as on Ubuntu, where the shell is the user's own
+process: the shell launches the apps of the dock and the overview, which must be the agent's
+(:mod:`osfarm.desktop.agent_world`). The box's system bus runs as the agent's root (it can do
+no more than the agent's ``sudo``) with one activatable service, ``systemd-timedated``, so that
+``timedatectl`` works without systemd; ``/run/systemd/system`` says "booted with systemd" to
+timedatectl, and ``/run/systemd/seats`` stays absent, so the shell uses its login manager for
+systems without logind. A warm reset kills all of it with the agent's other processes and starts
+it again (:meth:`osfarm.desktop.session.Session.restart_agent_buses`).
+
+Standard library only (the launcher imports it before the server stack).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+GNOME = Path(__file__).resolve().parent / "assets" / "gnome"
+DESKTOPS = ("gnome", "light")
+SHELL = "gnome-shell"
+SETTINGS_DAEMONS = ("gsd-xsettings", "gsd-media-keys", "gsd-a11y-settings")
+GSD_DIR = "/usr/libexec"
+SYSTEM_BUS_SOCKET = "/run/dbus/system_bus_socket"
+LOCALE = "en_US.UTF-8"
+# The name of the dconf system database the defaults are compiled into (/etc/dconf/db/<name>).
+DCONF_DB = "osfarm-ubuntu"
+DCONF_PROFILE = f"user-db:user\nsystem-db:{DCONF_DB}\n"
+
+
+class GnomeMissing(RuntimeError):
+    """GNOME Shell or one of its parts is not installed where the desktop runs."""
+
+
+def session_env(base: dict[str, str]) -> dict[str, str]:
+    """The variables of an Ubuntu GNOME login on X11, over ``base`` (every process of the desktop
+    gets them: apps started by a task's setup see the same desktop as those started from the dock)."""
+    env = dict(base)
+    env.update(
+        XDG_CURRENT_DESKTOP="ubuntu:GNOME", XDG_SESSION_DESKTOP="ubuntu", DESKTOP_SESSION="ubuntu",
+        GNOME_SHELL_SESSION_MODE="ubuntu", XDG_SESSION_TYPE="x11", XDG_SESSION_CLASS="user",
+        # our session mode and the desktop entries OSWorld's tasks name (google-chrome, code) first
+        XDG_DATA_DIRS=f"{GNOME / 'share'}:/usr/local/share:/usr/share",
+        XDG_CONFIG_DIRS="/etc/xdg",
+        DBUS_SYSTEM_BUS_ADDRESS=f"unix:path={SYSTEM_BUS_SOCKET}",
+    )  # fmt: skip
+    if locale_available(LOCALE):
+        env.update(LANG=LOCALE, LANGUAGE="en_US:en")
+        env.pop("LC_ALL", None)
+    return env
+
+
+def locale_available(name: str) -> bool:
+    """Whether glibc has ``name`` (e.g. en_US.UTF-8) in its locale archive or as a locale dir."""
+    want = name.lower().replace("utf-8", "utf8")
+    for d in ("/usr/lib/locale",):
+        try:
+            entries = os.listdir(d)
+        except OSError:
+            continue
+        if any(e.lower().replace("utf-8", "utf8") == want for e in entries):
+            return True
+        if "locale-archive" in entries:
+            try:
+                out = subprocess.run(["locale", "-a"], capture_output=True, text=True, timeout=5).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                return False
+            return any(ln.strip().lower() == want for ln in out.splitlines())
+    return False
+
+
+def missing_parts() -> list[str]:
+    """What GNOME needs that is not installed here (empty: all there)."""
+    need = [shutil.which(SHELL) or SHELL, "/usr/bin/dbus-daemon", "/lib/systemd/systemd-timedated",
+            "/usr/share/gnome-shell/extensions/dash-to-dock@micxgx.gmail.com",
+            "/usr/share/gnome-shell/theme/Yaru/gnome-shell.css"]
+    need += [f"{GSD_DIR}/{d}" for d in SETTINGS_DAEMONS]
+    return [p for p in need if not os.path.exists(p)]
+
+
+def system_bus_command(dbus_daemon: str = "/usr/bin/dbus-daemon") -> list[str]:
+    """The box's system bus, as the agent's root: its dirs in the agent's own /run first."""
+    config = GNOME / "dbus-system.conf"
+    return ["/bin/sh", "-c",
+            f"mkdir -p /run/dbus /run/systemd/system && exec {dbus_daemon} --config-file={config} --nofork --nopidfile"]
+
+
+def shell_command() -> list[str]:
+    return [SHELL, "--x11", "--mode=ubuntu"]
+
+
+def settings_daemon_commands() -> dict[str, list[str]]:
+    return {name: [f"{GSD_DIR}/{name}"] for name in SETTINGS_DAEMONS if os.path.exists(f"{GSD_DIR}/{name}")}
+
+
+def compile_defaults(dest: Path) -> Path:
+    """Compile Ubuntu's settings (``assets/gnome/dconf``) into the dconf database file ``dest``
+    with ``dconf compile``; returns ``dest``. Raises :class:`GnomeMissing` without dconf."""
+    dconf = shutil.which("dconf")
+    if dconf is None:
+        raise GnomeMissing("dconf (package dconf-cli) is needed to build the GNOME desktop's defaults")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    r = subprocess.run([dconf, "compile", str(tmp), str(GNOME / "dconf")], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise GnomeMissing(f"dconf compile {GNOME / 'dconf'}: {r.stderr.strip()}")
+    os.replace(tmp, dest)
+    return dest
+
+
+def etc_files(db: Path, timezone: str) -> dict[str, bytes | str]:
+    """Files a GNOME box's /etc gets (relative path -> content; a ``str`` starting with ``->`` is a
+    symlink): the dconf profile and database, the time zone."""
+    return {
+        "dconf/profile/user": DCONF_PROFILE,
+        f"dconf/db/{DCONF_DB}": db.read_bytes(),
+        "localtime": f"->/usr/share/zoneinfo/{timezone}",
+        "timezone": timezone + "\n",
+    }
