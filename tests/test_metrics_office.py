@@ -187,6 +187,17 @@ def test_compare_table_chart(tmp_path: Path) -> None:
     assert table_m.compare_table(other, gold, rules=rules) == 0.0
 
 
+def test_compare_table_pivot_table_without_pivots(tmp_path: Path) -> None:
+    # OSWorld compares the sheets' pivot tables as dicts: with none on either side they are
+    # equal, so the rule holds.
+    rows = {"S": [["region", "sales"], ["north", 1], ["south", 2]]}
+    gold = make_xlsx(tmp_path / "g.xlsx", rows)
+    result = make_xlsx(tmp_path / "r.xlsx", rows)
+    rules = [{"type": "pivot_table", "sheet_idx0": "RNS", "sheet_idx1": "ENS",
+              "pivot_props": ["col_fields", "filter", "row_fields", "data_fields"]}]
+    assert table_m.compare_table(result, gold, rules=rules) == 1.0
+
+
 def test_compare_table_missing_and_bad_inputs(books: dict[str, str], tmp_path: Path) -> None:
     rules = [sheet_data(0)]
     assert table_m.compare_table(None, books["gold"], rules=rules) == 0.0

@@ -22,6 +22,7 @@ from typing import Any
 import openpyxl
 import pandas as pd
 from openpyxl.cell.cell import MergedCell
+from openpyxl.utils.cell import coordinate_to_tuple
 from openpyxl.utils.datetime import to_excel
 from openpyxl.worksheet.cell_range import MultiCellRange
 from openpyxl.worksheet.worksheet import Worksheet
@@ -399,6 +400,62 @@ def _rule_chart(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bool:
     return _charts(_sheet(r["sheet_idx0"], res, exp), props) == _charts(_sheet(r["sheet_idx1"], res, exp), props)
 
 
+def _trim_empty(rows: list[list[Any]]) -> tuple[list[list[Any]], int, int]:
+    """Drop empty lists at both ends; also return how many were dropped on the left / right."""
+    start = 0
+    while start < len(rows) and not rows[start]:
+        start += 1
+    end = len(rows)
+    while end > start and not rows[end - 1]:
+        end -= 1
+    return rows[start:end], start, len(rows) - end
+
+
+def _pivots(ws: Worksheet, props: Iterable[str]) -> dict[str, dict[str, Any]]:
+    """Pivot tables keyed by their source range, with the requested properties (OSWorld
+    pivot_props). Source columns whose fields select no items are trimmed from the range, and
+    field indices are shifted to match, so an over-wide source does not change the key."""
+    props = set(props)
+    out: dict[str, dict[str, Any]] = {}
+    for pvt in ws._pivots:
+        per_field = [[(it.h, it.x) for it in f.items if it.x is not None] for f in pvt.pivotFields]
+        selection, left, right = _trim_empty(per_field)
+        src = pvt.cache.cacheSource
+        first, last = src.worksheetSource.ref.split(":")
+        r1, c1 = coordinate_to_tuple(first)
+        r2, c2 = coordinate_to_tuple(last)
+        key = f"{src.type};{(r1, c1 + left)}:{(r2, c2 - right)};{src.worksheetSource.sheet}"
+        info: dict[str, Any] = {}
+        for prop, attr in (("name", "name"), ("show_total", "visualTotals"), ("show_empty_row", "showEmptyRow"),
+                           ("show_empty_col", "showEmptyCol"), ("show_headers", "showHeaders")):
+            if prop in props:
+                info[prop] = getattr(pvt, attr)
+        if "location" in props:
+            info["location"] = str(pvt.location)
+        if "filter" in props or "selection" in props:
+            info["selection"] = selection if "ordered" in props else [set(s) for s in selection]
+        if "filter" in props:
+            info["filter_fields"] = {f.fld for f in pvt.pageFields}
+        if "col_fields" in props:
+            info["col_fields"] = [f.x - left for f in pvt.colFields]
+        if "row_fields" in props:
+            info["row_fields"] = [f.x - left for f in pvt.rowFields]
+        if "data_fields" in props:
+            named = "data_fields_name" in props
+            info["data_fields"] = [
+                f"{f.fld - left};{f.name if named else ''};{f.subtotal};{f.showDataAs}" for f in pvt.dataFields
+            ]
+        out[key] = info
+    return out
+
+
+def _rule_pivot_table(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bool:
+    # sheets without pivot tables on both sides compare equal ({} == {}), as upstream
+    props = r.get("pivot_props", [])
+    a = _pivots(_sheet(r["sheet_idx0"], res, exp), props)
+    return a == _pivots(_sheet(r["sheet_idx1"], res, exp), props)
+
+
 _RULES: dict[str, Callable[[Mapping[str, Any], _Book, _Book | None], bool]] = {
     "sheet_name": _rule_sheet_name,
     "sheet_data": _rule_sheet_data,
@@ -413,6 +470,7 @@ _RULES: dict[str, Callable[[Mapping[str, Any], _Book, _Book | None], bool]] = {
     "filter": _rule_filter,
     "data_validation": _rule_data_validation,
     "chart": _rule_chart,
+    "pivot_table": _rule_pivot_table,
 }
 SUPPORTED_RULES: frozenset[str] = frozenset(_RULES)
 
