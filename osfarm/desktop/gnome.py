@@ -18,7 +18,8 @@ timedatectl, and ``/run/systemd/seats`` stays absent, so the shell uses its logi
 systems without logind. A warm reset kills all of it with the agent's other processes and starts
 it again (:meth:`osfarm.desktop.session.Session.restart_agent_buses`).
 
-Standard library only (the launcher imports it before the server stack).
+Standard library only at import (the launcher imports it before the server stack);
+:func:`wait_shell_ready` imports python-xlib when it runs.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 GNOME = Path(__file__).resolve().parent / "assets" / "gnome"
@@ -103,6 +106,43 @@ def shell_command() -> list[str]:
 
 def settings_daemon_commands() -> dict[str, list[str]]:
     return {name: [f"{GSD_DIR}/{name}"] for name in SETTINGS_DAEMONS if os.path.exists(f"{GSD_DIR}/{name}")}
+
+
+def wait_shell_ready(display: str, timeout: float = 30.0, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Wait until GNOME Shell has laid out its top bar and dock: the work area it publishes
+    (``_NET_WORKAREA``) starts right of the dock and below the top bar. Apps started before that
+    are placed over the whole screen, not where Ubuntu puts them. False on a timeout."""
+    from Xlib import X  # the server stack's (imported meanwhile by the launcher's main thread)
+    from Xlib import display as xdisplay
+
+    d = xdisplay.Display(display)
+    try:
+        root = d.screen().root
+        workarea = d.intern_atom("_NET_WORKAREA")
+        deadline = time.monotonic() + timeout
+        while not stop():
+            prop = root.get_full_property(workarea, X.AnyPropertyType)
+            if prop is not None and len(prop.value) >= 2 and prop.value[0] > 0 and prop.value[1] > 0:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+        return False
+    finally:
+        d.close()
+
+
+def clear_workarea(display: str) -> None:
+    """Remove the work area a killed shell left on the root window (a warm reset starts another
+    one), so that :func:`wait_shell_ready` waits for the new shell's."""
+    from Xlib import display as xdisplay
+
+    d = xdisplay.Display(display)
+    try:
+        d.screen().root.delete_property(d.intern_atom("_NET_WORKAREA"))
+        d.sync()
+    finally:
+        d.close()
 
 
 def compile_defaults(dest: Path) -> Path:

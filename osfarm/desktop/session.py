@@ -362,6 +362,11 @@ class Session:
             self.start_agent_buses()
             self.start_gnome()
             self.mark("desktop_spawned_ms")
+            # the guest answers once the shell is up: a task's first app must open beside the dock
+            if gnome.wait_shell_ready(self.display, stop=lambda: self.stopping):
+                self.mark("wm_ready_ms")
+            elif not self.stopping:
+                log.warning("GNOME Shell's top bar and dock did not come up in 30 s")
             return
         if not self.config.no_wm:
             self._spawn("openbox", ["openbox", "--config-file", str(ASSETS / "openbox-rc.xml")])
@@ -417,6 +422,7 @@ class Session:
         link = self.start_dbus(link_wait=False)
         mark("dbus")
         if self.config.desktop == "gnome":
+            gnome.clear_workarea(self.display)
             self.start_gnome()
             mark("gnome")
         if self.dbus_address:
@@ -431,6 +437,9 @@ class Session:
         if link is not None:
             self._wait_link(link)
         mark("link")
+        if self.config.desktop == "gnome":
+            gnome.wait_shell_ready(self.display, stop=lambda: self.stopping)
+            mark("shell")
         return steps
 
     def start_agent_buses(self) -> None:
