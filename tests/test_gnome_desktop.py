@@ -114,8 +114,8 @@ def test_top_bar_dock_and_ubuntu_defaults(desk: RemoteDesktop) -> None:
     tree = a11y(desk)
     # the top bar (Activities and the clock) and the dock's favourites, from the shell's own tree
     assert "Activities" in tree
-    for name in ("Google Chrome", "Thunderbird", "Visual Studio Code", "LibreOffice Calc", "GNU Image Manipulation Program",
-                 "Files", "Terminal"):
+    for name in ("Google Chrome", "Thunderbird", "Visual Studio Code", "LibreOffice Calc",
+                 "GNU Image Manipulation Program", "Files", "Terminal"):
         assert name in tree, name
     assert desk.info.desktop == "gnome"
     # Ubuntu's settings are the defaults (a dconf system database under the user's)
