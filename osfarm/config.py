@@ -84,7 +84,8 @@ class FarmSettings(BaseSettings):
     desktop: Literal["gnome", "light"] = Field(
         default="light", description="the desktop session. gnome: OSWorld's Ubuntu 22.04 screen (GNOME Shell with "
         "the top bar, the Ubuntu Dock on the left, Yaru, the Ubuntu font; osfarm/desktop/gnome.py). light: openbox "
-        "with a tint2 panel, the cheapest desktop. Every lease, results.json row and episode record says which ran",
+        "with a tint2 panel, the cheapest desktop. Every lease, results.json row and episode record says which ran. "
+        "gnome resets cold (reset_mode warm applies to light desktops only, for now)",
     )
     desktop_timezone: str = Field(
         default="America/Los_Angeles", pattern=r"^[A-Za-z0-9_+-]+(/[A-Za-z0-9_+-]+)*$",
