@@ -18,8 +18,8 @@ timedatectl, and ``/run/systemd/seats`` stays absent, so the shell uses its logi
 systems without logind. A warm reset kills all of it with the agent's other processes and starts
 it again (:meth:`osfarm.desktop.session.Session.restart_agent_buses`).
 
-Standard library only at import (the launcher imports it before the server stack);
-:func:`wait_shell_ready` imports python-xlib when it runs.
+Standard library only (the launcher imports it before the server stack); the X root window is
+read with ``xprop``.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def locale_available(name: str) -> bool:
 
 def missing_parts() -> list[str]:
     """What GNOME needs that is not installed here (empty: all there)."""
-    need = [shutil.which(SHELL) or SHELL, "/usr/bin/dbus-daemon", "/lib/systemd/systemd-timedated",
+    need = [shutil.which(SHELL) or SHELL, shutil.which("xprop") or "xprop", "/usr/bin/dbus-daemon",
+            "/lib/systemd/systemd-timedated",
             "/usr/share/gnome-shell/extensions/dash-to-dock@micxgx.gmail.com",
             "/usr/share/gnome-shell/theme/Yaru/gnome-shell.css"]
     need += [f"{GSD_DIR}/{d}" for d in SETTINGS_DAEMONS]
@@ -108,41 +109,43 @@ def settings_daemon_commands() -> dict[str, list[str]]:
     return {name: [f"{GSD_DIR}/{name}"] for name in SETTINGS_DAEMONS if os.path.exists(f"{GSD_DIR}/{name}")}
 
 
+def _workarea(display: str) -> list[int] | None:
+    """The root window's ``_NET_WORKAREA`` (x, y, w, h per workspace), None when unset."""
+    try:
+        r = subprocess.run(["xprop", "-display", display, "-root", "_NET_WORKAREA"], capture_output=True,
+                           text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    _, sep, values = r.stdout.partition("=")
+    try:
+        return [int(v) for v in values.split(",")] if sep else None
+    except ValueError:
+        return None
+
+
 def wait_shell_ready(display: str, timeout: float = 30.0, stop: Callable[[], bool] = lambda: False) -> bool:
     """Wait until GNOME Shell has laid out its top bar and dock: the work area it publishes
     (``_NET_WORKAREA``) starts right of the dock and below the top bar. Apps started before that
     are placed over the whole screen, not where Ubuntu puts them. False on a timeout."""
-    from Xlib import X  # the server stack's (imported meanwhile by the launcher's main thread)
-    from Xlib import display as xdisplay
-
-    d = xdisplay.Display(display)
-    try:
-        root = d.screen().root
-        workarea = d.intern_atom("_NET_WORKAREA")
-        deadline = time.monotonic() + timeout
-        while not stop():
-            prop = root.get_full_property(workarea, X.AnyPropertyType)
-            if prop is not None and len(prop.value) >= 2 and prop.value[0] > 0 and prop.value[1] > 0:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.02)
-        return False
-    finally:
-        d.close()
+    deadline = time.monotonic() + timeout
+    while not stop():
+        area = _workarea(display)
+        if area is not None and len(area) >= 2 and area[0] > 0 and area[1] > 0:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return False
 
 
 def clear_workarea(display: str) -> None:
     """Remove the work area a killed shell left on the root window (a warm reset starts another
     one), so that :func:`wait_shell_ready` waits for the new shell's."""
-    from Xlib import display as xdisplay
-
-    d = xdisplay.Display(display)
     try:
-        d.screen().root.delete_property(d.intern_atom("_NET_WORKAREA"))
-        d.sync()
-    finally:
-        d.close()
+        subprocess.run(["xprop", "-display", display, "-root", "-remove", "_NET_WORKAREA"], capture_output=True,
+                       timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
 
 
 def compile_defaults(dest: Path) -> Path:
