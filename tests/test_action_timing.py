@@ -85,7 +85,10 @@ def test_results_and_records_say_which_timing_ran(farm: FarmServer, tmp_path: Pa
     res = json.loads((out / "results.json").read_text())
     assert res["action_timing"] == timing and res["success_rate"] == 1.0
     assert res["tasks"][0]["action_timing"] == timing
+    # which desktop session ran (issue 27): the shared farm's desktops are light ones
+    assert res["desktops"] == ["light"] and res["tasks"][0]["desktop"] == "light"
     (rec,) = read_episodes(out / "episodes.jsonl")
     assert rec["action_timing"] == timing and rec["status"] == "success"
+    assert rec["desktop"]["session"] == "light"
     bad = CliRunner().invoke(app, [*argv[:-2], "--out", str(tmp_path / "x"), "--action-timing", "slow"])
     assert bad.exit_code == 2 and "--action-timing must be osworld or fast" in bad.output
