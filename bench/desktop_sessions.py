@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,17 +27,11 @@ from osfarm.config import FarmSettings
 from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopHandle, DesktopSpec, Provider
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from reset_latency import pss_mib  # noqa: E402  (PSS of a box's processes, as that bench counts it)
+
 KINDS = ("light", "gnome")
-
-
-def pss_mib(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            total += psutil.Process(pid).memory_full_info().pss
-        except psutil.Error:
-            continue
-    return total / 2**20
 
 
 def cpu_s(pids: list[int]) -> float:

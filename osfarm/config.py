@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -155,6 +155,16 @@ class FarmSettings(BaseSettings):
     libvirt_reset: Literal["boot", "snapshot"] = Field(
         default="boot", description="boot: fresh overlay + boot; snapshot: revert to a ready internal snapshot"
     )
+
+    @model_validator(mode="after")
+    def _known_zone(self) -> FarmSettings:
+        # a GNOME box's /etc/localtime links to /usr/share/zoneinfo/<zone> (the host's /usr): a
+        # zone missing there would silently be UTC in the box
+        zone = self.desktop_timezone
+        if self.desktop == "gnome" and not Path("/usr/share/zoneinfo", zone).is_file():
+            raise ValueError(f"desktop_timezone: {zone!r} is not a time zone of /usr/share/zoneinfo "
+                             "(e.g. America/Los_Angeles)")
+        return self
 
     @classmethod
     def settings_customise_sources(

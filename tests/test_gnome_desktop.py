@@ -19,8 +19,10 @@ from typing import Any
 import httpx
 import pytest
 from PIL import Image
+from pydantic import ValidationError
 
 from osfarm.client import Farm, RemoteDesktop
+from osfarm.config import FarmSettings
 from osfarm.desktop.gnome import session_env
 from osfarm.farm.server import FarmServer
 from tests.farms import running_farm
@@ -108,6 +110,16 @@ def test_session_env_is_ubuntus() -> None:
     env = session_env({"PATH": "/usr/bin"})
     assert env["XDG_CURRENT_DESKTOP"] == "ubuntu:GNOME" and env["XDG_SESSION_TYPE"] == "x11"
     assert env["DBUS_SYSTEM_BUS_ADDRESS"] == "unix:path=/run/dbus/system_bus_socket"
+
+
+def test_desktop_settings_refuse_bad_values() -> None:
+    """The time zone becomes a symlink target in the box's /etc: no path escapes, no unknown zone."""
+    assert FarmSettings(desktop="gnome", desktop_timezone="Etc/UTC").desktop_timezone == "Etc/UTC"
+    for bad in ("../../etc/shadow", "/etc/passwd", "Nowhere/Atlantis", "Etc/UTC\n"):
+        with pytest.raises(ValidationError, match="desktop_timezone"):
+            FarmSettings(desktop="gnome", desktop_timezone=bad)
+    with pytest.raises(ValidationError, match="desktop"):
+        FarmSettings(desktop="kde")
 
 
 def test_top_bar_dock_and_ubuntu_defaults(desk: RemoteDesktop) -> None:
