@@ -22,7 +22,6 @@ a worker thread; the event loop only parses and routes.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import tempfile
 import threading
@@ -75,12 +74,6 @@ def create_app(
     desk = Desktop(display, home, wdir, alive, agent=agent)
     desk.restart_buses = restart_buses
 
-    def warm() -> None:
-        try:
-            desk.runner.start()
-        except Exception:
-            pass
-
     def open_capture() -> None:
         try:
             desk.capture  # noqa: B018 - made on first use
@@ -96,8 +89,7 @@ def create_app(
         threading.Thread(target=open_capture, daemon=True, name="open-capture").start()
         if warm_code_runner:
             # Hide the interpreter's pyautogui import behind idle time instead of the first step.
-            asyncio.get_running_loop().call_later(0.5, lambda: threading.Thread(
-                target=warm, daemon=True, name="warm-code-runner").start())
+            desk.restart_runner(delay=0.5)
         yield
         await run_in_threadpool(desk.close)
 

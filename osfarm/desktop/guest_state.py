@@ -28,6 +28,9 @@ from osfarm.desktop.settle import total_cpu_seconds
 from osfarm.desktop.windows import close_connections, list_windows
 from osfarm.desktop.xinput import InputController
 
+# How long runner_pid waits for a background start (the interpreter's own start-up limit, and some).
+_RUNNER_SETTLE_S = 70.0
+
 
 class _Closeable(Protocol):
     def close(self) -> None: ...
@@ -88,6 +91,9 @@ class Desktop:
         self._recorder = _OnFirstUse(
             lambda: Recorder(self.display, self.screen_size(), self.work_dir, env=self.env()), self._lock)
         self.step_lock = threading.Lock()
+        # Clear while a background start of the interpreter is under way (see runner_pid).
+        self._runner_settled = threading.Event()
+        self._runner_settled.set()
         self.wallpaper: str | None = None
         self.warm_baseline: Any = None  # osfarm.desktop.warm.Baseline, once the farm asked for warm resets
         # the session's, for warm resets (ms per step)
@@ -125,15 +131,26 @@ class Desktop:
             self._input = _OnFirstUse(lambda: InputController(self.display), self._lock)
 
     def runner_pid(self) -> int | None:
+        """The interpreter's pid, once a start in the background is over: its start-up runs agent
+        processes of its own (pyautogui's import asks `which gnome-screenshot`), which a
+        fingerprint taken meanwhile would count as the agent's."""
+        self._runner_settled.wait(timeout=_RUNNER_SETTLE_S)
         obj = self._runner._obj
         return obj.pid if obj is not None else None
 
-    def restart_runner(self) -> None:
-        """Start the interpreter again in the background, as the cold start does."""
+    def restart_runner(self, delay: float = 0.0) -> None:
+        """Start the interpreter in the background (after ``delay`` seconds), as the cold start
+        does, to hide its import behind idle time instead of the first step."""
+        self._runner_settled.clear()
 
         def go() -> None:
-            with contextlib.suppress(Exception):
-                self.runner.start()
+            try:
+                if delay:
+                    time.sleep(delay)
+                with contextlib.suppress(Exception):
+                    self.runner.start()
+            finally:
+                self._runner_settled.set()
 
         threading.Thread(target=go, daemon=True, name="warm-code-runner").start()
 
