@@ -50,10 +50,14 @@ TASKS = {
                            "path": "/home/user/a.xlsx"}]}}]),
     "web": _task("web", {"func": "exact_match", "result": ECHO, "expected": RULE},
                  [{"type": "chrome_open_tabs", "parameters": {"urls_to_open": ["https://www.example.org/x"]}}]),
+    # a package the desktop lacks: its setup says so on the desktop (one it has would just run)
     "apt": _task("apt", {"func": "exact_match", "result": ECHO, "expected": RULE},
                  [{"type": "execute",
-                   "parameters": {"command": "echo {CLIENT_PASSWORD} | sudo -S apt-get install -y jq",
+                   "parameters": {"command": "echo {CLIENT_PASSWORD} | sudo -S apt-get install -y sysstat",
                                   "shell": True}}]),
+    # a download no package stands in for: decided from the file
+    "wget": _task("wget", {"func": "exact_match", "result": ECHO, "expected": RULE},
+                  [{"type": "execute", "parameters": {"command": ["wget", "-q", "https://www.example.org/a.sh"]}}]),
 }
 
 
@@ -61,13 +65,14 @@ def test_audit_classifies_every_task_and_writes_reports(farm: FarmServer, tmp_pa
     suite = tmp_path / "suite"
     (suite / "os").mkdir(parents=True)
     for tid, data in TASKS.items():
-        (suite / "os" / f"{tid}.json").write_text(json.dumps(data))
+        if tid != "wget":
+            (suite / "os" / f"{tid}.json").write_text(json.dumps(data))
     (suite / "os" / "garbled.json").write_text('{"id": "garbled", "instruction": 3}')
     out = tmp_path / "audit"
     r = CliRunner().invoke(tasks_app, ["audit", str(suite), "--out", str(out), "--envs", "2", "--no-progress",
                                        "--url", farm.url, "--token", farm.token, "--time-limit", "120"])
     assert r.exit_code == 1, r.output  # free points and broken tasks were found
-    assert "12 tasks; 6 can run on a desktop here" in r.output
+    assert "12 tasks; 7 can run on a desktop here" in r.output
     data = json.loads((out / "audit.json").read_text())
     got = {t["task_id"]: (t["category"], t["reason"]) for t in data["tasks"]}
     assert {k: v[0] for k, v in got.items()} == {
@@ -83,7 +88,9 @@ def test_audit_classifies_every_task_and_writes_reports(farm: FarmServer, tmp_pa
     assert "1 file(s) not in the cache: https://hf-mirror.com/datasets/x/resolve/main/a.xlsx at " \
            "$.config[0].parameters.files[0].url" in got["download"][1]
     assert got["web"][1] == "opens the live web page https://www.example.org/x"
-    assert got["apt"][1] == "its setup runs 'apt-get install', which needs the internet"
+    assert got["apt"][1].startswith("noop: setup step 0 (execute) failed: ") and got["apt"][1].endswith(
+        "$.config[0]: needs the network: apt package 'sysstat' is not installed and this farm is offline "
+        "(`sudo -S apt-get install -y sysstat`)")
     assert "$.instruction" in got["garbled"][1]
     infeasible = next(t for t in data["tasks"] if t["task_id"] == "infeasible")
     assert infeasible["runs"]["fail"]["score"] == 1.0 and infeasible["runs"]["noop"]["score"] == 0.0
@@ -96,7 +103,7 @@ def test_audit_classifies_every_task_and_writes_reports(farm: FarmServer, tmp_pa
 def test_audit_without_runnable_tasks_needs_no_desktop(tmp_path: Path) -> None:
     suite = tmp_path / "suite"
     (suite / "os").mkdir(parents=True)
-    for tid in ("download", "web", "drive"):
+    for tid in ("download", "web", "drive", "wget"):
         (suite / "os" / f"{tid}.json").write_text(json.dumps(TASKS[tid]))
     out = tmp_path / "audit"
     # a farm URL that nothing listens on: it must not be needed
@@ -104,7 +111,10 @@ def test_audit_without_runnable_tasks_needs_no_desktop(tmp_path: Path) -> None:
                                        "--url", "http://127.0.0.1:9", "--token", "x"])
     assert r.exit_code == 0, r.output
     data = json.loads((out / "audit.json").read_text())
-    assert data["counts"]["needs-network"] == 2 and data["counts"]["unsupported"] == 1
+    assert data["counts"]["needs-network"] == 3 and data["counts"]["unsupported"] == 1
+    got = {t["task_id"]: t["reason"] for t in data["tasks"]}
+    assert got["wget"] == ("its setup runs `wget -q https://www.example.org/a.sh`, which fetches "
+                           "https://www.example.org/a.sh (wget) from the internet")
 
 
 def test_vscode_tasks_without_code_server_or_with_the_marketplace(tmp_path: Path, monkeypatch) -> None:

@@ -142,6 +142,34 @@ def test_missing_offline_asset_is_a_counted_infra_error(farm: FarmServer, tmp_pa
     assert "infra_error" in (out / "report.html").read_text()
 
 
+def test_a_setup_step_that_needs_the_network_is_an_infra_error(farm: FarmServer, tmp_path: Path) -> None:
+    # Offline means offline: a package a step installs that the desktop lacks fails its step (config
+    # or postconfig), never a silent failure that leaves the task unsolvable or already solved.
+    suite = tmp_path / "suite"
+    (suite / "os").mkdir(parents=True)
+    apt, pip = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0c01", "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0c02"
+    echo = {"func": "exact_match", "result": {"type": "vm_command_line", "command": "echo yes", "shell": True},
+            "expected": {"type": "rule", "rules": {"expected": "yes\n"}}}
+    sysstat = ("echo {CLIENT_PASSWORD} | sudo -S apt-get update && echo {CLIENT_PASSWORD} | "
+               "sudo -S apt-get install sysstat")  # multi_apps/2373b66a's step
+    (suite / "os" / f"{apt}.json").write_text(json.dumps({
+        "id": apt, "snapshot": "os", "instruction": "x", "evaluator": echo,
+        "config": [{"type": "command", "parameters": {"command": sysstat, "shell": True}}]}))
+    (suite / "os" / f"{pip}.json").write_text(json.dumps({  # multi_apps/da922383's postconfig
+        "id": pip, "snapshot": "os", "instruction": "x", "config": [],
+        "evaluator": {**echo, "postconfig": [{"type": "execute", "parameters": {"command": "pip install PyMuPDF",
+                                                                                "shell": "true"}}]}}))
+    (suite / "test_all.json").write_text(json.dumps({"os": [apt, pip]}))
+    res = run_eval(tmp_path / "run", "--agent", "noop", "--retries", "0", farm=farm, suite=suite)
+    rows = by_id(res)
+    assert res["infra_errors"] == 2 and res["success_rate"] == 0.0  # noop would have scored 1 on both
+    assert rows[apt]["status"] == "infra_error" and rows[apt]["steps"] == 0
+    assert "setup step 0 (command) failed: " in rows[apt]["error"]
+    assert "$.config[0]: needs the network: apt package 'sysstat' is not installed" in rows[apt]["error"]
+    assert rows[pip]["status"] == "infra_error" and "postconfig: setup step 0 (execute) failed: " in rows[pip]["error"]
+    assert "$.evaluator.postconfig[0]: needs the network: pip package 'PyMuPDF'" in rows[pip]["error"]
+
+
 def test_refused_task_files_are_infra_errors_and_the_others_run(farm: FarmServer, tmp_path: Path) -> None:
     # One bad task file must cost that task only: it is an infra_error naming the file and the JSON
     # path, the others run. A func list shorter than its result list loads (OSWorld indexes by metric).

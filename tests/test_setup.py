@@ -344,3 +344,72 @@ def test_chrome_open_and_close_tabs(guest: GuestController, cache: FileCache) ->
         tabs = json.loads(guest.execute(["python3", "-c", LIST_TABS])["output"])
     assert pages["b"] not in tabs and pages["c"] in tabs and pages["a"] in tabs, tabs
     guest.execute("pkill -f chromium", shell=True)
+
+
+# ------------------------------------------------------------------ commands that need the network
+
+APT_UPDATE_INSTALL = ("echo {CLIENT_PASSWORD} | sudo -S apt-get update -y && "
+                      "echo {CLIENT_PASSWORD} | sudo -S apt-get install {PKG} -y && echo after > /home/user/osf_after")
+
+
+def _dpkg_status(guest: GuestController, package: str) -> str:
+    r = guest.execute(["dpkg-query", "-W", "-f", "${Status}", package])
+    return r["output"] if r["returncode"] == 0 else "absent"
+
+
+def test_installed_packages_let_the_step_run_without_its_network_parts(guest: GuestController,
+                                                                       cache: FileCache) -> None:
+    # xdotool and python3-gi (PyGObject, which imports as gi) are among the desktop's own packages
+    # (vm_images/desktop/packages.txt)
+    assert _dpkg_status(guest, "xdotool").endswith(" installed"), "the desktop lacks xdotool"
+    guest.execute(["rm", "-f", "/home/user/osf_after"])
+    reports = executor(guest, cache).run([
+        # chrome/6766f2b8's shape: the work after the install must still run (offline, the install
+        # itself would fail and `&&` would skip it)
+        {"type": "execute", "parameters": {"command": APT_UPDATE_INSTALL.replace("{PKG}", "xdotool"),
+                                           "shell": True}},
+        {"type": "command", "parameters": {"command": ["pip", "install", "PyGObject"]}},
+        {"type": "execute", "parameters": {"command": "python3 -m pip install --user pygobject", "shell": True}},
+    ])
+    assert guest.get_file("/home/user/osf_after") == b"after\n"
+    assert reports[0].detail == ("returncode 0; offline, left out `sudo -S apt-get update -y`, "
+                                 "`sudo -S apt-get install xdotool -y` (xdotool installed)")
+    assert reports[1].detail == "returncode 0; offline, left out `pip install PyGObject` (PyGObject installed)"
+    assert reports[2].detail == ("returncode 0; offline, left out `python3 -m pip install --user pygobject` "
+                                 "(pygobject installed)")
+
+
+def test_a_missing_package_fails_the_step_naming_it(guest: GuestController, cache: FileCache) -> None:
+    assert _dpkg_status(guest, "sysstat") in ("absent", "unknown ok not-installed"), "the desktop has sysstat"
+    absent = guest.execute(["python3", "-c", "import fitz"])
+    assert absent["returncode"] != 0, "the desktop's python3 has PyMuPDF (fitz)"
+    guest.execute(["rm", "-f", "/home/user/osf_after"])
+    # multi_apps/2373b66a's step, after one that runs
+    steps = [{"type": "sleep", "parameters": {"seconds": 0.01}},
+             {"type": "command", "parameters": {"command": "echo {CLIENT_PASSWORD} | sudo -S apt-get update && "
+                                                           "echo {CLIENT_PASSWORD} | sudo -S apt-get install sysstat",
+                                                "shell": True}}]
+    with pytest.raises(SetupFailed) as ei:
+        executor(guest, cache).run(steps, where="t.json: $.config")
+    e = ei.value
+    assert (e.index, e.type) == (1, "command")
+    assert e.reason == ("t.json: $.config[1]: needs the network: apt package 'sysstat' is not installed and this "
+                        "farm is offline (`sudo -S apt-get update`, `sudo -S apt-get install sysstat`)")
+    # multi_apps/da922383's postconfig: PyMuPDF imports as fitz; pip knows it by its distribution name
+    with pytest.raises(SetupFailed, match=r"postconfig\[0\]: needs the network: pip package 'PyMuPDF' is not "
+                                          r"installed and this farm is offline \(`pip install PyMuPDF`\)"):
+        executor(guest, cache).run([{"type": "execute", "parameters": {"command": "pip install PyMuPDF",
+                                                                       "shell": "true"}}],
+                                   where="t.json: $.evaluator.postconfig")
+    # one of two missing is enough; a fetch fails before anything is looked up
+    with pytest.raises(SetupFailed, match=r"needs the network: pip package 'no-such-dist-xyz' is not installed"):
+        executor(guest, cache).run([{"type": "execute", "parameters": {
+            "command": ["python3", "-m", "pip", "install", "pygobject", "no-such-dist-xyz"]}}])
+    with pytest.raises(SetupFailed, match=r"`wget -q https://example.org/a.zip` fetches https://example.org/a.zip "
+                                          r"\(wget\), and this farm is offline"):
+        executor(guest, cache).run([{"type": "launch", "parameters": {
+            "command": "wget -q https://example.org/a.zip && touch /home/user/osf_after", "shell": True}}])
+    with pytest.raises(SetupFailed, match="cannot be left out on its own"):
+        executor(guest, cache).run([{"type": "execute_with_verification", "parameters": {
+            "command": "bash -c 'apt-get install -y xdotool && touch /home/user/osf_after'", "shell": True}}])
+    assert guest.get_file("/home/user/osf_after") is None  # no step ran a part of its command

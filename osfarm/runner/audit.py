@@ -6,8 +6,10 @@ Each task lands in one category, with a reason:
   evaluation time), a setup type, getter or metric osfarm does not implement, an optional extra
   that is not installed, or an application this desktop lacks (a setup step cannot start it);
 * ``needs-network``: a file it downloads is not in the cache (``osfarm tasks fetch`` fills it),
-  it opens live web pages, or its setup installs packages from the internet. These are
-  classified without a desktop, so the audit stays bounded;
+  it opens live web pages, or a setup command fetches from the internet (``wget``/``curl`` a URL,
+  ``git clone``, ``snap install``): these are classified without a desktop, so the audit stays
+  bounded. A setup command that installs apt or pip packages runs on a desktop, whose setup
+  checks that it has them (:mod:`osfarm.tasks.offline_steps`): a missing one is needs-network;
 * ``broken``: on a fresh desktop, its setup or evaluation fails (a step errors, a getter or
   metric crashes, the infeasible task's ``FAIL`` does not score 1, the episode runs out of time);
 * ``free-points``: the ``noop`` agent (``DONE`` at once) scores above 0 on a feasible task: the
@@ -42,6 +44,8 @@ from osfarm.tasks.coverage import NEEDS_EXTRA, UNSUPPORTED, implemented
 from osfarm.tasks.fetch import task_assets
 from osfarm.tasks.filecache import AssetMissing, FileCache
 from osfarm.tasks.model import Task
+from osfarm.tasks.network_steps import network_needs
+from osfarm.tasks.offline_steps import NeedsNetwork
 from osfarm.tasks.setup import SetupUnsupported
 from osfarm.tasks.suite import RefusedTask, Suite
 
@@ -50,9 +54,6 @@ CATEGORIES: tuple[Category, ...] = ("free-points", "broken", "unsupported", "nee
 AGENTS = ("noop", "fail")
 SCHEMA = "osfarm.audit/1"
 
-# setup commands that reach the internet (package managers, downloads, clones)
-_NETWORK_COMMAND = re.compile(r"\b(apt(-get)?\s+(-\S+\s+)*(update|install)|pip3?\s+install|snap\s+install|wget|curl|"
-                              r"git\s+clone|npm\s+install)\b")
 _LOCAL_HOSTS = ("localhost", "127.0.0.1", "0.0.0.0", "::1")
 _MISSING_PROGRAM = re.compile(r"cannot (?:run|launch|start) '([^' ]+)[^']*': No such file or directory")
 # VS Code is code-server behind the desktop's `code` wrapper (scripts/setup-vscode.sh,
@@ -115,14 +116,15 @@ def _live_url(steps: list[Any]) -> str | None:
     return None
 
 
-def _network_command(steps: list[Any]) -> str | None:
+def _network_fetch(steps: list[Any]) -> str | None:
+    """What a setup command fetches that no installed package stands in for. The packages a
+    command installs are the desktop's to check: its setup fails the step when one is missing."""
     for step in steps:
         if step.type in ("execute", "command", "launch", "execute_with_verification"):
-            cmd = step.parameters.get("command")
-            text = cmd if isinstance(cmd, str) else " ".join(str(c) for c in cmd) if isinstance(cmd, list) else ""
-            m = _NETWORK_COMMAND.search(text)
-            if m:
-                return m.group(0)
+            needs = network_needs(step.parameters.get("command"), bool(step.parameters.get("shell", False)))
+            if needs.fetches:
+                return f"its setup runs {', '.join(f'`{p}`' for p in needs.parts)}, which fetches " \
+                       f"{', '.join(needs.fetches)} from the internet"
     return None
 
 
@@ -203,12 +205,12 @@ def static_verdict(task: Task, cache: FileCache) -> tuple[Category, str] | None:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         return "needs-network", f"{len(missing)} file(s) not in the cache: {missing[0].url} at {missing[0].where}{more}"
     steps = [*task.config, *task.evaluator.postconfig]
+    fetch = _network_fetch(steps)  # before the live pages: a URL in a command is a download
+    if fetch is not None:
+        return "needs-network", fetch
     url = _live_url(steps)
     if url is not None:
         return "needs-network", f"opens the live web page {url}"
-    cmd = _network_command(steps)
-    if cmd is not None:
-        return "needs-network", f"its setup runs '{cmd}', which needs the internet"
     return None
 
 
@@ -261,6 +263,8 @@ def classify_runs(task: Task, runs: dict[str, tuple[AgentRun, BaseException | No
                 return "unsupported", f"{name}: {c}"
             if isinstance(c, AssetMissing):
                 return "needs-network", f"{name}: {c}"
+            if isinstance(c, NeedsNetwork):  # a package its setup installs is not on the desktop
+                return "needs-network", f"{name}: {run.error}"
         m = _MISSING_PROGRAM.search(run.error or "")
         if m:
             return "unsupported", f"the desktop has no '{m.group(1)}' ({name}: {run.error})"

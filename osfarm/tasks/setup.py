@@ -18,6 +18,11 @@ without re-sending steps that may already have run:
   OSWorld's tasks order it (history first, then the ``launch`` of the browser). A locked
   database fails the step with a message saying so.
 * ``googledrive`` and ``login`` need a Google account and raise :class:`SetupUnsupported`.
+* A command (``execute``, ``command``, ``execute_with_verification``, ``launch``; config and
+  postconfig alike) that installs packages or fetches URLs goes through
+  :func:`osfarm.tasks.offline_steps.offline_command` first: the desktops have no network, so the
+  step fails (naming what it needs) unless the desktop already has its packages, and then it runs
+  without its network parts.
 
 A failing step raises :class:`SetupFailed` with the step's index, type and reason; the runner
 records that as an infrastructure error, not as the agent's failure. A path of the task that would
@@ -40,6 +45,8 @@ from typing import Any
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import AssetMissing, FileCache
 from osfarm.tasks.model import ConfigStep
+from osfarm.tasks.network_steps import Command
+from osfarm.tasks.offline_steps import NeedsNetwork, offline_command
 from osfarm.tasks.task_paths import TaskPathError, write_inside
 
 DEFAULT_PROFILE = "/home/user/.config/google-chrome"
@@ -253,6 +260,8 @@ class SetupExecutor:
                 raise SetupUnsupported(i, typ, e.reason) from None
             except TaskPathError as e:
                 raise SetupFailed(i, typ, f"{where}[{i}].parameters: {e}; refused") from e
+            except NeedsNetwork as e:
+                raise SetupFailed(i, typ, f"{where}[{i}]: {e}") from e
             except (_StepError, AssetMissing, GuestError) as e:
                 raise SetupFailed(i, typ, str(e)) from e
             except (KeyError, TypeError, ValueError) as e:
@@ -280,6 +289,16 @@ class SetupExecutor:
         out = Path(self.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         return out
+
+    def _offline(self, command: Command, shell: bool) -> tuple[Command, str]:
+        """The command without its network parts, and a note saying which were left out; raises
+        NeedsNetwork when the desktop lacks what they would install."""
+        command, needs = offline_command(self.c, command, shell)
+        if not needs:
+            return command, ""
+        have = [*needs.apt, *(p.name for p in needs.pip)]
+        return command, f"; offline, left out {', '.join(f'`{p}`' for p in needs.parts)}" + \
+            (f" ({', '.join(have)} installed)" if have else "")
 
     def _run_checked(self, argv: list[str], what: str, timeout: float = 120.0) -> str:
         r = self.c.execute(argv, timeout=timeout)
@@ -310,17 +329,20 @@ class SetupExecutor:
         return "uploaded " + ", ".join(done)
 
     def _launch(self, p: dict[str, Any]) -> str:
-        command = p["command"]
-        self.c.launch(command, shell=bool(p.get("shell", False)))
-        return f"launched {command if isinstance(command, str) else shlex.join(command)}"
+        shell = bool(p.get("shell", False))
+        command, note = self._offline(p["command"], shell)
+        self.c.launch(command, shell=shell)
+        return f"launched {command if isinstance(command, str) else shlex.join(command)}{note}"
 
     def _open(self, p: dict[str, Any]) -> str:
         self.c.open_file(p["path"], timeout=self.open_timeout)
         return f"opened {p['path']}"
 
     def _execute(self, p: dict[str, Any]) -> str:
-        command = self.substitute(p["command"])
         shell = bool(p.get("shell", False))
+        # read before the placeholders are filled in: errors and notes never show the password
+        command, note = self._offline(p["command"], shell)
+        command = self.substitute(command)
         until = p.get("until") or {}
         if not isinstance(until, dict):
             raise _StepError(f"until: expected an object, got {type(until).__name__}")
@@ -340,24 +362,29 @@ class SetupExecutor:
             if ("returncode" in until and result.get("returncode") == until["returncode"]) or \
                     ("stdout" in until and str(until["stdout"]) in output) or \
                     ("stderr" in until and str(until["stderr"]) in error):
-                return f"until {until} met after {attempt} tries"
+                return f"until {until} met after {attempt} tries{note}"
             if attempt < tries:
                 time.sleep(self.until_interval)
         else:
             raise _StepError(f"until {until} not met after {tries} tries; last returncode "
                              f"{result.get('returncode')}, output {str(result.get('output'))[-300:]!r}")
         # Like OSWorld, a non-zero exit is not a setup failure (tasks run `pkill` & co.).
-        return f"returncode {result.get('returncode')}" + (f" ({result['message']})" if result.get("message") else "")
+        return f"returncode {result.get('returncode')}" + (f" ({result['message']})" if result.get("message") else "") \
+            + note
 
     def _execute_with_verification(self, p: dict[str, Any]) -> str:
-        r = self.c.execute_with_verification(self.substitute(p["command"]), shell=bool(p.get("shell", False)),
+        shell = bool(p.get("shell", False))
+        # read before the placeholders are filled in: errors and notes never show the password
+        command, note = self._offline(p["command"], shell)
+        command = self.substitute(command)
+        r = self.c.execute_with_verification(command, shell=shell,
                                              verification=p.get("verification") or {},
                                              max_wait_time=float(p.get("max_wait_time", 10)),
                                              check_interval=float(p.get("check_interval", 1)))
         if r.get("status") != "success":
             raise _StepError(f"verification {p.get('verification')!r} not passed: {r.get('status')} "
                              f"{r.get('message') or ''} after {r.get('wait_time')} s")
-        return f"verification {r.get('verification', 'none')}"
+        return f"verification {r.get('verification', 'none')}{note}"
 
     def _activate_window(self, p: dict[str, Any]) -> str:
         name = p["window_name"]
