@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from osfarm.client import Farm, RemoteDesktop
 from osfarm.config import FarmSettings
+from osfarm.desktop.fingerprint_diff import differences
 from osfarm.desktop.gnome import session_env
 from osfarm.farm.server import FarmServer
 from tests.farms import running_farm
@@ -39,9 +40,9 @@ OSWORLD_FAVORITES = ["google-chrome.desktop", "thunderbird.desktop", "code.deskt
 
 @pytest.fixture(scope="module")
 def gnome_farm() -> Iterator[FarmServer]:
-    # cold resets: every test starts from a fresh GNOME session
+    # warm resets, as by default; cold_every 0: each reset between the tests is a warm one
     with running_farm("osg", desktop="gnome", width=W, height=H, pool_min=1, pool_max=1,
-                      reset_mode="cold") as farm:
+                      reset_mode="warm", cold_every=0, warm_reset_timeout_s=60.0) as farm:
         yield farm
 
 
@@ -86,6 +87,10 @@ def screenshot(desk: RemoteDesktop) -> Image.Image:
     obs = desk.observe(format="png", windows=False, cursor=False)
     assert obs.screenshot is not None
     return Image.open(io.BytesIO(base64.b64decode(obs.screenshot))).convert("RGB")
+
+
+def upload(desk: RemoteDesktop, path: str, data: bytes) -> None:
+    desk.guest("POST", "/setup/upload", data={"file_path": path}, files={"file_data": ("f", data)})
 
 
 def gsettings(desk: RemoteDesktop, schema: str, key: str) -> str:
@@ -201,6 +206,68 @@ def test_settings_keys_change_the_screen(desk: RemoteDesktop) -> None:
     after = screenshot(desk).crop((0, 0, 300, 40))
     assert list(before.get_flattened_data()) != list(after.get_flattened_data())
     assert gsettings(desk, "org.gnome.desktop.interface", "text-scaling-factor") == "1.5"
+
+
+def test_wallpaper_is_the_background_setting(desk: RemoteDesktop) -> None:
+    """OSWorld's /wallpaper and change_wallpaper on GNOME: the background key, drawn by the shell.
+    None set (Ubuntu's aubergine fill) is a 404; change_wallpaper's image shows on the screen and comes
+    back from /wallpaper; one the agent sets through gsettings (as Files' "Set as Wallpaper" does)
+    comes back too; a file that is not an image is refused by name."""
+    assert desk.guest("POST", "/wallpaper", check=False).status_code == 404
+    green = io.BytesIO()
+    Image.new("RGB", (640, 360), (0, 200, 0)).save(green, "PNG")
+    upload(desk, "/home/user/Pictures/green wall.png", green.getvalue())
+    desk.guest("POST", "/setup/change_wallpaper", json={"path": "/home/user/Pictures/green wall.png"})
+    assert gsettings(desk, "org.gnome.desktop.background", "picture-uri") == \
+        "'file:///home/user/Pictures/green%20wall.png'"
+    assert desk.guest("POST", "/wallpaper").content == green.getvalue()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and screenshot(desk).getpixel((W // 2, H // 2)) != (0, 200, 0):
+        time.sleep(0.5)
+    assert screenshot(desk).getpixel((W // 2, H // 2)) == (0, 200, 0)
+    red = io.BytesIO()
+    Image.new("RGB", (64, 64), (220, 0, 0)).save(red, "PNG")
+    upload(desk, "/home/user/red.png", red.getvalue())
+    sh(desk, "gsettings set org.gnome.desktop.background picture-uri file:///home/user/red.png")
+    assert desk.guest("POST", "/wallpaper").content == red.getvalue()
+    upload(desk, "/home/user/notes.txt", b"not an image")
+    r = desk.guest("POST", "/setup/change_wallpaper", json={"path": "/home/user/notes.txt"}, check=False)
+    assert r.status_code == 400 and "not an image" in r.text, r.text
+
+
+def test_warm_reset_gives_back_the_cold_start(gnome_farm: FarmServer) -> None:
+    """A task's marks on the GNOME session (an app left open on a second workspace, the dock's
+    favourites, the dark style, a wallpaper, files) are gone after a warm reset: the session's
+    fingerprint is the cold start's (the shell, its settings daemons and buses started anew)."""
+    dirty = ("import subprocess, time, os\n"
+             "subprocess.Popen(['gnome-terminal'])\n"
+             "subprocess.run(['gsettings', 'set', 'org.gnome.shell', 'favorite-apps', \"['gedit.desktop']\"])\n"
+             "subprocess.run(['gsettings', 'set', 'org.gnome.desktop.interface', 'color-scheme', 'prefer-dark'])\n"
+             "subprocess.run(['gsettings', 'set', 'org.gnome.desktop.background', 'picture-uri', "
+             "'file:///usr/share/pixmaps/debian-logo.png'])\n"
+             "open(os.path.expanduser('~/Desktop/dirt.txt'), 'w').write('x')\n"
+             "time.sleep(3)\n")
+    with httpx.Client(base_url=gnome_farm.url, headers={"Authorization": f"Bearer {gnome_farm.token}"},
+                      timeout=300) as c:
+        def lease() -> dict[str, Any]:
+            r = c.post("/v1/desktops", json={"ttl_s": 300, "wait_s": 180})
+            r.raise_for_status()
+            return dict(r.json())
+
+        def fingerprint(lease_id: str) -> dict[str, Any]:
+            return dict(c.get(f"/v1/desktops/{lease_id}/guest/v1/session/fingerprint").raise_for_status().json())
+
+        first = lease()
+        before = fingerprint(first["id"])
+        r = c.post(f"/v1/desktops/{first['id']}/guest/v1/pyautogui", json={"code": dirty, "timeout": 60})
+        assert r.json()["ok"], r.text
+        assert fingerprint(first["id"])["digest"] != before["digest"]
+        c.delete(f"/v1/desktops/{first['id']}").raise_for_status()
+        second = lease()
+        after = fingerprint(second["id"])
+        c.delete(f"/v1/desktops/{second['id']}").raise_for_status()
+    assert (second.get("reset_mode"), second.get("reset_fallback")) == ("warm", None), second
+    assert after["digest"] == before["digest"], differences(before, after)
 
 
 def test_remove_vim_from_favorites_through_the_dock(gnome_farm: FarmServer, desk: RemoteDesktop) -> None:

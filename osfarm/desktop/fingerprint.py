@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from Xlib import X, Xatom
 
+from osfarm.desktop import xsettings
 from osfarm.desktop.agent_root_helper import run_helper
 from osfarm.desktop.box_processes import is_agent, proc_table
 from osfarm.desktop.x_reset import WM_MANAGED, atom_name, raw_properties, x_connection, x_controls, x_orphans
@@ -209,18 +210,34 @@ def wait_wm(display: str, want: dict[str, Any], timeout: float = 3.0, conn: Any 
         time.sleep(0.005)
 
 
+# A process id differs each time the same program starts (GNOME's shell and settings daemons are
+# started anew by every warm reset; the light desktop's window manager and panel are not).
+PER_START_NUMBERS = frozenset({"_NET_WM_PID"})
+# The X server gives each client its ids from a base (the bits above this mask) set by the order
+# in which clients connected: the same program's ids differ from one start to the next.
+_CLIENT_ID_MASK = 0x1FFFFF
+
+
 def _props_digest(d: Any, w: Any) -> str:
-    """A short hash of a window's properties (window and pixmap ids counted, atoms by name)."""
+    """A short hash of a window's properties (window and pixmap ids counted, atoms by name, ids
+    of the window's own client's resources as "own", a process id as present, XSETTINGS as what
+    they say)."""
     rows = []
+    base = w.id & ~_CLIENT_ID_MASK
     for name, (ptype, fmt, value) in sorted(raw_properties(d, w).items()):
-        if ptype in (Xatom.WINDOW, Xatom.PIXMAP):
+        if ptype in (Xatom.WINDOW, Xatom.PIXMAP) or name in PER_START_NUMBERS:
             value = sum(1 for v in value if v)
         elif ptype == Xatom.ATOM:  # atom numbers depend on the order clients interned them
             value = sorted(atom_name(d, v) for v in value)
+        elif name == "_XSETTINGS_SETTINGS" and isinstance(value, bytes):
+            try:
+                value = [[k, "per-start" if k in xsettings.PER_START else v] for k, v in xsettings.settings(value)]
+            except xsettings.XSettingsError:
+                value = value.hex()
         elif isinstance(value, bytes):
             value = value.hex()
         elif not isinstance(value, str):
-            value = list(value)
+            value = ["own" if fmt == 32 and v and v & ~_CLIENT_ID_MASK == base else v for v in value]
         rows.append([name, atom_name(d, ptype) if ptype else "", fmt, value])
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]
 

@@ -34,7 +34,9 @@ from pathlib import Path
 GNOME = Path(__file__).resolve().parent / "assets" / "gnome"
 DESKTOPS = ("gnome", "light")
 SHELL = "gnome-shell"
-SETTINGS_DAEMONS = ("gsd-xsettings", "gsd-media-keys", "gsd-a11y-settings")
+# dconf-service too: D-Bus would start it on the first settings write, at a moment that differs
+# from one start to the next (and a warm reset's process list would not be the cold start's)
+SETTINGS_DAEMONS = ("gsd-xsettings", "gsd-media-keys", "gsd-a11y-settings", "dconf-service")
 GSD_DIR = "/usr/libexec"
 SYSTEM_BUS_SOCKET = "/run/dbus/system_bus_socket"
 LOCALE = "en_US.UTF-8"
@@ -58,6 +60,9 @@ def session_env(base: dict[str, str]) -> dict[str, str]:
         XDG_DATA_DIRS=f"{GNOME / 'share'}:/usr/local/share:/usr/share",
         XDG_CONFIG_DIRS="/etc/xdg",
         DBUS_SYSTEM_BUS_ADDRESS=f"unix:path={SYSTEM_BUS_SOCKET}",
+        # software rendering's shader cache would be written in the home at times that differ
+        # from one start to the next: a warm reset could never come back to the cold start's files
+        MESA_SHADER_CACHE_DISABLE="true",
     )  # fmt: skip
     if locale_available(LOCALE):
         env.update(LANG=LOCALE, LANGUAGE="en_US:en")
@@ -138,12 +143,18 @@ def wait_shell_ready(display: str, timeout: float = 30.0, stop: Callable[[], boo
     return False
 
 
+# What a killed shell leaves on the root window that the next one would take over: its work area
+# (wait_shell_ready waits for the new shell's) and its workspaces (mutter starts with as many as
+# the root names, so a reset after a task that opened windows would start with two).
+STALE_ROOT_PROPERTIES = ("_NET_WORKAREA", "_NET_NUMBER_OF_DESKTOPS", "_NET_DESKTOP_NAMES", "_NET_CURRENT_DESKTOP")
+
+
 def clear_workarea(display: str) -> None:
-    """Remove the work area a killed shell left on the root window (a warm reset starts another
-    one), so that :func:`wait_shell_ready` waits for the new shell's."""
+    """Remove what a killed shell left on the root window (a warm reset starts another one), so
+    that the new shell starts as on a fresh screen (:data:`STALE_ROOT_PROPERTIES`)."""
+    removes = [arg for name in STALE_ROOT_PROPERTIES for arg in ("-remove", name)]
     try:
-        subprocess.run(["xprop", "-display", display, "-root", "-remove", "_NET_WORKAREA"], capture_output=True,
-                       timeout=5)
+        subprocess.run(["xprop", "-display", display, "-root", *removes], capture_output=True, timeout=5)
     except (OSError, subprocess.TimeoutExpired):
         pass
 

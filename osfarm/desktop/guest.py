@@ -59,12 +59,14 @@ def create_app(
     warm_code_runner: bool = True,
     agent: AgentWorld | None = None,
     restart_buses: Callable[[], dict[str, float] | None] | None = None,
+    session: str = "light",
 ) -> FastAPI:
     """The guest app for X display ``display``.
 
     ``alive`` (from the session launcher) says whether Xvfb still runs; ``work_dir`` holds
     recordings and temp scripts; ``home`` is the user's home (default ``$HOME``);
-    ``restart_buses`` (from the session launcher) starts the agent's buses again after a warm reset.
+    ``restart_buses`` (from the session launcher) starts the agent's buses again after a warm reset;
+    ``session`` is the desktop session that runs (``gnome`` or ``light``).
     """
     if not token:
         raise ValueError("a non-empty bearer token is required")
@@ -73,6 +75,7 @@ def create_app(
     wdir.mkdir(parents=True, exist_ok=True)
     desk = Desktop(display, home, wdir, alive, agent=agent)
     desk.restart_buses = restart_buses
+    desk.session = session
 
     def open_capture() -> None:
         try:

@@ -104,7 +104,8 @@ def serve(session: Session) -> None:
     cfg = session.config
     threading.Thread(target=watch_desktop_start, args=(session,), daemon=True, name="start-watcher").start()
     app = create_app(session.token, session.display, home=cfg.home, alive=session.xvfb_alive,
-                     work_dir=str(session.run_dir), agent=session.agent, restart_buses=session.restart_agent_buses)
+                     work_dir=str(session.run_dir), agent=session.agent, restart_buses=session.restart_agent_buses,
+                     session=cfg.desktop)
     if cfg.socket:
         sock = Path(cfg.socket)
         if sock.exists() or sock.is_symlink():

@@ -73,6 +73,7 @@ class Desktop:
         # In a box, what is done for the agent runs as the agent (osfarm.desktop.agent_world):
         # its code, commands, apps and file operations; ``files`` does the file routes' work.
         self.agent = agent
+        self.session = "light"  # the desktop session (osfarm.desktop.gnome.DESKTOPS)
         self.code_python = AGENT_PYTHON if agent is not None else None
         self.exchange_dir = ""
         self.files: AgentFiles | None = None

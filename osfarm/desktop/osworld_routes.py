@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from PIL import Image
 from starlette.concurrency import run_in_threadpool
 
 from osfarm.desktop import windows
@@ -26,6 +27,7 @@ from osfarm.desktop.a11y import accessibility_tree, terminal_text
 from osfarm.desktop.agent_files import MAX_READ_BYTES, AgentFileError
 from osfarm.desktop.capture import encode_image
 from osfarm.desktop.commands import CANNOT_START, Command, run_command, spawn_detached
+from osfarm.desktop.gnome_wallpaper import WallpaperError, current_wallpaper, set_wallpaper
 from osfarm.desktop.guest_state import DesktopDep
 from osfarm.desktop.recording import RecordingError
 from osfarm.desktop.request_fields import (
@@ -279,6 +281,11 @@ async def desktop_path(desk: DesktopDep) -> JSONResponse:
 @router.post("/wallpaper")
 async def wallpaper(desk: DesktopDep) -> Response:
     path = desk.wallpaper
+    if desk.session == "gnome":
+        try:
+            path = await run_in_threadpool(current_wallpaper, desk.agent, desk.home)
+        except WallpaperError as e:
+            return JSONResponse({"detail": f"wallpaper: {e}"}, 404)
     if not path or not await run_in_threadpool(desk.is_file, path):
         return JSONResponse({"detail": "wallpaper: no wallpaper set"}, 404)
     if desk.files is None:
@@ -307,6 +314,22 @@ async def change_wallpaper(request: Request, desk: DesktopDep) -> PlainTextRespo
             raise OSError(e.message) from None
         paint_root(desk.display, image)
 
+    def check_image() -> None:
+        data = desk.files.read_bytes(str(path), WALLPAPER_MAX_BYTES) if desk.files else Path(path).read_bytes()
+        with Image.open(io.BytesIO(data)) as img:
+            img.verify()
+
+    if desk.session == "gnome":
+        # the shell draws the background from its settings key (osfarm.desktop.gnome_wallpaper)
+        try:
+            await run_in_threadpool(check_image)
+        except (OSError, AgentFileError, SyntaxError) as e:  # PIL: not an image
+            raise bad("path", f"not an image: {e}") from None
+        try:
+            await run_in_threadpool(set_wallpaper, desk.agent, desk.home, str(path))
+        except WallpaperError as e:
+            raise HTTPException(500, f"change_wallpaper: {e}") from None
+        return PlainTextResponse("Wallpaper changed successfully")
     try:
         await run_in_threadpool(paint)
     except OSError as e:  # PIL cannot read it

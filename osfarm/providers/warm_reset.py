@@ -58,10 +58,7 @@ class WarmResets:
 
     @property
     def enabled(self) -> bool:
-        # The GNOME desktop resets cold for now: its warm reset does not yet come back to the
-        # cold start's fingerprint (the shell's shader cache, dconf-service, dynamic workspaces
-        # differ), so every warm try would end in a counted fallback to cold anyway.
-        return self.settings.reset_mode == "warm" and self.settings.desktop != "gnome"
+        return self.settings.reset_mode == "warm"
 
     async def after_cold_start(self, handle: DesktopHandle, discard: Callable[[], Awaitable[None]]) -> None:
         """A new box is ready: with warm resets on, the guest records the state to go back to
