@@ -49,6 +49,9 @@ from osfarm.providers.base import DesktopHandle, DesktopSpec, tree_cpu_seconds  
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sandbox": ("sandbox", {"reset_mode": "cold"}),
     "sandbox-warm": ("sandbox", {"reset_mode": "warm", "cold_every": 0}),
+    # the GNOME desktop (osfarm.desktop.gnome): the shell and its daemons start again in a warm reset
+    "gnome": ("sandbox", {"reset_mode": "cold", "desktop": "gnome"}),
+    "gnome-warm": ("sandbox", {"reset_mode": "warm", "cold_every": 0, "desktop": "gnome"}),
     # cold starts forked from the box template (sandbox_start fork); a warm reset does not start a box
     "sandbox-fork": ("sandbox", {"reset_mode": "cold", "sandbox_start": "fork"}),
     "docker": ("docker", {"docker_network": "none", "reset_mode": "cold"}),
