@@ -122,7 +122,7 @@ async def resets(name: str, n: int, width: int, height: int, clean: bool = False
     settings = FarmSettings(provider=provider_name, state_dir=state, width=width, height=height, **overrides)
     provider = make_provider(settings)
     await provider.reap_orphans()
-    spec = DesktopSpec(width=width, height=height)
+    spec = DesktopSpec(width=width, height=height, desktop=settings.desktop, timezone=settings.desktop_timezone)
     m0, t0 = time.monotonic(), time.perf_counter()
     handle = await provider.start("bench1", spec)
     first = time.perf_counter() - t0
