@@ -212,7 +212,8 @@ def test_wallpaper_is_the_background_setting(desk: RemoteDesktop) -> None:
     """OSWorld's /wallpaper and change_wallpaper on GNOME: the background key, drawn by the shell.
     None set (Ubuntu's aubergine fill) is a 404; change_wallpaper's image shows on the screen and comes
     back from /wallpaper; one the agent sets through gsettings (as Files' "Set as Wallpaper" does)
-    comes back too; a file that is not an image is refused by name."""
+    comes back too; one it cannot read (/etc/shadow) is a 404; a file that is not an image is
+    refused by name."""
     assert desk.guest("POST", "/wallpaper", check=False).status_code == 404
     green = io.BytesIO()
     Image.new("RGB", (640, 360), (0, 200, 0)).save(green, "PNG")
@@ -230,6 +231,9 @@ def test_wallpaper_is_the_background_setting(desk: RemoteDesktop) -> None:
     upload(desk, "/home/user/red.png", red.getvalue())
     sh(desk, "gsettings set org.gnome.desktop.background picture-uri file:///home/user/red.png")
     assert desk.guest("POST", "/wallpaper").content == red.getvalue()
+    # the key is the agent's: a file it cannot read itself is not handed out
+    sh(desk, "gsettings set org.gnome.desktop.background picture-uri file:///etc/shadow")
+    assert desk.guest("POST", "/wallpaper", check=False).status_code == 404
     upload(desk, "/home/user/notes.txt", b"not an image")
     r = desk.guest("POST", "/setup/change_wallpaper", json={"path": "/home/user/notes.txt"}, check=False)
     assert r.status_code == 400 and "not an image" in r.text, r.text
