@@ -45,6 +45,20 @@ DCONF_DB = "osfarm-ubuntu"
 DCONF_PROFILE = f"user-db:user\nsystem-db:{DCONF_DB}\n"
 
 
+# What Ubuntu's defaults.list gives on top of the light desktop's choices: gedit for text, eog for
+# images (merged over session.DEFAULT_APPS).
+DEFAULT_APPS = {
+    "text/plain": "org.gnome.gedit.desktop",
+    **{f"image/{t}": "org.gnome.eog.desktop" for t in ("png", "jpeg", "gif", "bmp", "tiff", "webp", "svg+xml",
+                                                        "x-icon", "x-portable-pixmap")},
+}
+HOME_FILES = {
+    # The shell warns once per home, in a banner at the top of the screen, that it cannot lock
+    # without GDM; this file is its "already warned". OSWorld's VM runs GDM and never shows it.
+    ".local/share/gnome-shell/lock-warning-shown": "",
+}
+
+
 class GnomeMissing(RuntimeError):
     """GNOME Shell or one of its parts is not installed where the desktop runs."""
 

@@ -73,13 +73,19 @@ DEFAULT_APPS = {
     **{f"video/{t}": "org.gnome.Totem.desktop" for t in TOTEM_VIDEO_TYPES},
     "video/mp4": "vlc.desktop",
 }
+
+
+def _mimeapps(apps: dict[str, str]) -> str:
+    return "[Default Applications]\n" + "".join(f"{k}={v}\n" for k, v in apps.items())
+
+
 HOME_FILES = {
     ".config/vlc/vlcrc": ("[qt]\nqt-privacy-ask=0\n[core]\nextraintf=http\nhttp-port=8080\n"
                           "[lua]\nhttp-password=password\n"),
     # The box has no sound card: ALSA's default device is a sink that discards the samples, so
     # players run at normal speed instead of failing with an "audio output failed" dialog.
     ".asoundrc": "pcm.!default {\n    type null\n}\n",
-    ".config/mimeapps.list": "[Default Applications]\n" + "".join(f"{k}={v}\n" for k, v in DEFAULT_APPS.items()),
+    ".config/mimeapps.list": _mimeapps(DEFAULT_APPS),
     # LibreOffice as a used profile: no Tip of the Day dialog and no "what's new" bar over the
     # first document, which would cover the screen an agent (or a reference solution) sees.
     ".config/libreoffice/4/user/registrymodifications.xcu": (
@@ -96,6 +102,17 @@ HOME_FILES = {
         '</oor:items>\n'
     ),
 }
+
+
+
+def home_files(desktop: str) -> dict[str, str]:
+    """The files a fresh home of ``desktop`` gets (relative path -> text)."""
+    files = dict(HOME_FILES)
+    if desktop == "gnome":
+        files.update(gnome.HOME_FILES)
+        files[".config/mimeapps.list"] = _mimeapps({**DEFAULT_APPS, **gnome.DEFAULT_APPS})
+    return files
+
 
 # Environment every app of the desktop gets (accessibility on for GTK, Qt and LibreOffice).
 A11Y_ENV = {
@@ -221,7 +238,7 @@ class Session:
         """App settings OSWorld's VM image has and its tasks rely on, written only where the
         home lacks them (a fresh sandbox home always does)."""
         home = Path(self.config.home)
-        for rel, text in HOME_FILES.items():
+        for rel, text in home_files(self.config.desktop).items():
             path = home / rel
             if path.exists():
                 continue

@@ -50,7 +50,7 @@ import psutil
 from osfarm.config import FarmSettings
 from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import PLAN_ENV, BoxPlan
-from osfarm.desktop.session import HOME_FILES
+from osfarm.desktop.session import home_files
 from osfarm.images.daemon import DockerUnavailable, docker_client
 from osfarm.images.recipes import (
     DESKTOP_AGENT_BASE,
@@ -216,7 +216,7 @@ class DockerProvider:
             launcher=[BOX_PYTHON, "-m", "osfarm.desktop.launcher", *self._launcher_args(spec, port, display)],
             env=env, guest_uid=GUEST_UID, guest_gid=GUEST_UID, run_dir=BOX_RUN_DIR,
             home="/home/user", home_uid=AGENT_BASE + 1000, home_gid=AGENT_BASE + 1000,
-            home_template=HOME_TEMPLATE, home_files=dict(HOME_FILES), agent=agent, cwd="/home/user",
+            home_template=HOME_TEMPLATE, home_files=home_files(spec.desktop), agent=agent, cwd="/home/user",
         )  # fmt: skip
 
     def _host_display(self) -> int:

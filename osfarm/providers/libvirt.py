@@ -57,7 +57,7 @@ import psutil
 from osfarm.config import FarmSettings
 from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import BoxPlan
-from osfarm.desktop.session import HOME_FILES
+from osfarm.desktop.session import home_files
 from osfarm.images.libvirt_disk import default_image_dir, disk_files, missing_files
 from osfarm.images.recipes import (
     DESKTOP_AGENT_BASE,
@@ -155,7 +155,7 @@ def vm_plan(spec: DesktopSpec) -> BoxPlan:
         launcher=[VM_PYTHON, "-m", "osfarm.desktop.launcher", *args], env=env,
         guest_uid=IMAGE_GUEST_UID, guest_gid=IMAGE_GUEST_UID, run_dir="/run/osfarm",
         home="/home/user", home_uid=IMAGE_AGENT_BASE + 1000, home_gid=IMAGE_AGENT_BASE + 1000,
-        home_template=IMAGE_HOME_TEMPLATE, home_files=dict(HOME_FILES), agent=agent, cwd="/home/user",
+        home_template=IMAGE_HOME_TEMPLATE, home_files=home_files(spec.desktop), agent=agent, cwd="/home/user",
     )  # fmt: skip
 
 

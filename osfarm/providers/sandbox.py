@@ -318,7 +318,7 @@ class SandboxProvider:
             ddir=ddir, slot=slot, templates=self.templates,
             guest_etc=self.templates.guest_etc(ddir / "etc-guest", slot, hostname,
                                                spec.timezone if spec.desktop == "gnome" else None),
-            hostname=hostname,
+            hostname=hostname, desktop=spec.desktop,
             launcher_args=args, env=env, cgroup_procs=cgroup.procs_files,
             home_size=str(self.home_size), tmp_size=str(self.tmp_size), shm_size=SHM_SIZE,
         )  # fmt: skip

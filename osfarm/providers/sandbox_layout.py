@@ -59,7 +59,7 @@ import osfarm
 from osfarm.desktop import gnome
 from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import BoxPlan, Mount
-from osfarm.desktop.session import ASSETS, HOME_FILES
+from osfarm.desktop.session import ASSETS, home_files
 from osfarm.providers.boxes import password_hash
 from osfarm.providers.slots import Slot
 
@@ -297,6 +297,7 @@ def box_plan(
     templates: Templates,
     guest_etc: Path,
     hostname: str,
+    desktop: str,
     launcher_args: list[str],
     env: dict[str, str],
     cgroup_procs: list[str],
@@ -378,7 +379,7 @@ def box_plan(
         home_uid=user_id,
         home_gid=user_id,
         home_template=str(templates.home),
-        home_files=dict(HOME_FILES),
+        home_files=home_files(desktop),
         agent=agent,
         new_root=str(ddir / "root"),
         mounts=m,
