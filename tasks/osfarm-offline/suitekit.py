@@ -192,6 +192,23 @@ def rule(**rules: Any) -> dict:
 
 # -- reference-solution steps --------------------------------------------------------------------
 
+# The reference solutions run on both desktops. Where a click's target sits elsewhere on the
+# GNOME screen (the top bar, the dock, the Ubuntu font's metrics), the action chooses the point of
+# the desktop it runs on, as someone looking at the screen would: Ubuntu's session says
+# XDG_CURRENT_DESKTOP=ubuntu:GNOME, the light desktop GNOME.
+ON_GNOME = "'ubuntu' in __import__('os').environ.get('XDG_CURRENT_DESKTOP', '').lower()"
+
+
+def at(light: tuple[int, int], gnome: tuple[int, int]) -> str:
+    """The arguments of a pyautogui call at a screen point: ``light`` on the light desktop,
+    ``gnome`` on the GNOME one (``f"pyautogui.click({at(...)})"``)."""
+    return f"*({gnome!r} if {ON_GNOME} else {light!r})"
+
+
+def click_at(light: tuple[int, int], gnome: tuple[int, int]) -> list[str]:
+    return [f"pyautogui.click({at(light, gnome)})"]
+
+
 def typed(text: str) -> list[str]:
     """One step: type a line and press Enter."""
     return [f"pyautogui.write({text!r}, interval=0.01)", "pyautogui.press('enter')"]

@@ -8,6 +8,7 @@ from docx import Document
 from suitekit import (
     DONE,
     SAVE_KEEP_FORMAT,
+    at,
     await_window,
     gold,
     hotkey,
@@ -33,9 +34,9 @@ INFEASIBLE = "0f5d2a10-0000-4000-8000-000000000904"
 APP = ["libreoffice_writer"]
 # Writer at 1920x1080, maximised: the font-size box of the Formatting toolbar, and in the
 # Find and Replace dialog (Ctrl+H) its Replace field and Replace All button.
-FONT_SIZE_BOX = (514, 103)
-REPLACE_FIELD = (982, 444)
-REPLACE_ALL = (1225, 498)
+FONT_SIZE_BOX = at((514, 103), (610, 147))
+REPLACE_FIELD = at((982, 444), (1010, 496))
+REPLACE_ALL = at((1225, 498), (1266, 550))
 
 
 def menu(key: str, *moves: list[str]) -> list[str]:
@@ -146,7 +147,7 @@ def build(kit) -> None:
                 [hotkey("ctrl", "home"), hotkey("ctrl", "down"), press("right", len(lead)),
                  hotkey("ctrl", "shift", "down"),
                  # a triple click does not always select the whole "11 pt": select it with Ctrl+A
-                 [f"pyautogui.click{FONT_SIZE_BOX}"], hotkey("ctrl", "a") + type_text("14\n")],
+                 [f"pyautogui.click({FONT_SIZE_BOX})"], hotkey("ctrl", "a") + type_text("14\n")],
                 {"func": "check_italic_font_size_14", "result": vm_file("/home/user/reading.docx"),
                  "expected": gold(ITALIC14, "reading_gold.docx")},
                 reading)
@@ -171,8 +172,8 @@ def build(kit) -> None:
                 'In memo.docx, replace every "meeting" with "workshop" and save the file in Word format.',
                 memo,
                 [hotkey("ctrl", "h"), await_window("Find and Replace") + type_text("meeting"),
-                 [f"pyautogui.click{REPLACE_FIELD}"] + type_text("workshop"),
-                 [f"pyautogui.click{REPLACE_ALL}"], press("escape")],
+                 [f"pyautogui.click({REPLACE_FIELD})"] + type_text("workshop"),
+                 [f"pyautogui.click({REPLACE_ALL})"], press("escape")],
                 {"func": "compare_docx_files", "result": vm_file("/home/user/memo.docx"),
                  "expected": gold(REPLACE, "memo_gold.docx")},
                 [[t.replace("meeting", "workshop") if isinstance(t, str) else t for t in p] for p in memo])

@@ -7,6 +7,7 @@ from suitekit import (
     DONE,
     TERM,
     activate,
+    at,
     await_window,
     chrome,
     cmdline,
@@ -33,9 +34,12 @@ CSV_COUNT = "0f5d2a10-0000-4000-8000-000000000804"
 PDF_VIEW = "0f5d2a10-0000-4000-8000-000000000805"
 D = "/home/user/Desktop"
 
-# The 1920x1080 screen: tint2's task buttons, in the order the windows were opened.
-TASKBAR = [(100, 1064), (300, 1064), (500, 1064)]
-EXPORT_PDF = (163, 66)             # Calc's "Export Directly as PDF" toolbar button
+# The 1920x1080 screen. Light desktop: tint2's task buttons, in the order the windows were opened.
+# GNOME: the dock's icons (Chrome and Calc are favourites; xfce4-terminal, not one, comes after them).
+CALC_WINDOW = at((100, 1064), (34, 404))   # the first window opened: Calc, or Chromium in PDF_VIEW
+CHROME_WINDOW = at((100, 1064), (34, 66))
+TERMINAL_WINDOW = at((300, 1064), (34, 746))  # the second window opened
+EXPORT_PDF = at((163, 66), (234, 108))        # Calc's "Export Directly as PDF" toolbar button
 
 GRADES = [("student", "math", "physics"), ("Ana", 91, 78), ("Ben", 64, 82), ("Chloe", 88, 95), ("Dev", 72, 69)]
 INVENTORY = [("item", "category", "stock"), ("stapler", "office", 12), ("toner", "printing", 0),
@@ -44,8 +48,9 @@ INVENTORY = [("item", "category", "stock"), ("stapler", "office", 12), ("toner",
 REPORT = [("Month", "Visitors", "Signups"), ("January", 1200, 48), ("February", 1350, 52), ("March", 1610, 71)]
 
 
-def click(xy: tuple[int, int]) -> list[str]:
-    return [f"pyautogui.click({xy[0]}, {xy[1]})"]
+def click(point: str) -> list[str]:
+    """``point``: the arguments :func:`suitekit.at` makes."""
+    return [f"pyautogui.click({point})"]
 
 
 def until_window(action: str, pattern: str, present: bool = True, tries: int = 3) -> list[str]:
@@ -69,9 +74,8 @@ def until_window(action: str, pattern: str, present: bool = True, tries: int = 3
     return [code]
 
 
-def click_for_window(xy: tuple[int, int], pattern: str) -> list[str]:
-    return [f"pyautogui.moveTo({xy[0]}, {xy[1]})", "time.sleep(0.3)"] + until_window(
-        f"pyautogui.click({xy[0]}, {xy[1]})", pattern)
+def click_for_window(point: str, pattern: str) -> list[str]:
+    return [f"pyautogui.moveTo({point})", "time.sleep(0.3)"] + until_window(f"pyautogui.click({point})", pattern)
 
 
 SAVE_AS = "pyautogui.hotkey('ctrl', 'shift', 's')"
@@ -126,7 +130,7 @@ def build(kit) -> None:
               "func": "compare_table", "result": vm_file(f"{D}/quotes.xlsx"),
               "expected": gold(PASTE, "quotes_gold.xlsx")},
              [hotkey("ctrl", "a") + hotkey("ctrl", "c"),
-              click(TASKBAR[0]) + ["time.sleep(0.5)"],                                # back to Calc
+              click(CALC_WINDOW) + ["time.sleep(0.5)"],                               # back to Calc
               hotkey("ctrl", "home") + press("down"), hotkey("ctrl", "v"),         # A2
               until_window("pyautogui.hotkey('ctrl', 's')", "Confirm File Format"),
               until_window(ENTER, "Confirm File Format", present=False), DONE],
@@ -158,13 +162,13 @@ def build(kit) -> None:
               "func": ["compare_csv", "exact_match"], "conj": "and",
               "result": [vm_file(f"{D}/inventory.csv"), cmdline(f"tr -d ' \\n' < {D}/out_of_stock.txt")],
               "expected": [gold(CSV_COUNT, "inventory_gold.csv"), rule(expected=str(zero))]},
-             [click(TASKBAR[0]) + ["time.sleep(0.5)"],                                # to Calc
+             [click(CALC_WINDOW) + ["time.sleep(0.5)"],                               # to Calc
               until_window(SAVE_AS, " Save$"),
               type_text("inventory.csv\n") + await_window("Confirm File Format"),
               until_window(ENTER, "Export Text File"),                             # keep the CSV format
               until_window(ENTER, "Export Text File", present=False)              # default options: comma
               + await_window("inventory.csv - LibreOffice"),
-              click(TASKBAR[1]),                                                    # to the terminal
+              click(TERMINAL_WINDOW),                                               # to the terminal
               typed("awk -F, 'NR>1 && $3==0' ~/Desktop/inventory.csv | wc -l > ~/Desktop/out_of_stock.txt"),
               DONE], ["libreoffice_calc", "terminal"])
 
@@ -181,5 +185,5 @@ def build(kit) -> None:
               "expected": [rule(relation="eq", ref_value=1), rule(type="url", url=pdf_url)]},
              [click_for_window(EXPORT_PDF, " Export$"),
               type_text("report.pdf\n") + await_window(" Export$", present=False),
-              click(TASKBAR[0]) + ["time.sleep(0.5)"],                                # to Chromium
+              click(CHROME_WINDOW) + ["time.sleep(0.5)"],                             # to Chromium
               hotkey("ctrl", "l"), type_text(pdf_url + "\n"), DONE], ["libreoffice_calc", "chrome"])

@@ -16,6 +16,7 @@ from suitekit import (
     DONE,
     activate,
     await_window,
+    click_at,
     cmdline,
     dl,
     execute,
@@ -168,13 +169,12 @@ def menu(*keys: str) -> list[str]:
     return [f"pyautogui.hotkey({', '.join(repr(k) for k in keys)})", "time.sleep(0.4)"]
 
 
-def click(x: int, y: int) -> list[str]:
-    return [f"pyautogui.click({x}, {y})"]
-
-
-# Where things are on the 1920x1080 screen with this profile (maximized main window).
-LOCAL_ROW = click(142, 112)          # "Local Folders" in the folder pane
-CARD = [124, 199, 273, 349, 423]     # y of the message cards, newest (top) first
+# Where things are on the 1920x1080 screen with this profile (maximized main window), on the light
+# desktop and on GNOME.
+LOCAL_ROW = click_at((142, 112), (194, 140))          # "Local Folders" in the folder pane
+# the message cards, newest (top) first
+CARD = [click_at((400, y), (400, y_gnome))
+        for y, y_gnome in zip([124, 199, 273, 349, 423], [150, 234, 318, 402, 486], strict=True)]
 
 
 def local(name: str) -> str:
@@ -201,10 +201,10 @@ def build(kit) -> None:
                                         "condition": ["AND (subject,contains,invoice)"]}], unexpect=[])},
              [menu("alt", "t"), menu("f") + await_window("Message Filters"),
               menu("alt", "n") + await_window("Filter Rules"), type_text("Invoices"),
-              click(1170, 501), type_text("invoice"),        # the value box of the Subject/contains row
-              click(614, 655) + ["time.sleep(0.4)"],           # the action list: Move Message to ...
-              press("a") + press("enter"),                      # ... Add Star
-              click(1358, 832) + await_window("Filter Rules", present=False),  # OK
+              click_at((1170, 501), (1206, 530)), type_text("invoice"),  # the value box of Subject/contains
+              click_at((614, 655), (646, 686)) + ["time.sleep(0.4)"],    # the action list: Move Message to ...
+              press("a") + press("enter"),                                # ... Add Star
+              click_at((1358, 832), (1388, 862)) + await_window("Filter Rules", present=False),  # OK
               press("escape"), DONE], ["thunderbird"])          # closing the list saves the filters
 
     kit.task("thunderbird", PREF,
@@ -228,7 +228,7 @@ def build(kit) -> None:
                                 "/^Subject: /{if (s !~ /^000[89]$/) print FILENAME \": \" $0}' Inbox Projects"),
               "expected": rule(include=["Projects: Subject: Quarterly report draft"],
                                exclude=["Inbox: Subject: Quarterly report draft"])},
-             [click(400, CARD[2]), menu("alt", "m"), menu("m"), menu("l"), menu("p"), DONE], ["thunderbird"])
+             [CARD[2], menu("alt", "m"), menu("m"), menu("l"), menu("p"), DONE], ["thunderbird"])
 
     tagged = _mbox(INBOX).replace(f"X-Mozilla-Keys: {KEYS_ROOM}", "X-Mozilla-Keys: $label1" + " " * 73, 1)
     kit.text(TAG, "Inbox_gold", tagged)
@@ -238,7 +238,7 @@ def build(kit) -> None:
              {"postconfig": [execute(poll(f"grep -q 'label1' {local('Inbox')}") + "true")],
               "func": "check_thunderbird_folder", "result": vm_file(f"{LOCAL}/Inbox"),
               "expected": gold(TAG, "Inbox_gold"), "options": {"ignore_status": True}},
-             [click(400, CARD[4]), press("1"), DONE], ["thunderbird"])  # key 1 = the Important tag
+             [CARD[4], press("1"), DONE], ["thunderbird"])  # key 1 = the Important tag
 
     kit.infeasible("thunderbird", INFEASIBLE,
                    "In Thunderbird, recall the last email I sent to Bob so that it disappears from his mailbox.")

@@ -17,6 +17,7 @@ from PIL import Image, ImageDraw
 from suitekit import (
     DONE,
     activate,
+    at,
     await_window,
     dl,
     execute,
@@ -43,10 +44,13 @@ BITEXACT = ["-threads", "1", "-map_metadata", "-1", "-fflags", "+bitexact", "-fl
             "-flags:a", "+bitexact"]
 
 # Simple Preferences over a VLC started without a file (1920x1080 screen).
-PREFS_INPUT_TAB = "pyautogui.click(996, 224)"
-PREFS_MINIMAL_VIEW = "pyautogui.click(737, 456)"     # Interface: "Start in minimal view mode"
-PREFS_ONE_INSTANCE_FM = "pyautogui.click(600, 666)"  # Interface: "...one instance when started from file manager"
-PREFS_RECORD_PATH = "pyautogui.click(1037, 653)"     # Input / Codecs: "Record directory or filename"
+# (light desktop, GNOME)
+PREFS_INPUT_TAB = f"pyautogui.click({at((996, 224), (1030, 250))})"
+PREFS_MINIMAL_VIEW = f"pyautogui.click({at((737, 456), (772, 484))})"     # Interface: "Start in minimal view mode"
+# Interface: "...one instance when started from file manager"
+PREFS_ONE_INSTANCE_FM = f"pyautogui.click({at((600, 666), (634, 694))})"
+# Input / Codecs: "Record directory or filename"
+PREFS_RECORD_PATH = f"pyautogui.click({at((1037, 653), (1071, 681))})"
 
 
 def ffmpeg(out: Path, *args: str) -> None:
