@@ -81,11 +81,11 @@ class FarmSettings(BaseSettings):
     width: int = Field(default=1920, ge=320, le=7680)
     height: int = Field(default=1080, ge=200, le=4320)
     depth: Literal[16, 24] = 24
-    desktop: Literal["gnome", "light"] = Field(
-        default="light", description="the desktop session. gnome: OSWorld's Ubuntu 22.04 screen (GNOME Shell with "
+    desktop: Literal["gnome", "light"] | None = Field(
+        default=None, description="the desktop session. gnome: OSWorld's Ubuntu 22.04 screen (GNOME Shell with "
         "the top bar, the Ubuntu Dock on the left, Yaru, the Ubuntu font; osfarm/desktop/gnome.py). light: openbox "
         "with a tint2 panel, the cheapest desktop. Every lease, results.json row and episode record says which ran. "
-        "gnome resets cold (reset_mode warm applies to light desktops only, for now)",
+        "Default: gnome on the sandbox provider; light on docker and libvirt, whose images have no GNOME yet",
     )
     desktop_timezone: str = Field(
         default="America/Los_Angeles", pattern=r"^[A-Za-z0-9_+-]+(/[A-Za-z0-9_+-]+)*$",
@@ -157,7 +157,12 @@ class FarmSettings(BaseSettings):
     )
 
     @model_validator(mode="after")
-    def _known_zone(self) -> FarmSettings:
+    def _desktop_and_zone(self) -> FarmSettings:
+        if self.desktop is None:
+            self.desktop = "gnome" if self.provider == "sandbox" else "light"
+        elif self.desktop == "gnome" and self.provider != "sandbox":
+            raise ValueError(f"desktop: gnome runs on the sandbox provider only, for now (the {self.provider} "
+                             "desktop image has no GNOME Shell); use desktop: light")
         # a GNOME box's /etc/localtime links to /usr/share/zoneinfo/<zone> (the host's /usr): a
         # zone missing there would silently be UTC in the box
         zone = self.desktop_timezone

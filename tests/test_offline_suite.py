@@ -52,14 +52,18 @@ def run_suite(agent: str, out: Path, monkeypatch: pytest.MonkeyPatch, index: Pat
 
 @pytest.mark.timeout(1800)  # the whole suite: about 6 min on 2 cores
 def test_replay_solves_every_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """...on desktops reset warm between tasks (the default, pinned here): every task's setup and
-    solution dirty a desktop, and every warm reset after it must prove itself by its fingerprint
-    (a mismatch, an error or a timeout would be a cold restart, named in the next episode's record)."""
+    """...on the GNOME desktop, the default (the noop and fail runs below are on the light one;
+    the solutions click where each desktop draws a target), reset warm between tasks (the default,
+    pinned here): every task's setup and solution dirty a desktop, and every warm reset after it
+    must prove itself by its fingerprint (a mismatch, an error or a timeout would be a cold
+    restart, named in the next episode's record)."""
     monkeypatch.setenv("OSFARM_RESET_MODE", "warm")
+    monkeypatch.setenv("OSFARM_DESKTOP", "gnome")
     results = run_suite("replay", tmp_path / "run", monkeypatch)
     failed = [t for t in results["tasks"] if t["status"] != "success"]
     assert not failed, f"replay did not solve: {failed}"
     assert results["infra_errors"] == 0 and results["success_rate"] == 1.0
+    assert results["desktops"] == ["gnome"]
     records = [json.loads(line) for line in (tmp_path / "run" / "episodes.jsonl").read_text().splitlines()]
     fallbacks = [(r["task_id"], r["desktop_reset_fallback"]) for r in records
                  if r.get("desktop_reset_fallback") not in (None, "every_n")]

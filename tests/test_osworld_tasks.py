@@ -257,12 +257,16 @@ def _eval(cache: Path, out: Path, agent: str, *extra: str) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_replay_solves_the_hostable_tasks(cache: Path, tmp_path: Path, state_dir: Path) -> None:
+def test_replay_solves_the_hostable_tasks(cache: Path, tmp_path: Path, state_dir: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """...on the GNOME desktop, the default: OSWorld's screen (the suite's other runs are on light)."""
+    monkeypatch.setenv("OSFARM_DESKTOP", "gnome")
     before = _digest()
     results = _eval(cache, tmp_path / "replay", "replay", "--solutions", str(SOLUTIONS))
     failed = [(t["task_id"], t["status"], t.get("error")) for t in results["tasks"] if t["status"] != "success"]
     assert not failed, f"replay did not solve: {failed}"
     assert results["infra_errors"] == 0 and results["success_rate"] == 1.0
+    assert {t["desktop"] for t in results["tasks"]} == {"gnome"}, results["tasks"][0]
     assert _digest() == before, f"{TASKS} was modified"
 
 
