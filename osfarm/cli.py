@@ -514,6 +514,19 @@ class _Phases:
             self.progress.update(task, completed=1, description=f"{name} [dim]{dt * 1000:.0f} ms[/]")
 
 
+def _wait_focused(desk: Any, wm_class: str, timeout: float = 30.0) -> bool:
+    """Wait until a window of ``wm_class`` has the keyboard focus: a window is listed before the
+    window manager has mapped and focused it (GNOME's mutter takes a frame or more), and keys
+    typed before then go elsewhere."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        obs = desk.observe(screenshot=False, windows=True, cursor=False)
+        if any(w.focused and wm_class in w.wm_class.lower() for w in obs.windows or []):
+            return True
+        time.sleep(0.1)
+    return False
+
+
 def _wait_settled(desk: Any, timeout: float = 5.0) -> bytes:
     """Screenshots until two in a row are identical: the screen finished redrawing."""
     prev = desk.screenshot("png")
@@ -573,6 +586,12 @@ def demo(
                                        json={"wm_class": "xfce4-terminal", "timeout": 30})
                         if not r.json().get("ok"):
                             raise FarmAPIError(504, f"the terminal window did not appear: {r.json().get('detail')}")
+                        if not _wait_focused(desk, "xfce4-terminal"):
+                            raise FarmAPIError(504, "the terminal window did not take the keyboard focus in 30 s")
+                        # painted and idle (osfarm.desktop.settle): GNOME's compositor shows a new
+                        # window a few frames after it is focused
+                        desk.guest("POST", "/execute", json={"command": [
+                            "osfarm-settle", "--window", "Terminal", "--timeout", "30", "--quiet", "0.3"]}, timeout=40)
                     with phase(f"type {text!r} + Enter"):
                         res = desk.step([
                             {"action_type": "TYPING", "parameters": {"text": text}},
