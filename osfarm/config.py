@@ -85,7 +85,7 @@ class FarmSettings(BaseSettings):
         default=None, description="the desktop session. gnome: OSWorld's Ubuntu 22.04 screen (GNOME Shell with "
         "the top bar, the Ubuntu Dock on the left, Yaru, the Ubuntu font; osfarm/desktop/gnome.py). light: openbox "
         "with a tint2 panel, the cheapest desktop. Every lease, results.json row and episode record says which ran. "
-        "Default: gnome on the sandbox provider; light on docker and libvirt, whose images have no GNOME yet",
+        "Default: gnome; light on the libvirt provider, whose VMs do not run GNOME yet",
     )
     desktop_timezone: str = Field(
         default="America/Los_Angeles", pattern=r"^[A-Za-z0-9_+-]+(/[A-Za-z0-9_+-]+)*$",
@@ -159,10 +159,10 @@ class FarmSettings(BaseSettings):
     @model_validator(mode="after")
     def _desktop_and_zone(self) -> FarmSettings:
         if self.desktop is None:
-            self.desktop = "gnome" if self.provider == "sandbox" else "light"
-        elif self.desktop == "gnome" and self.provider != "sandbox":
-            raise ValueError(f"desktop: gnome runs on the sandbox provider only, for now (the {self.provider} "
-                             "desktop image has no GNOME Shell); use desktop: light")
+            self.desktop = "light" if self.provider == "libvirt" else "gnome"
+        elif self.desktop == "gnome" and self.provider == "libvirt":
+            raise ValueError("desktop: gnome does not run on the libvirt provider yet (its VMs are not tested with "
+                             "GNOME Shell); use desktop: light")
         # a GNOME box's /etc/localtime links to /usr/share/zoneinfo/<zone> (the host's /usr): a
         # zone missing there would silently be UTC in the box
         zone = self.desktop_timezone

@@ -11,6 +11,7 @@ import ast
 import base64
 import io
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,13 +19,15 @@ from typing import Any
 
 import httpx
 import pytest
+from docker_env import ensure_images
 from PIL import Image
 from pydantic import ValidationError
 
 from osfarm.client import Farm, RemoteDesktop
 from osfarm.config import FarmSettings
+from osfarm.desktop.box_init import BoxInitError, write_etc
 from osfarm.desktop.fingerprint_diff import differences
-from osfarm.desktop.gnome import session_env
+from osfarm.desktop.gnome import session_env, timezone_files
 from osfarm.farm.server import FarmServer
 from tests.farms import running_farm
 
@@ -127,15 +130,30 @@ def test_desktop_settings_refuse_bad_values() -> None:
         FarmSettings(desktop="kde")
 
 
+def test_a_containers_etc_gets_the_time_zone(tmp_path: Path) -> None:
+    """Docker and libvirt boxes write the GNOME desktop's time zone into their own /etc (a
+    sandbox's /etc is a mount); nothing outside /etc is written."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "localtime").symlink_to("/usr/share/zoneinfo/Etc/UTC")
+    write_etc(timezone_files("Europe/Paris"), str(etc))
+    assert os.readlink(etc / "localtime") == "/usr/share/zoneinfo/Europe/Paris"
+    assert (etc / "timezone").read_text() == "Europe/Paris\n"
+    for bad in ("../outside", "/etc/../../outside", "dconf/../../outside"):
+        with pytest.raises(BoxInitError, match="outside"):
+            write_etc({bad: "x"}, str(etc))
+    assert not (tmp_path / "outside").exists()
+
+
 def test_gnome_is_the_default_desktop_where_its_provider_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OSFARM_DESKTOP", raising=False)  # the suite's conftest pins light for cost
     assert FarmSettings().desktop == "gnome"
     assert FarmSettings(provider="sandbox").desktop == "gnome"
-    # the docker and libvirt images have no GNOME Shell yet: light there, and gnome refused by name
-    assert FarmSettings(provider="docker").desktop == "light"
+    assert FarmSettings(provider="docker").desktop == "gnome"
+    # libvirt VMs do not run GNOME yet: light there, and gnome refused by name
     assert FarmSettings(provider="libvirt").desktop == "light"
-    with pytest.raises(ValidationError, match="desktop: gnome runs on the sandbox provider only"):
-        FarmSettings(provider="docker", desktop="gnome")
+    with pytest.raises(ValidationError, match="desktop: gnome does not run on the libvirt provider"):
+        FarmSettings(provider="libvirt", desktop="gnome")
     monkeypatch.setenv("OSFARM_DESKTOP", "light")
     assert FarmSettings().desktop == "light"
 
@@ -348,3 +366,28 @@ def find_dock_icon(desk: RemoteDesktop, name: str) -> tuple[int, int]:
     x, y = find_a11y(desk, name)
     assert x < 80, f"{name} is not in the dock on the left: {x},{y}"
     return x, y
+
+
+def test_docker_desktop_is_the_same_gnome_screen() -> None:
+    """The Docker image carries the GNOME desktop (the default there too) and VS Code: a leased
+    container shows the top bar and the dock with the favourites, Ubuntu's settings, locale and
+    time zone, timedatectl and code-server work."""
+    ensure_images("desktop")
+    with running_farm("odg", provider="docker", desktop="gnome", width=W, height=H, pool_min=1, pool_max=1,
+                      docker_memory="3g", start_timeout_s=300) as farm, \
+            Farm(farm.url, farm.token) as client, client.lease(ttl_s=300, wait_s=240) as d:
+        assert d.info.provider == "docker" and d.info.desktop == "gnome"
+        wait_shell_ready(d, timeout=120)
+        tree = a11y(d)
+        for name in ("Google Chrome", "Visual Studio Code", "LibreOffice Calc", "Files", "Terminal"):
+            assert name in tree, name
+        assert ast.literal_eval(gsettings(d, "org.gnome.shell", "favorite-apps")) == OSWORLD_FAVORITES
+        assert gsettings(d, "org.gnome.desktop.interface", "font-name") == "'Ubuntu 11'"
+        assert sh(d, "fc-match 'Ubuntu'").startswith("Ubuntu")
+        assert sh(d, "echo $LANG $XDG_CURRENT_DESKTOP").split() == ["en_US.UTF-8", "ubuntu:GNOME"]
+        assert "Time zone: America/Los_Angeles" in sh(d, "timedatectl status")
+        assert sh(d, "xdg-mime query default text/plain").strip() == "org.gnome.gedit.desktop"
+        assert sh(d, "code --version", timeout=120).strip().splitlines()[0].count(".") == 2  # e.g. 1.139.1
+        img = screenshot(d)
+        bar = img.crop((300, 2, W - 300, 20)).convert("L")
+        assert sum(bar.get_flattened_data()) / (bar.width * bar.height) < 60, "no dark top bar"

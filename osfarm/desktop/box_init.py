@@ -80,6 +80,9 @@ class BoxPlan:
     home_gid: int
     home_template: str = ""  # copied into the home (a host path for the sandbox, else a box path)
     home_files: dict[str, str] = field(default_factory=dict)  # rel path -> text, written where missing
+    # a container's or VM's own /etc (a sandbox gets its /etc as a mount): rel path -> text, or
+    # "->target" for a symlink; the GNOME desktop's time zone
+    etc_files: dict[str, str] = field(default_factory=dict)
     agent: AgentWorldSpec | None = None
     new_root: str = ""  # sandbox: an empty host dir to build the box in ("" = stay in this root)
     mounts: list[Mount] = field(default_factory=list)  # before the pivot, in order
@@ -186,6 +189,24 @@ def fill_home(plan: BoxPlan, home: str) -> None:
     os.chown(home, plan.home_uid, plan.home_gid)
 
 
+def write_etc(files: dict[str, str], etc: str = "/etc") -> None:
+    """Write the plan's /etc files (root's, 0644), replacing what is there; a path that leaves
+    ``etc`` is refused."""
+    for rel, content in files.items():
+        path = os.path.normpath(os.path.join(etc, rel))
+        if not path.startswith(etc.rstrip("/") + "/"):
+            raise BoxInitError(f"etc file {rel!r} is outside {etc}")
+        os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
+        if os.path.lexists(path):
+            os.unlink(path)
+        if content.startswith("->"):
+            os.symlink(content[2:], path)
+        else:
+            with open(path, "w") as f:
+                f.write(content)
+            os.chmod(path, 0o644)
+
+
 def guest_run_dir(plan: BoxPlan) -> None:
     """The run dir and its token, the guest's alone (already so when the farm could make them so)."""
     st = os.lstat(plan.run_dir)
@@ -225,6 +246,7 @@ def prepare(plan: BoxPlan, started: float | None = None) -> dict[str, str]:
     if plan.new_root:
         build_root(plan)
     else:
+        write_etc(plan.etc_files)
         fill_home(plan, plan.home)
     if plan.proc_options:
         os.makedirs("/proc", exist_ok=True)

@@ -188,12 +188,22 @@ def compile_defaults(dest: Path) -> Path:
     return dest
 
 
+def timezone_files(timezone: str) -> dict[str, str]:
+    """A GNOME box's time zone as /etc files (relative path -> text; ``->target``: a symlink)."""
+    return {"localtime": f"->/usr/share/zoneinfo/{timezone}", "timezone": timezone + "\n"}
+
+
 def etc_files(db: Path, timezone: str) -> dict[str, bytes | str]:
     """Files a GNOME box's /etc gets (relative path -> content; a ``str`` starting with ``->`` is a
     symlink): the dconf profile and database, the time zone."""
-    return {
-        "dconf/profile/user": DCONF_PROFILE,
-        f"dconf/db/{DCONF_DB}": db.read_bytes(),
-        "localtime": f"->/usr/share/zoneinfo/{timezone}",
-        "timezone": timezone + "\n",
-    }
+    return {"dconf/profile/user": DCONF_PROFILE, f"dconf/db/{DCONF_DB}": db.read_bytes(), **timezone_files(timezone)}
+
+
+def install_etc(etc: Path = Path("/etc")) -> None:
+    """The desktop image's build step: Ubuntu's settings as the dconf system database and the
+    user profile that reads it (containers and VMs share the image's /etc; the time zone is set
+    per box, :func:`timezone_files`)."""
+    compile_defaults(etc / "dconf" / "db" / DCONF_DB)
+    profile = etc / "dconf" / "profile" / "user"
+    profile.parent.mkdir(parents=True, exist_ok=True)
+    profile.write_text(DCONF_PROFILE)

@@ -73,9 +73,9 @@ class Recipe:
         for dirpath, dirnames, filenames in os.walk(src):
             dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
             for name in sorted(filenames):
-                if name.endswith(SKIP_SUFFIXES):
-                    continue
                 path = Path(dirpath) / name
+                if name.endswith(SKIP_SUFFIXES) or not path.exists():  # a symlink to nothing: nothing to copy
+                    continue
                 rel = path.relative_to(src).as_posix()
                 target[f"{arc_prefix}/{rel}" if arc_prefix else rel] = path
 
@@ -111,9 +111,23 @@ def runtime_recipe(root: Path, base_id: str) -> Recipe:
     return r
 
 
+# What the desktop image copies from the host that builds it (both installed by `make system`):
+# the Ubuntu font family (npm, scripts/setup-fonts.sh) and code-server with its Node (npm, built
+# by scripts/setup-vscode.sh: its native modules need a toolchain the image does not carry).
+HOST_TREES = {
+    "fonts-ubuntu": (Path("/usr/share/fonts/truetype/ubuntu"), "scripts/setup-fonts.sh"),
+    "code-server": (Path(os.environ.get("OSFARM_CODE_SERVER", "/usr/lib/osfarm-code-server")),
+                    "scripts/setup-vscode.sh"),
+}
+
+
 def desktop_recipe(root: Path, base_id: str, runtime_recipe_hash: str) -> Recipe:
     r = Recipe("desktop")
     r.add_tree(root / "vm_images" / "desktop", "")
+    for arc, (src, setup) in HOST_TREES.items():
+        if not src.is_dir():
+            raise RecipeError(f"the desktop image copies {src}, which is missing: run {setup} (make system) first")
+        r.add_tree(src, arc)
     r.add_tree(root / "vm_images" / "base" / "rootfs", "base-rootfs")
     r.files["runtime-packages.txt"] = root / "vm_images" / "runtime" / "packages.txt"
     r.extra["base"] = base_id.encode()

@@ -48,6 +48,7 @@ from typing import Any
 import psutil
 
 from osfarm.config import FarmSettings
+from osfarm.desktop import gnome
 from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import PLAN_ENV, BoxPlan
 from osfarm.desktop.session import home_files
@@ -216,7 +217,8 @@ class DockerProvider:
             launcher=[BOX_PYTHON, "-m", "osfarm.desktop.launcher", *self._launcher_args(spec, port, display)],
             env=env, guest_uid=GUEST_UID, guest_gid=GUEST_UID, run_dir=BOX_RUN_DIR,
             home="/home/user", home_uid=AGENT_BASE + 1000, home_gid=AGENT_BASE + 1000,
-            home_template=HOME_TEMPLATE, home_files=home_files(spec.desktop), agent=agent, cwd="/home/user",
+            home_template=HOME_TEMPLATE, home_files=home_files(spec.desktop),
+        etc_files=gnome.timezone_files(spec.timezone) if spec.desktop == "gnome" else {}, agent=agent, cwd="/home/user",
         )  # fmt: skip
 
     def _host_display(self) -> int:

@@ -55,6 +55,7 @@ from xml.sax.saxutils import escape
 import psutil
 
 from osfarm.config import FarmSettings
+from osfarm.desktop import gnome
 from osfarm.desktop.agent_world import AgentWorldSpec
 from osfarm.desktop.box_init import BoxPlan
 from osfarm.desktop.session import home_files
@@ -155,7 +156,8 @@ def vm_plan(spec: DesktopSpec) -> BoxPlan:
         launcher=[VM_PYTHON, "-m", "osfarm.desktop.launcher", *args], env=env,
         guest_uid=IMAGE_GUEST_UID, guest_gid=IMAGE_GUEST_UID, run_dir="/run/osfarm",
         home="/home/user", home_uid=IMAGE_AGENT_BASE + 1000, home_gid=IMAGE_AGENT_BASE + 1000,
-        home_template=IMAGE_HOME_TEMPLATE, home_files=home_files(spec.desktop), agent=agent, cwd="/home/user",
+        home_template=IMAGE_HOME_TEMPLATE, home_files=home_files(spec.desktop),
+        etc_files=gnome.timezone_files(spec.timezone) if spec.desktop == "gnome" else {}, agent=agent, cwd="/home/user",
     )  # fmt: skip
 
 
