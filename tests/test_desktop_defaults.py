@@ -62,9 +62,10 @@ def test_fresh_desktop_state_is_osworlds(farm: FarmServer, tmp_path: Path) -> No
         info = env.step(PROBE)[4]
     text = info["results"][0]["output"]
     got = json.loads(text.strip().splitlines()[-1])
-    # the agent's Python is the system's, with pyautogui and none of osfarm's packages
+    # the agent's Python is the system's, with pyautogui, Debian's numpy (OSWorld's task scripts
+    # import it, e.g. multi_apps/e8172110) and none of osfarm's packages
     assert got["python3"] == "/usr/bin/python3" and got["python"].startswith("/usr/bin/python3"), got
-    assert got["modules"] == ["pyautogui"], got
+    assert got["modules"] == ["pyautogui", "numpy"], got
     assert got["defaults"] == {
         "video/mp4": "vlc.desktop", "video/x-matroska": "org.gnome.Totem.desktop",
         "video/webm": "org.gnome.Totem.desktop", "application/pdf": "org.gnome.Evince.desktop",
