@@ -122,7 +122,7 @@ SOLUTIONS: dict[str, list[list[str]]] = {
     "73c99fb9-f828-43ce-b87a-01dc07faa224": [
         [settle("109_4.pptx - LibreOffice Impress", "soffice.bin"), remember_mtime("/home/user/Desktop/109_4.pptx")],
         [click((99, 336), (176, 392))],  # slide 2 in the Slides pane
-        [click((601, 377), (601, 377))],  # "Click to add Text"
+        [click((601, 377), (632, 414))],  # "Click to add Text"
         [write("Page 1"), press("esc")],
         [hotkey("ctrl", "s")],
         *KEEP_FORMAT,
