@@ -83,6 +83,15 @@ def init_process_groups(ctx: DistContext, device: torch.device) -> Any:
     return dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
 
 
+def leave_process_groups() -> None:
+    """This rank's last collective: every rank meets, then drops its process groups. A rank that
+    exits while gloo's threads still talk to a peer that already left aborts ("terminate called
+    without an active exception", exit code -6), about every other run here."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def shard(indices: Sequence[int], lengths: Sequence[int], rank: int, world: int) -> list[int]:
     """The samples (of ``indices``) rank ``rank`` computes: longest first, dealt round-robin, so
     the ranks get about the same number of tokens and a micro-batch holds samples of similar length."""

@@ -71,6 +71,7 @@ from osfarm.trainer.distributed import (
     all_reduce_floats,
     all_reduce_grads,
     init_process_groups,
+    leave_process_groups,
     shard,
 )
 from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
@@ -674,6 +675,8 @@ class Learner:
         while True:
             name, payload = self.commands.receive()
             if name == "stop":
+                self.commands = None
+                leave_process_groups()
                 return
             try:
                 if name == "update":
@@ -690,6 +693,7 @@ class Learner:
         if self.commands is not None:
             self.commands.send("stop")
             self.commands = None
+            leave_process_groups()
 
 
 def _unshared(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
