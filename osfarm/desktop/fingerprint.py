@@ -30,6 +30,7 @@ from Xlib import X, Xatom
 from osfarm.desktop import xsettings
 from osfarm.desktop.agent_root_helper import run_helper
 from osfarm.desktop.box_processes import is_agent, proc_table
+from osfarm.desktop.gnome import ON_DEMAND_PROCESSES, ON_DEMAND_WINDOW_CLASSES
 from osfarm.desktop.x_reset import WM_MANAGED, atom_name, raw_properties, x_connection, x_controls, x_orphans
 from osfarm.desktop.xkb import Xkb
 
@@ -125,6 +126,8 @@ def processes(desk: Desktop) -> list[str]:
         if pid in (me, runner) or not cmd or "/osfarm_kernel.py" in cmd:  # the interpreter: restarted apart
             continue
         who = "guest" if uid == guest_uid else "agent" if is_agent(uid, guest_uid) else "box"
+        if who == "agent" and cmd in ON_DEMAND_PROCESSES:
+            continue
         rows.append(f"{who} {normalise(cmd)}")
     return sorted(rows)
 
@@ -176,6 +179,8 @@ def x_state(display: str, conn: Any = None) -> dict[str, Any]:
                 attrs = w.get_attributes()
                 geo = w.get_geometry()
                 cls = w.get_wm_class()
+                if cls and cls[0] in ON_DEMAND_WINDOW_CLASSES:
+                    continue
                 windows.append([attrs.map_state, list(cls) if cls else [], geo.width, geo.height,
                                 _props_digest(d, w), geo.x, geo.y])
             except Exception:  # noqa: BLE001 - a window that went away meanwhile

@@ -59,6 +59,18 @@ HOME_FILES = {
 }
 
 
+# Session services the bus starts on demand and that quit when idle (GIO's metadata daemon; the
+# shell's screencast service, with its hidden window, and the zombie it leaves for a moment):
+# whether one runs when a fingerprint is taken is timing, not state a task left, so the
+# fingerprint leaves them out. The agent cannot hide behind these names: a warm reset kills every
+# agent process before its fingerprint, so what runs then was started by the session anew.
+ON_DEMAND_PROCESSES = frozenset({
+    "/usr/libexec/gvfsd-metadata", "[gvfsd-metadata]",
+    "/usr/bin/gjs /usr/share/gnome-shell/org.gnome.Shell.Screencast", "[gjs]",
+})
+ON_DEMAND_WINDOW_CLASSES = frozenset({"org.gnome.Shell.Screencast"})
+
+
 class GnomeMissing(RuntimeError):
     """GNOME Shell or one of its parts is not installed where the desktop runs."""
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from Xlib import display as xdisplay
+from Xlib.error import XError
 
 from osfarm.desktop.agent_root_helper import WRITABLE, HelperSession, run_helper
 from osfarm.desktop.fingerprint import fingerprint, processes, wait_wm
@@ -89,10 +90,14 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
         try:
             root = d.screen().root
             props = raw_properties(d)
-            windows = {w.id for w in root.query_tree().children}
-            tops = {w: d.create_resource_object("window", w) for w in windows}
-            window_properties = {w: raw_properties(d, obj) for w, obj in tops.items()}
-            window_geometry = {w: geometry(obj) for w, obj in tops.items()}
+            window_properties, window_geometry = {}, {}
+            for child in root.query_tree().children:
+                try:
+                    window_properties[child.id] = raw_properties(d, child)
+                    window_geometry[child.id] = geometry(child)
+                except XError:  # gone since the listing (a session service's short-lived window)
+                    window_properties.pop(child.id, None)
+            windows = set(window_geometry)
             ptr = root.query_pointer()
             s = d.screen()
             screen = (s.width_in_pixels, s.height_in_pixels)
