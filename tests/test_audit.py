@@ -119,8 +119,8 @@ def test_audit_without_runnable_tasks_needs_no_desktop(tmp_path: Path) -> None:
 
 def test_vscode_tasks_without_code_server_or_with_the_marketplace(tmp_path: Path, monkeypatch) -> None:
     """A task that starts `code` (or asks it in a getter) is unsupported where code-server is not
-    installed, before its downloads are looked at; where it is, only tasks that need an extension
-    from the marketplace are (a task that ships its .vsix runs)."""
+    installed, before its downloads are looked at; where it is, a task that needs an extension from
+    the marketplace needs the network (a task that ships its .vsix runs)."""
     import osfarm.runner.audit as audit
 
     launch = _task("vs1", {"func": "exact_match", "result": ECHO, "expected": RULE},
@@ -145,6 +145,9 @@ def test_vscode_tasks_without_code_server_or_with_the_marketplace(tmp_path: Path
     (tmp_path / "cs" / ".installed").write_text("x")
     monkeypatch.setattr(audit, "CODE_SERVER", tmp_path / "cs")
     assert static_verdict(parse_task(launch), cache)[0] == "needs-network"  # its download, not VS Code
-    assert static_verdict(parse_task(getter), cache) == ("unsupported", audit.NO_MARKETPLACE)
-    assert static_verdict(parse_task(setup), cache) == ("unsupported", audit.NO_MARKETPLACE)
+    # the marketplace is the network (Open VSX for code-server): a farm with it runs these
+    assert static_verdict(parse_task(getter), cache) == ("needs-network", audit.NO_MARKETPLACE)
+    assert static_verdict(parse_task(setup), cache) == (
+        "needs-network", "its setup runs `code --install-extension ms-python.python`, which fetches the VS Code "
+        "extension ms-python.python (marketplace) from the internet")
     assert static_verdict(parse_task(vsix), cache) is None

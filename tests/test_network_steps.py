@@ -98,7 +98,8 @@ def test_which_of_osworlds_369_tasks_use_the_network_in_a_command() -> None:
         "chrome/3299584d": ["jq"], "chrome/6766f2b8": ["unzip"], "chrome/9656a811": ["jq"],
         "multi_apps/2373b66a": ["sysstat"], "multi_apps/26150609": ["pygame"], "multi_apps/716a6079": ["xsel"],
         "multi_apps/9f3bb592": ["pysrt"], "multi_apps/a74b607e": ["unzip"], "multi_apps/da922383": ["PyMuPDF"],
-        "os/5812b315": ["expect"]}
+        "os/5812b315": ["expect"],
+        "vs_code/e2b5e914": ["the VS Code extension ms-python.python (marketplace)"]}
 
 
 # ---------------------------------------------------------------------------- shapes of commands
@@ -143,6 +144,7 @@ def test_pip_packages_and_their_interpreter(command: str, pip: list[PipPackage])
     "git clone /home/user/projects/remote_project copy", "git -C /home/user/p pull", "git fetch origin",
     "echo 'apt-get install x && pip install y'", "# apt-get install x", "ls # ; apt-get install x",
     "echo \"curl https://example.org\"", "snap list", "npm run build",
+    "code --install-extension /home/user/test.vsix", "code --list-extensions",
 ])
 def test_local_commands(command: str) -> None:
     n = needs(command)
@@ -158,6 +160,8 @@ def test_local_commands(command: str) -> None:
     ("git clone git@github.com:a/b.git", ("git@github.com:a/b.git (git clone)",)),
     ("sudo snap install vlc", ("snap install vlc",)),
     ("npm install -g typescript", ("npm install -g typescript",)),
+    ("code --install-extension ms-python.python", ("the VS Code extension ms-python.python (marketplace)",)),
+    ("code --install-extension=a.b --install-extension /tmp/c.vsix", ("the VS Code extension a.b (marketplace)",)),
     ("sudo apt-get dist-upgrade -y", ("apt-get dist-upgrade",)),
     ("pip install -r /home/user/requirements.txt", ("pip install -r /home/user/requirements.txt",)),
     ("pip download x", ("pip download x",)),

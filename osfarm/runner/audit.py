@@ -62,8 +62,9 @@ CODE_SERVER = Path(os.environ.get("OSFARM_CODE_SERVER", "/usr/lib/osfarm-code-se
 NO_VSCODE = (f"VS Code is not installed: the desktop's `code` is code-server in {CODE_SERVER}, which "
              "scripts/setup-vscode.sh builds (npm's code-server 4.139.1 with Node 24); no registry reachable "
              "here serves the desktop (Electron) VS Code")
-NO_MARKETPLACE = ("installs a VS Code extension from the marketplace (code-server's is Open VSX), which an "
-                  "offline farm cannot reach; only local .vsix files install here")
+NO_MARKETPLACE = ("its evaluator lists VS Code's extensions: the agent installs one from the marketplace "
+                  "(code-server's is Open VSX), which an offline farm cannot reach; only local .vsix files "
+                  "install here")
 _VSCODE_GETTERS = ("vscode_config",)
 
 
@@ -154,17 +155,11 @@ def _has_vscode() -> bool:
 
 
 def needs_marketplace(task: Task) -> bool:
-    """A setup step installs an extension by id, or a getter lists the installed extensions while
-    the task ships no .vsix: the extension must come from the marketplace."""
-    ev = task.evaluator
-    for step in [*task.config, *ev.postconfig]:
-        cmd = step.parameters.get("command")
-        words = (cmd.split() if isinstance(cmd, str) else [str(c) for c in cmd] if isinstance(cmd, list) else [])
-        for i, w in enumerate(words[:-1]):
-            if w == "--install-extension" and not words[i + 1].endswith(".vsix"):
-                return True
+    """A getter lists VS Code's installed extensions while the task ships no .vsix: the agent must
+    install one from the marketplace. (A setup step that installs one by id is a network step:
+    :mod:`osfarm.tasks.network_steps`.)"""
     ships_vsix = ".vsix" in json.dumps([s.parameters for s in task.config])
-    for g in ev.getters():
+    for g in task.evaluator.getters():
         command = (g.model_extra or {}).get("command")
         if g.type == "vm_command_line" and "--list-extensions" in str(command) and not ships_vsix:
             return True
@@ -176,8 +171,6 @@ def _unsupported_reason(task: Task) -> str | None:
     if needs_vscode(task):
         if not _has_vscode():
             return NO_VSCODE
-        if needs_marketplace(task):
-            return NO_MARKETPLACE
     needs = [("setup", s.type) for s in [*task.config, *ev.postconfig]]
     needs += [("getter", g.type) for g in ev.getters()] + [("metric", f) for f in ev.funcs]
     for kind, name in needs:
@@ -208,6 +201,8 @@ def static_verdict(task: Task, cache: FileCache) -> tuple[Category, str] | None:
     fetch = _network_fetch(steps)  # before the live pages: a URL in a command is a download
     if fetch is not None:
         return "needs-network", fetch
+    if needs_vscode(task) and needs_marketplace(task):
+        return "needs-network", NO_MARKETPLACE
     url = _live_url(steps)
     if url is not None:
         return "needs-network", f"opens the live web page {url}"

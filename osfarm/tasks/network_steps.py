@@ -300,7 +300,28 @@ def _program(prog: str, path: str, args: list[str], found: _Found) -> _Use:
     if prog == "npm" and args[:1] and args[0] in ("install", "i", "ci", "add", "update", "exec"):
         found.fetches.append(shlex.join(["npm", *args]))
         return _Use.NETWORK
+    if prog == "code":
+        return _code(args, found)
     return _Use.LOCAL
+
+
+def _code(args: list[str], found: _Found) -> _Use:
+    """``code --install-extension ID``: an extension by id comes from the marketplace (Open VSX for
+    the desktop's code-server); a ``.vsix`` path installs from the disk."""
+    ids, local = [], False
+    for i, a in enumerate(args):
+        value = args[i + 1] if a == "--install-extension" and i + 1 < len(args) else \
+            a.partition("=")[2] if a.startswith("--install-extension=") else None
+        if value is None:
+            continue
+        if value.endswith(".vsix"):
+            local = True
+        else:
+            ids.append(value)
+    if not ids:
+        return _Use.LOCAL
+    found.fetches.extend(f"the VS Code extension {x} (marketplace)" for x in ids)
+    return _Use.MIXED if local else _Use.NETWORK
 
 
 def _nested_shell(words: list[str], k: int, found: _Found) -> tuple[_Use, _Nested | None]:
