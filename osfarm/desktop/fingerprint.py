@@ -31,7 +31,7 @@ from osfarm.desktop import xsettings
 from osfarm.desktop.agent_root_helper import run_helper
 from osfarm.desktop.box_processes import is_agent, proc_table
 from osfarm.desktop.gnome import ON_DEMAND_PROCESSES, ON_DEMAND_WINDOW_CLASSES
-from osfarm.desktop.x_reset import WM_MANAGED, atom_name, raw_properties, x_connection, x_controls, x_orphans
+from osfarm.desktop.x_read import WM_MANAGED, atom_name, raw_properties, x_connection, x_controls, x_orphans
 from osfarm.desktop.xkb import Xkb
 
 if TYPE_CHECKING:

@@ -36,7 +36,8 @@ from osfarm.desktop.agent_root_helper import WRITABLE, HelperSession, run_helper
 from osfarm.desktop.fingerprint import fingerprint, processes, wait_wm
 from osfarm.desktop.kill_rounds import kill_agent_processes, reap_agent_zombies
 from osfarm.desktop.warm_reset_error import WarmResetError
-from osfarm.desktop.x_reset import WM_MANAGED, forget_atom_names, geometry, raw_properties, x_controls, x_reset
+from osfarm.desktop.x_read import WM_MANAGED, forget_atom_names, geometry, raw_properties, x_controls
+from osfarm.desktop.x_reset import x_reset
 from osfarm.desktop.xkb import Xkb
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ class Baseline:
     pointer: tuple[int, int]
     screen: tuple[int, int]
     exchange: set[str]
-    controls: dict[str, Any] = field(default_factory=dict)  # x_reset.x_controls at the baseline
+    controls: dict[str, Any] = field(default_factory=dict)  # x_read.x_controls at the baseline
     xkb: dict[str, Any] = field(default_factory=dict)  # Xkb.read at the baseline
     window_properties: dict[int, dict[str, tuple[int, int, Any]]] = field(default_factory=dict)  # top-level
     window_geometry: dict[int, tuple[int, int, int, int, int, bool]] = field(default_factory=dict)

@@ -6,62 +6,36 @@ manager's), focus, and the server's settings that outlive their client (button a
 mappings, keyboard/pointer controls, screen saver, font path, access control: ``xmodmap``,
 ``xset``, ``xhost``; XKB controls and locks through :mod:`osfarm.desktop.xkb`).
 
-The fingerprint reads the same settings and properties with the helpers here
-(:mod:`osfarm.desktop.fingerprint`).
+What is read here, and by the fingerprint (:mod:`osfarm.desktop.fingerprint`), is read through
+:mod:`osfarm.desktop.x_read`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from Xlib import X
-from Xlib import display as xdisplay
 from Xlib import error as xerror
-from Xlib.ext import res, xtest
+from Xlib.ext import xtest
 
+from osfarm.desktop.x_read import WM_MANAGED, geometry, raw_properties, x_connection, x_controls, x_orphans
 from osfarm.desktop.xkb import Xkb
 
-if TYPE_CHECKING:
-    from osfarm.desktop.warm import Baseline
 
-# Root window properties the window manager keeps up to date itself.
-WM_MANAGED = frozenset({"_NET_CLIENT_LIST", "_NET_CLIENT_LIST_STACKING", "_NET_ACTIVE_WINDOW"})
+class XBaseline(Protocol):
+    """What :func:`x_reset` puts back: the X part of a warm reset's baseline
+    (:class:`osfarm.desktop.warm.Baseline`, recorded with :mod:`osfarm.desktop.x_read`)."""
 
-
-# Atom names by (display, atom): an atom keeps its name for the X server's life, which in a box is
-# the guest's (cleared when a baseline is taken). Saves a round trip per property and type.
-_atom_names: dict[tuple[str, int], str] = {}
-
-
-def atom_name(d: Any, atom: int) -> str:
-    key = (d.get_display_name(), atom)
-    name = _atom_names.get(key)
-    if name is None:
-        name = _atom_names[key] = d.get_atom_name(atom)
-    return name
-
-
-def forget_atom_names() -> None:
-    """Drop the cached names (:func:`osfarm.desktop.warm.take_baseline` does, before it records)."""
-    _atom_names.clear()
-
-
-@contextlib.contextmanager
-def x_connection(display: str, d: Any = None) -> Any:
-    """``d`` where the caller has a connection open, else a new one, closed afterwards."""
-    if d is not None:
-        yield d
-        return
-    d = xdisplay.Display(display)
-    try:
-        yield d
-    finally:
-        d.close()
-
+    root_properties: dict[str, tuple[int, int, Any]]
+    window_properties: dict[int, dict[str, tuple[int, int, Any]]]  # the top-level windows'
+    window_geometry: dict[int, tuple[int, int, int, int, int, bool]]
+    pointer: tuple[int, int]
+    controls: dict[str, Any]  # x_controls
+    xkb: dict[str, Any]  # Xkb.read
+    active: set[str]  # the WM-managed root properties set at the baseline
 
 
 def _restore_properties(d: Any, w: Any, base: dict[str, tuple[int, int, Any]], skip: frozenset[str]) -> None:
@@ -80,11 +54,6 @@ def _restore_properties(d: Any, w: Any, base: dict[str, tuple[int, int, Any]], s
             w.change_property(d.intern_atom(name), btype, bfmt, bvalue)
 
 
-def geometry(w: Any) -> tuple[int, int, int, int, int, bool]:
-    g = w.get_geometry()
-    return (g.x, g.y, g.width, g.height, g.border_width, w.get_attributes().map_state != X.IsUnmapped)
-
-
 def _restore_geometry(w: Any, base: tuple[int, int, int, int, int, bool] | None) -> None:
     """A baseline window (the panel) moved, resized or (un)mapped by a client: put back."""
     if base is None:
@@ -94,54 +63,6 @@ def _restore_geometry(w: Any, base: tuple[int, int, int, int, int, bool] | None)
         w.configure(x=base[0], y=base[1], width=base[2], height=base[3], border_width=base[4])
     if now[5] != base[5]:
         w.map() if base[5] else w.unmap()
-
-
-def raw_properties(d: Any, window: Any = None) -> dict[str, tuple[int, int, Any]]:
-    """The properties of the root window (or of ``window``): name -> (type, format, value)."""
-    root = d.screen().root if window is None else window
-    out = {}
-    for atom in root.list_properties():
-        p = root.get_full_property(atom, X.AnyPropertyType)
-        if p is not None:
-            out[atom_name(d, atom)] = (p.property_type, p.format, p.value)
-    return out
-
-
-def x_controls(d: Any) -> dict[str, Any]:
-    """The X server's settings a client can change and that outlive it (``xmodmap``, ``xset``,
-    ``xhost``): button and modifier mappings, keyboard and pointer controls, screen saver, font
-    path, access control. A next episode's clicks, shortcuts and screenshots depend on them."""
-    kbd = d.get_keyboard_control()
-    ptr = d.get_pointer_control()
-    saver = d.get_screen_saver()
-    hosts = d.list_hosts()
-    return {
-        "pointer_mapping": list(d.get_pointer_mapping()),
-        "modifier_mapping": [list(m) for m in d.get_modifier_mapping()],
-        "keyboard": [kbd.global_auto_repeat, kbd.led_mask, kbd.key_click_percent, kbd.bell_percent,
-                     kbd.bell_pitch, kbd.bell_duration, list(kbd.auto_repeats)],
-        "pointer": [ptr.accel_num, ptr.accel_denom, ptr.threshold],
-        "screen_saver": [saver.timeout, saver.interval, saver.prefer_blanking, saver.allow_exposures],
-        "font_path": list(d.get_font_path()),
-        "access": [hosts.mode, sorted([h.family, list(h.name)] for h in hosts.hosts)],
-    }
-
-
-
-def x_orphans(d: Any) -> list[int]:
-    """The X clients with no process behind them, by resource base: what a client left past its
-    connection with ``XSetCloseDownMode(RetainPermanent)`` (windows inside other clients' windows,
-    selections, properties that no window list shows). The server's own (base 0) is not one."""
-    try:
-        clients = d.res_query_clients().clients
-        ids = d.res_query_client_ids([{"client": c.resource_base, "mask": res.LocalClientPIDMask}
-                                      for c in clients if c.resource_base])
-    except Exception:  # noqa: BLE001 - no X-Resource extension: nothing to say
-        return []
-    pids = {i.spec.client: (i.value[0] if i.value else -1) for i in ids.ids}
-    return sorted(c.resource_base for c in clients
-                  if c.resource_base and not (pids.get(c.resource_base, -1) > 0
-                                              and os.path.exists(f"/proc/{pids[c.resource_base]}")))
 
 
 def _kill_orphans(d: Any) -> None:
@@ -214,7 +135,7 @@ def _x_restore_controls(d: Any, base: dict[str, Any]) -> None:
         d.set_access_control(mode)
 
 
-def x_reset(display: str, base: Baseline, conn: Any = None) -> None:
+def x_reset(display: str, base: XBaseline, conn: Any = None) -> None:
     """Release keys and buttons, pointer back, selections dropped, what clients with no process
     left behind freed, root properties and the server's settings back to the baseline's."""
     with x_connection(display, conn) as d:
