@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import httpx
 
-from osfarm.http.errors import error_detail
+from osfarm.http.errors import GuestError, error_detail
 
 if TYPE_CHECKING:
     from osfarm.providers.base import GuestEndpoint
@@ -38,15 +38,6 @@ _CHUNK = 1 << 20
 def max_file_bytes_from_env() -> int:
     value = os.environ.get("OSFARM_MAX_GUEST_FILE_BYTES", "")
     return int(value) if value.isdigit() and int(value) > 0 else MAX_FILE_BYTES
-
-
-class GuestError(RuntimeError):
-    """A guest route answered an error; ``route``, ``status`` and ``message`` say which and why."""
-
-    def __init__(self, route: str, status: int | None, message: str):
-        self.route, self.status, self.message = route, status, message
-        where = f"{route} ({status})" if status is not None else route
-        super().__init__(f"guest {where}: {message}")
 
 
 # What a farm in front of the guest answers when the desktop is gone or not answering.

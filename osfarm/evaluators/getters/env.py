@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 from osfarm.evaluators.archive_limits import archive_problem
 from osfarm.evaluators.errors import RuleError
-from osfarm.tasks.controller import GuestError
-from osfarm.tasks.task_paths import TaskPathError, inside, open_for_writing
+from osfarm.host_paths import TaskPathError, inside, open_for_writing
+from osfarm.http.errors import GuestError
 
 log = logging.getLogger(__name__)
 
