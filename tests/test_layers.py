@@ -1,6 +1,6 @@
 """osfarm's imports point one way: read every module's imports from its source (AST, nothing is
-imported) and fail on an upward import, an import cycle, or a function-local import that is not
-on the allow-list.
+imported) and fail on an upward import, an import between two packages of one layer against its
+documented direction, an import cycle, or a function-local import that is not on the allow-list.
 
 The layers, lowest first (a module may import its own layer and any lower one)::
 
@@ -10,28 +10,39 @@ The layers, lowest first (a module may import its own layer and any lower one)::
 ``images`` (how desktop images are built) sits under ``providers`` because the libvirt provider
 finds its disk with it. ``tasks``/``evaluators`` (the OSWorld task lifecycle, spoken to a guest
 server) sit under the farm because the farm's reset/evaluate routes run that same lifecycle;
-they know a desktop only by its guest endpoint. The ``client`` sits on the farm because it speaks
-the farm's wire models (``farm.schemas``). ``stream`` (trajectory records and sinks) imports
-nothing of osfarm; it sits beside ``agents`` and ``policy``, where the runner and the trainer use
-it. The ``dashboard`` (web UI) sits on top, under the command only: it reads the farm's pool and
-guest links (live view), the stream's records and the runner's results layout (run pages), so
-nothing below imports it; the farm serves it because whoever builds the farm app hands its
-routers in (``farm.api.create_app(..., ui=dashboard.app.farm_ui(...))``: ``osfarm serve``). A
-subpackage's own ``cli.py`` belongs to its package's layer.
+they know a desktop only by its guest endpoint. They are one layer with a direction inside it
+(``ACROSS``): the task lifecycle runs the evaluators, never the other way; what both need (the
+guest's error, confined host paths) is layer-neutral. The ``client`` sits on the farm because it
+speaks the farm's wire models (``farm.schemas``). ``stream`` (trajectory records and sinks)
+imports nothing of osfarm; it sits beside ``agents`` and ``policy``, where the runner and the
+trainer use it, and none of the three imports another. The ``dashboard`` (web UI) sits on top,
+under the command only: it reads the farm's pool and guest links (live view), the stream's records
+and the runner's results layout (run pages), so nothing below imports it; the farm serves it
+because whoever builds the farm app hands its routers in (``farm.api.create_app(...,
+ui=dashboard.app.farm_ui(...))``: ``osfarm serve``). A subpackage's own ``cli.py`` belongs to its
+package's layer.
+
+``bench/`` sits above all of it: a bench script may import any of osfarm, the other bench scripts
+and the test helpers it borrows (``BENCH_FROM_TESTS``); nothing in osfarm imports a bench script
+or a test helper.
 
 What counts:
 
 * every ``import``/``from ... import`` anywhere in a module: at module level, inside functions,
-  classes and ``if`` blocks. Imports under ``if TYPE_CHECKING:`` count for the direction (a type
-  seen from below is still a dependency) but not for cycles (they never run).
-* a cycle is any strongly connected set of modules (between or inside subpackages), counting
-  function-local imports, which only hide a cycle.
+  classes and ``if`` blocks, and under ``if TYPE_CHECKING:``, for the direction and for cycles
+  alike (a type seen from below is still a dependency, and two modules that name each other's
+  types cannot be read, moved or tested one without the other).
+* a cycle is any strongly connected set of modules (between or inside subpackages, osfarm's and
+  bench's), counting function-local imports, which only hide a cycle.
 * a function-local import must be of a heavy or optional third-party dependency
   (``LAZY_THIRD_PARTY``) or of an osfarm module in ``LAZY_OSFARM`` (each with its reason);
   everything else goes at the top of the module, where a reader sees it. The one exemption:
   command modules (``osfarm.cli`` and each ``osfarm.<package>.cli``) load a command's
   implementation when the command runs, so that ``osfarm --help`` starts in about a second
-  instead of four (the farm app alone takes ~3 s to import).
+  instead of four (the farm app alone takes ~3 s to import). Bench scripts are not held to it.
+
+Each check is a function of a module table and its imports (``graph(root)``), so the tests at the
+bottom run the same functions on small made-up packages and prove they catch what they must.
 """
 
 from __future__ import annotations
@@ -46,6 +57,9 @@ import pytest
 import osfarm
 
 ROOT = Path(osfarm.__file__).resolve().parent
+REPO = ROOT.parent
+BENCH = REPO / "bench"
+TESTS = REPO / "tests"
 
 # Lowest first; one entry per layer, modules named by dotted prefix.
 LAYERS: list[tuple[str, ...]] = [
@@ -67,7 +81,33 @@ LAYERS: list[tuple[str, ...]] = [
 NEUTRAL = {
     "osfarm": "the package root: its version string",
     "osfarm.config": "settings and the YAML-with-line-numbers loader; read by the farm, the providers and the trainer",
-    "osfarm.http": "bearer auth and error-reply parsing shared by the guest server, the farm and the clients",
+    "osfarm.http": ("bearer auth and error-reply parsing shared by the guest server, the farm and the clients; "
+                    "GuestError, which the task lifecycle's guest client raises and the evaluators catch"),
+    "osfarm.host_paths": "task-given host paths confined to a folder; the task lifecycle and the evaluators use it",
+}
+
+# Inside a layer of several packages: the imports allowed from one package to another (importer,
+# imported), each with its reason. Any other import between two packages of one layer is refused;
+# a new one is a decision about the design, made here. Today: tasks -> evaluators only; agents,
+# policy and stream import none of each other (stream imports nothing of osfarm at all).
+ACROSS: dict[tuple[str, str], str] = {
+    ("osfarm.tasks", "osfarm.evaluators"): (
+        "the task lifecycle runs the evaluators (tasks.lifecycle's evaluate; tasks.coverage lists the getters and "
+        "metrics a suite needs); the getters reach the desktop through the EvalEnv they are handed"),
+}
+
+# Test helpers (tests/**/*.py that are not tests) a bench script imports by name (bench puts tests/
+# on sys.path): the farms, boxes and probes the tests start, run at a bench's scale. Nothing else
+# of tests/; a helper moved into a testing package shared with bench/ leaves this list.
+BENCH_FROM_TESTS: dict[str, str] = {
+    "farm_process": "load.py, chaos.py: a farm in its own process, as the tests start one",
+    "cluster": "chaos.py: the chaos test's farm + workers + Redis cluster, run for longer",
+    "redis_server": "chaos.py: a throwaway Redis",
+    "adversary": "redteam.py: the red team's verdicts",
+    "farms": "redteam.py: a running farm per provider",
+    "probes": "redteam.py: the box probes of tests/security",
+    "redteam_farm": "redteam.py: the red team's farm and bystander",
+    "warm_probes": "redteam.py: the warm-reset probes of tests/security",
 }
 
 # Third-party packages a function may import lazily: heavy (seconds or hundreds of MB to load)
@@ -114,22 +154,23 @@ LAZY_OSFARM: dict[str, str] = {
 @dataclass(frozen=True)
 class Import:
     source: str  # importing module
-    target: str  # imported osfarm module (or top-level third-party name)
+    target: str  # imported module (osfarm's, bench's, a test helper's) or top-level third-party name
     line: int
     local: bool  # inside a function or class body
     type_only: bool  # under `if TYPE_CHECKING:`
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT.parent).with_suffix("")
+def module_name(path: Path, root: Path) -> str:
+    """``path``'s dotted name in the package whose folder is ``root`` (``pkg/a/b.py`` -> ``pkg.a.b``)."""
+    rel = path.relative_to(root.parent).with_suffix("")
     parts = list(rel.parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
-def all_modules() -> dict[str, Path]:
-    return {module_name(p): p for p in sorted(ROOT.rglob("*.py")) if "assets" not in p.parts}
+def all_modules(root: Path = ROOT) -> dict[str, Path]:
+    return {module_name(p, root): p for p in sorted(root.rglob("*.py")) if "assets" not in p.parts}
 
 
 def _is_type_checking(test: ast.expr) -> bool:
@@ -176,15 +217,40 @@ def imports_of(name: str, source: str, is_pkg: bool, modules: dict[str, Path]) -
     yield from walk(tree, False, False)
 
 
-def graph() -> tuple[dict[str, Path], list[Import]]:
-    modules = all_modules()
+def graph(root: Path = ROOT) -> tuple[dict[str, Path], list[Import]]:
+    """The modules of the package at ``root`` and every import they make."""
+    modules = all_modules(root)
     found = [imp for name, path in modules.items()
              for imp in imports_of(name, path.read_text(), path.name == "__init__.py", modules)]
     return modules, found
 
 
+def helper_names(tests: Path = TESTS) -> set[str]:
+    """The names a script with tests/ (or one of its folders) on sys.path imports a test helper by."""
+    return {p.stem for p in tests.rglob("*.py")
+            if not p.name.startswith("test_") and p.name != "conftest.py" and "__pycache__" not in p.parts}
+
+
+def bench_graph(bench: Path = BENCH, helpers: set[str] | None = None) -> tuple[dict[str, Path], list[Import]]:
+    """The bench scripts (``bench.<script>``) and their imports. A script imports another by its
+    bare name (bench/ is on sys.path): ``farmproc`` is ``bench.farmproc``; a test helper's bare
+    name becomes ``tests:<name>``."""
+    helpers = helper_names() if helpers is None else helpers
+    modules = {f"bench.{p.stem}": p for p in sorted(bench.glob("*.py"))}
+    found = []
+    for name, path in modules.items():
+        for imp in imports_of(name, path.read_text(), False, modules):
+            top = imp.target.split(".")[0]
+            if f"bench.{top}" in modules:
+                imp = Import(imp.source, f"bench.{top}", imp.line, imp.local, imp.type_only)
+            elif top in helpers:
+                imp = Import(imp.source, f"tests:{top}", imp.line, imp.local, imp.type_only)
+            found.append(imp)
+    return modules, found
+
+
 def owner(module: str, modules: dict[str, Path]) -> str:
-    """The osfarm module an import lands in (``osfarm.x.y`` names a module or a package)."""
+    """The module an import lands in (``osfarm.x.y`` names a module or a package)."""
     parts = module.split(".")
     while parts and ".".join(parts) not in modules:
         parts.pop()
@@ -202,6 +268,14 @@ def layer_of(module: str) -> int | None:
     raise AssertionError(f"{module} is in no layer: add it to LAYERS or NEUTRAL in tests/test_layers.py")
 
 
+def package_of(module: str) -> str | None:
+    """The LAYERS entry ``module`` is in (``osfarm.tasks.setup`` -> ``osfarm.tasks``); None if neutral."""
+    i = layer_of(module)
+    if i is None:
+        return None
+    return next(p for p in LAYERS[i] if module == p or module.startswith(p + "."))
+
+
 def layer_name(i: int | None) -> str:
     return "neutral" if i is None else "/".join(p.removeprefix("osfarm.") for p in LAYERS[i])
 
@@ -214,46 +288,46 @@ def internal(imp: Import) -> bool:
     return imp.target == "osfarm" or imp.target.startswith("osfarm.")
 
 
-# ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def imports() -> tuple[dict[str, Path], list[Import]]:
-    return graph()
-
-
 def where(imp: Import, modules: dict[str, Path]) -> str:
-    return f"{modules[imp.source].relative_to(ROOT.parent)}:{imp.line}"
+    path = modules[imp.source]
+    shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+    return f"{shown}:{imp.line}" + (" (TYPE_CHECKING)" if imp.type_only else "")
 
 
-def test_every_module_has_a_layer(imports: tuple[dict[str, Path], list[Import]]) -> None:
-    modules, _ = imports
-    for name in modules:
-        layer_of(name)
+# -- the checks: each returns what it found wrong -------------------------------------------------
 
 
-def test_imports_point_down(imports: tuple[dict[str, Path], list[Import]]) -> None:
-    modules, found = imports
-    bad = []
+def _osfarm_imports(modules: dict[str, Path], found: list[Import]) -> Iterator[tuple[Import, str]]:
+    """Each import of an osfarm module, with the module it lands in."""
     for imp in found:
-        if not internal(imp):
-            continue
-        target = owner(imp.target, modules)
+        if internal(imp):
+            yield imp, owner(imp.target, modules)
+
+
+def upward_imports(modules: dict[str, Path], found: list[Import]) -> list[str]:
+    bad = []
+    for imp, target in _osfarm_imports(modules, found):
         src, dst = layer_of(imp.source), layer_of(target)
         if dst is None:
             continue  # neutral modules are everyone's
         if src is None or dst > src:
             bad.append(f"{where(imp, modules)}: {imp.source} ({layer_name(src)}) imports {target} ({layer_name(dst)})")
-    assert not bad, "upward imports:\n" + "\n".join(sorted(bad))
+    return sorted(set(bad))
 
 
-def test_the_farm_imports_nothing_of_runner_agents_trainer(imports: tuple[dict[str, Path], list[Import]]) -> None:
-    # Implied by the layers; spelt out because it is the rule that matters most (DESIGN.md).
-    modules, found = imports
-    banned = ("osfarm.runner", "osfarm.agents", "osfarm.trainer", "osfarm.policy", "osfarm.env")
-    bad = [f"{where(i, modules)}: {i.target}" for i in found
-           if i.source.startswith("osfarm.farm") and i.target.startswith(banned)]
-    assert not bad, "\n".join(bad)
+def imports_across_a_layer(modules: dict[str, Path], found: list[Import]) -> list[str]:
+    """Imports between two packages of one layer that ACROSS does not allow."""
+    bad = []
+    for imp, target in _osfarm_imports(modules, found):
+        src, dst = package_of(imp.source), package_of(target)
+        if src is None or dst is None or src == dst or layer_of(imp.source) != layer_of(target):
+            continue
+        if (src, dst) not in ACROSS:
+            allowed = [f"{a} -> {b}" for a, b in ACROSS if {a, b} == {src, dst}]
+            bad.append(f"{where(imp, modules)}: {imp.source} imports {target}"
+                       + (f" (this layer's direction is {allowed[0]})" if allowed else
+                          f" ({src} and {dst} import none of each other)"))
+    return sorted(set(bad))
 
 
 def _cycles(nodes: set[str], edges: dict[str, set[str]]) -> list[list[str]]:
@@ -294,29 +368,26 @@ def _cycles(nodes: set[str], edges: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_no_import_cycles(imports: tuple[dict[str, Path], list[Import]]) -> None:
-    modules, found = imports
+def import_cycles(modules: dict[str, Path], found: list[Import]) -> list[str]:
+    """Every cycle among ``modules`` (TYPE_CHECKING and function-local imports counted), with the
+    imports that make it."""
     edges: dict[str, set[str]] = {}
     lines: dict[tuple[str, str], str] = {}
     for imp in found:
-        if not internal(imp) or imp.type_only:
-            continue
         target = owner(imp.target, modules)
-        if target == imp.source:
+        if not target or target == imp.source:
             continue
         edges.setdefault(imp.source, set()).add(target)
         lines.setdefault((imp.source, target), where(imp, modules) + (" (function-local)" if imp.local else ""))
-    cycles = _cycles(set(modules), edges)
     report = []
-    for comp in cycles:
+    for comp in _cycles(set(modules), edges):
         members = set(comp)
         report.append("cycle: " + ", ".join(comp))
         report += [f"    {lines[(a, b)]}: {a} -> {b}" for a in comp for b in sorted(edges.get(a, ())) if b in members]
-    assert not cycles, "\n".join(report)
+    return report
 
 
-def test_function_local_imports_are_on_the_allow_list(imports: tuple[dict[str, Path], list[Import]]) -> None:
-    modules, found = imports
+def unlisted_local_imports(modules: dict[str, Path], found: list[Import]) -> list[str]:
     bad = []
     for imp in found:
         if not imp.local or imp.type_only or is_command_module(imp.source):
@@ -327,20 +398,113 @@ def test_function_local_imports_are_on_the_allow_list(imports: tuple[dict[str, P
         elif imp.target.split(".")[0] in LAZY_THIRD_PARTY:
             continue
         bad.append(f"{where(imp, modules)}: {imp.target}")
+    return sorted(set(bad))
+
+
+def bench_import_problems(bench: tuple[dict[str, Path], list[Import]], osfarm_modules: dict[str, Path]) -> list[str]:
+    """A bench script imports osfarm modules that exist, the other bench scripts, third-party
+    packages and the test helpers of BENCH_FROM_TESTS: nothing else of tests/."""
+    modules, found = bench
+    bad = []
+    for imp in found:
+        if internal(imp):
+            if owner(imp.target, osfarm_modules) != imp.target:
+                bad.append(f"{where(imp, modules)}: {imp.target} is no osfarm module")
+        elif imp.target.startswith("tests:") and imp.target.removeprefix("tests:") not in BENCH_FROM_TESTS:
+            bad.append(f"{where(imp, modules)}: test helper {imp.target.removeprefix('tests:')} is not in "
+                       "BENCH_FROM_TESTS")
+        elif imp.target not in modules and imp.target.split(".")[0] in ("tests", "bench"):
+            bad.append(f"{where(imp, modules)}: {imp.target} (a bench script imports a script by its bare name)")
+    return sorted(set(bad))
+
+
+def imports_of_bench_or_tests(modules: dict[str, Path], found: list[Import], names: set[str]) -> list[str]:
+    """osfarm importing a bench script or a test helper (``names``: their bare names), or the
+    ``bench``/``tests`` folders as packages."""
+    return sorted({f"{where(imp, modules)}: {imp.source} imports {imp.target}" for imp in found
+                   if imp.target.split(".")[0] in names | {"bench", "tests"}})
+
+
+# -- osfarm and bench as they are --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def imports() -> tuple[dict[str, Path], list[Import]]:
+    return graph()
+
+
+@pytest.fixture(scope="module")
+def bench() -> tuple[dict[str, Path], list[Import]]:
+    return bench_graph()
+
+
+def test_every_module_has_a_layer(imports: tuple[dict[str, Path], list[Import]]) -> None:
+    modules, _ = imports
+    for name in modules:
+        layer_of(name)
+
+
+def test_imports_point_down(imports: tuple[dict[str, Path], list[Import]]) -> None:
+    bad = upward_imports(*imports)
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_imports_inside_a_layer_go_its_one_way(imports: tuple[dict[str, Path], list[Import]]) -> None:
+    bad = imports_across_a_layer(*imports)
+    assert not bad, "imports between the packages of one layer that ACROSS does not allow:\n" + "\n".join(bad)
+
+
+def test_the_farm_imports_nothing_of_runner_agents_trainer(imports: tuple[dict[str, Path], list[Import]]) -> None:
+    # Implied by the layers; spelt out because it is the rule that matters most (DESIGN.md).
+    modules, found = imports
+    banned = ("osfarm.runner", "osfarm.agents", "osfarm.trainer", "osfarm.policy", "osfarm.env")
+    bad = [f"{where(i, modules)}: {i.target}" for i in found
+           if i.source.startswith("osfarm.farm") and i.target.startswith(banned)]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles(imports: tuple[dict[str, Path], list[Import]],
+                          bench: tuple[dict[str, Path], list[Import]]) -> None:
+    modules, found = imports
+    bench_modules, bench_found = bench
+    report = import_cycles({**modules, **bench_modules}, found + bench_found)
+    assert not report, "\n".join(report)
+
+
+def test_function_local_imports_are_on_the_allow_list(imports: tuple[dict[str, Path], list[Import]]) -> None:
+    bad = unlisted_local_imports(*imports)
     assert not bad, ("function-local imports of neither a heavy optional dependency nor an allowed "
                      "osfarm module (move them to the top, or add them to the allow-list with a reason):\n"
-                     + "\n".join(sorted(bad)))
+                     + "\n".join(bad))
+
+
+def test_bench_imports_osfarm_and_its_own_helpers(imports: tuple[dict[str, Path], list[Import]],
+                                                  bench: tuple[dict[str, Path], list[Import]]) -> None:
+    bad = bench_import_problems(bench, imports[0])
+    assert not bad, "\n".join(bad)
+
+
+def test_osfarm_imports_no_bench_script_or_test_helper(imports: tuple[dict[str, Path], list[Import]],
+                                                       bench: tuple[dict[str, Path], list[Import]]) -> None:
+    names = {m.removeprefix("bench.") for m in bench[0]} | helper_names()
+    bad = imports_of_bench_or_tests(*imports, names)
+    assert not bad, "\n".join(bad)
 
 
 def test_the_allow_lists_name_real_modules(imports: tuple[dict[str, Path], list[Import]]) -> None:
     modules, _ = imports
     assert [m for m in LAZY_OSFARM if m not in modules] == []
     assert [m for m in NEUTRAL if m not in modules] == []
+    assert [p for pair in ACROSS for p in pair if p not in modules] == []
+    assert sorted(set(BENCH_FROM_TESTS) - helper_names()) == []
+
+
+# -- the checker on made-up code: a silent checker cannot pass the tests above -----------------------
 
 
 def test_the_checker_sees_what_it_must() -> None:
     # The walker on a made-up module: a nested function-local import, a relative import, a
-    # TYPE_CHECKING import; so a silent walker cannot pass the tests above.
+    # TYPE_CHECKING import.
     src = (
         "from __future__ import annotations\n"
         "from typing import TYPE_CHECKING\n"
@@ -359,3 +523,66 @@ def test_the_checker_sees_what_it_must() -> None:
     assert ("osfarm.runner.run", True, False) in got
     assert _cycles({"a", "b", "c"}, {"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
     assert layer_of("osfarm.farm.pool") < layer_of("osfarm.client")  # type: ignore[operator]
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_the_checker_catches_a_type_checking_cycle(tmp_path: Path) -> None:
+    # The desktop's warm/fingerprint/x_reset circle in small: one side imports at run time, the
+    # other only for its annotations.
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/warm.py": "from pkg.x_reset import x_reset\n\nclass Baseline: ...\n",
+        "pkg/x_reset.py": ("from __future__ import annotations\n"
+                           "import typing\n"
+                           "if typing.TYPE_CHECKING:\n"
+                           "    from pkg.warm import Baseline\n"
+                           "def x_reset(base: Baseline) -> None: ...\n"),
+        "pkg/other.py": "from pkg import warm\n",
+    })
+    report = import_cycles(*graph(tmp_path / "pkg"))
+    assert report[0] == "cycle: pkg.warm, pkg.x_reset"
+    assert any("pkg/x_reset.py:4 (TYPE_CHECKING): pkg.x_reset -> pkg.warm" in line for line in report), report
+    assert len([line for line in report if line.startswith("cycle")]) == 1  # pkg.other is not in it
+    # and the same package without the annotation's import has none
+    (tmp_path / "pkg/x_reset.py").write_text("def x_reset(base: object) -> None: ...\n")
+    assert import_cycles(*graph(tmp_path / "pkg")) == []
+
+
+def test_the_checker_catches_an_import_against_a_layers_direction() -> None:
+    modules = all_modules()
+    back = Import("osfarm.evaluators.getters.env", "osfarm.tasks.controller", 28, False, True)
+    forth = Import("osfarm.tasks.lifecycle", "osfarm.evaluators.scoring", 24, False, False)
+    sideways = Import("osfarm.stream.record", "osfarm.agents.base", 1, False, False)
+    neutral = Import("osfarm.evaluators.getters.env", "osfarm.host_paths", 28, False, False)
+    bad = imports_across_a_layer(modules, [back, forth, sideways, neutral])
+    assert len(bad) == 2, bad
+    assert "osfarm.evaluators.getters.env imports osfarm.tasks.controller (this layer's direction is " \
+           "osfarm.tasks -> osfarm.evaluators)" in bad[0]
+    assert "osfarm.stream and osfarm.agents import none of each other" in bad[1]
+
+
+def test_the_checker_reads_bench(tmp_path: Path) -> None:
+    _write(tmp_path, {
+        "bench/farmproc.py": "import httpx\n",
+        "bench/a.py": ("import sys\nfrom farmproc import x\nfrom farm_process import FarmProcess\n"
+                       "from boxes import Box\nfrom osfarm.client import Farm\nfrom osfarm.no_such import y\n"),
+        "bench/b.py": "def main():\n    import a\n",
+        "bench/c.py": "import b\n",
+    })
+    modules, found = bench_graph(tmp_path / "bench", helpers={"farm_process", "boxes"})
+    targets = {(i.source, i.target) for i in found}
+    assert {("bench.a", "bench.farmproc"), ("bench.a", "tests:farm_process"), ("bench.b", "bench.a"),
+            ("bench.c", "bench.b")} <= targets
+    bad = bench_import_problems((modules, found), all_modules())
+    assert len(bad) == 2, bad
+    assert "test helper boxes is not in BENCH_FROM_TESTS" in bad[0] and "osfarm.no_such is no osfarm module" in bad[1]
+    # and an osfarm module importing a bench script or a test helper
+    mine = {"osfarm.env": ROOT / "env.py"}
+    sneaky = [Import("osfarm.env", "farmproc", 3, True, False), Import("osfarm.env", "tests.farms", 4, False, False),
+              Import("osfarm.env", "httpx", 5, False, False)]
+    assert len(imports_of_bench_or_tests(mine, sneaky, {"farmproc", "farms"})) == 2
