@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # elsewhere PyPI's build of it (CUDA) installs. Override: make TORCH='torch==2.5.1'.
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint system venv services images bench clean
+.PHONY: demo test test-fast lint system venv services images bench clean
 
 # Debian packages, then VS Code for the vs_code tasks (code-server from npm, built with Node 24: ~3 min once)
 system:
@@ -47,6 +47,12 @@ demo: venv
 
 test: venv images
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The unit tier only (tests/tiers.py): no desktop, farm, service, browser or model; a few minutes
+# on 2 cores, on the venv alone (no images, no services, nothing installed by `system`).
+test-fast:
+	@test -x $(PY) || { echo "no venv at $(VENV): run make venv first" >&2; exit 1; }
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 # ruff (rules and line length in pyproject.toml): pyflakes, pycodestyle, isort, bugbear, pyupgrade
 lint: venv

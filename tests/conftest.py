@@ -15,6 +15,9 @@ from farms import release_all_leases, running_farm
 from osfarm.farm.server import FarmServer
 from osfarm.providers.sandbox import SANDBOX_ENV
 
+# unit / desktop / acceptance: every test's tier, and the guard on the unit tier (tests/tiers.py)
+pytest_plugins = ["tiers"]
+
 # The suite's desktops are the light ones (openbox), the cheapest: GNOME, the default desktop,
 # costs ~2.5x the CPU and memory per desktop and ~15x per warm reset (bench/reset_latency.py),
 # which the 45 minutes of the whole suite cannot pay on every test. The tests that are about
