@@ -19,9 +19,6 @@ from osfarm.tasks.suite import load_suite
 
 SUITE = Path(__file__).resolve().parent.parent / "tasks" / "osfarm-offline"
 
-pytestmark = pytest.mark.slow
-
-
 def test_suite_loads_and_has_infeasible_tasks() -> None:
     suite = load_suite(SUITE)
     tasks = list(suite.tasks)
@@ -50,6 +47,8 @@ def run_suite(agent: str, out: Path, monkeypatch: pytest.MonkeyPatch, index: Pat
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.acceptance
+@pytest.mark.slow
 @pytest.mark.timeout(1800)  # the whole suite: about 6 min on 2 cores
 def test_replay_solves_every_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """...on the GNOME desktop, the default (the noop and fail runs below are on the light one;
@@ -71,6 +70,8 @@ def test_replay_solves_every_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     assert sum(r.get("desktop_reset") == "warm" for r in records) >= len(records) // 2, records
 
 
+@pytest.mark.acceptance
+@pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_noop_solves_nothing_and_fail_solves_exactly_the_infeasible_tasks(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -255,6 +255,7 @@ def _eval(cache: Path, out: Path, agent: str, *extra: str) -> dict[str, Any]:
     return results
 
 
+@pytest.mark.acceptance
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_replay_solves_the_hostable_tasks(cache: Path, tmp_path: Path, state_dir: Path,
@@ -270,6 +271,7 @@ def test_replay_solves_the_hostable_tasks(cache: Path, tmp_path: Path, state_dir
     assert _digest() == before, f"{TASKS} was modified"
 
 
+@pytest.mark.acceptance
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_noop_solves_none_of_them(cache: Path, tmp_path: Path, state_dir: Path) -> None:

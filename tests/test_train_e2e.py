@@ -36,7 +36,7 @@ pytest.importorskip("transformers")
 
 from osfarm.trainer.learner import latest_checkpoint, read_state
 
-pytestmark = pytest.mark.timeout(1500)
+pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(1500)]
 
 ETA = 1
 UPDATES = 4

@@ -49,6 +49,7 @@ SEED = int(os.environ.get("OSFARM_CHAOS_SEED", "17"))
 TIME_LIMIT_S = 60
 RETRIES = 3  # infra retries per task: a farm restart or a killed desktop costs one
 STREAM = "chaos:episodes"
+pytestmark = pytest.mark.acceptance  # end to end: a cluster, a training run, under faults
 
 
 def _hard_limit() -> float:

@@ -30,7 +30,7 @@ from redteam_farm import bystander_ok, destructive_held, redteam_farm, run_adver
 
 PROVIDERS = ["sandbox", "docker"] + (["libvirt"] if os.environ.get("OSFARM_REDTEAM_LIBVIRT") == "1" else [])
 BOMBS = {"fork_bomb": "process limit", "memory_bomb": "memory limit"}
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module", params=PROVIDERS)

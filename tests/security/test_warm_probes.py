@@ -8,7 +8,7 @@ import pytest
 from farms import running_farm
 from warm_probes import run_warm_probes
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(600)]
 
 
 def test_nothing_survives_a_warm_reset() -> None:
