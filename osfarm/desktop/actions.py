@@ -12,10 +12,21 @@ Everything here is pure data and validation; nothing touches a display.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    TypeAdapter,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+)
 
 # pyautogui's KEYBOARD_KEYS (the names computer_13 agents use), plus a few common aliases.
 KEY_NAMES: frozenset[str] = frozenset(
@@ -44,29 +55,60 @@ SPECIAL_CODES: frozenset[str] = frozenset({"WAIT", "DONE", "FAIL"})
 Button = Literal["left", "middle", "right"]
 
 
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer as JSON Schema has it: 5 and 5.0 (what some JSON encoders write), not 5.5; strict
+# validation still refuses "5" and true.
+JsonInt = Annotated[int, BeforeValidator(_integral)]
+
+
 def _check_key(key: str) -> str:
-    if key.lower() not in KEY_NAMES and key not in KEY_NAMES:
+    """A key name of :data:`KEY_NAMES`, in any ASCII case (``Enter``, ``CTRL``)."""
+    if key not in KEY_NAMES and not (key.isascii() and key.lower() in KEY_NAMES):
         raise ValueError(f"unknown key {key!r}; use pyautogui key names such as 'enter', 'ctrl', 'a'")
     return key
+
+
+def _any_case(name: str) -> str:
+    return "".join(f"[{c}{c.upper()}]" if c.isalpha() else re.escape(c) for c in name)
+
+
+# What _check_key accepts, as a JSON Schema pattern (the same in ECMA 262 and Python): one ASCII
+# character (letters in either case are both in KEY_NAMES) or a longer name in any ASCII case.
+KEY_PATTERN = r"^(?:[\t\n\r\x20-\x7e]|" + "|".join(
+    _any_case(n) for n in sorted((k for k in KEY_NAMES if len(k) > 1), key=lambda k: (-len(k), k))) + ")$"
+_KEY_SCHEMA = {"type": "string", "pattern": KEY_PATTERN,
+               "description": "a pyautogui key name ('enter', 'ctrl', 'a', 'f5', ...), in any ASCII case"}
+KeyName = Annotated[str, WithJsonSchema(_KEY_SCHEMA)]
 
 
 class _Params(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A point must lie on the desktop's screen (check_on_screen, once its size is known); the schema
+# states the lower bound.
+_X = "pixels from the screen's left edge: 0 <= x < its width"
+_Y = "pixels from the screen's top edge: 0 <= y < its height"
+
+
 class PointParams(_Params):
-    x: int
-    y: int
+    x: JsonInt = Field(description=_X, json_schema_extra={"minimum": 0})
+    y: JsonInt = Field(description=_Y, json_schema_extra={"minimum": 0})
 
 
 class OptionalPointParams(_Params):
-    x: int | None = None
-    y: int | None = None
+    x: JsonInt | None = Field(default=None, description=_X + " (none: where the pointer is)",
+                          json_schema_extra={"minimum": 0})
+    y: JsonInt | None = Field(default=None, description=_Y + " (none: where the pointer is)",
+                          json_schema_extra={"minimum": 0})
 
 
 class ClickParams(OptionalPointParams):
     button: Button = "left"
-    num_clicks: int = Field(default=1, ge=1, le=3)
+    num_clicks: JsonInt = Field(default=1, ge=1, le=3)
 
 
 class ButtonParams(_Params):
@@ -74,8 +116,8 @@ class ButtonParams(_Params):
 
 
 class ScrollParams(_Params):
-    dx: int = 0
-    dy: int = 0
+    dx: JsonInt = 0
+    dy: JsonInt = 0
 
 
 class TypingParams(_Params):
@@ -83,13 +125,13 @@ class TypingParams(_Params):
 
 
 class KeyParams(_Params):
-    key: str
+    key: KeyName
 
     _key = field_validator("key")(_check_key)
 
 
 class HotkeyParams(_Params):
-    keys: list[str] = Field(min_length=1)
+    keys: list[KeyName] = Field(min_length=1)
 
     @field_validator("keys")
     @classmethod
@@ -177,9 +219,23 @@ class Control(_Action):
     parameters: NoParams = NoParams()
 
 
+# One model per action_type, so the union's discriminator maps each value to its own schema (tools
+# that read the OpenAPI, schemathesis among them, keep one value per schema of a mapping).
+class Wait(Control):
+    action_type: Literal["WAIT"]
+
+
+class Done(Control):
+    action_type: Literal["DONE"]
+
+
+class Fail(Control):
+    action_type: Literal["FAIL"]
+
+
 Computer13Action = Annotated[
     MoveTo | Click | MouseDown | MouseUp | RightClick | DoubleClick | DragTo | Scroll | Typing
-    | Press | KeyDown | KeyUp | Hotkey | Control,
+    | Press | KeyDown | KeyUp | Hotkey | Wait | Done | Fail,
     Field(discriminator="action_type"),
 ]
 
@@ -204,6 +260,23 @@ Action = Computer13Action | CodeAction
 
 _computer13 = TypeAdapter(Computer13Action)
 
+# What str.strip() removes (every str.isspace() character lies below U+3001), so that the pattern
+# of a code string says what parse_action's "empty code string" check refuses, in ECMA 262 and Python.
+_SPACES = "".join(f"\\u{c:04x}" for c in range(0x3001) if chr(c).isspace())
+CodeText = Annotated[str, WithJsonSchema({
+    "type": "string", "pattern": f"[^{_SPACES}]",
+    "description": "pyautogui code run in the desktop, or WAIT, DONE, FAIL (not only whitespace)"})]
+
+
+def _as_sent(value: Any) -> Any:
+    return value
+
+
+# One action as a request carries it. Its JSON schema is the union parse_action reads (a code
+# string, {code}, a computer_13 object); the value is kept as sent and parsed by parse_actions
+# (strict=True), whose errors name the field, once the screen it must lie on is known.
+WireAction = Annotated[Any, PlainValidator(_as_sent, json_schema_input_type=CodeText | CodeAction | Computer13Action)]
+
 
 class ActionError(ValueError):
     """An action that cannot be run; ``field`` is the dotted path of the offending input."""
@@ -214,11 +287,12 @@ class ActionError(ValueError):
         self.message = message
 
 
-def parse_action(raw: Any, field: str = "action") -> Computer13Action | CodeAction:
+def parse_action(raw: Any, field: str = "action", strict: bool = False) -> Computer13Action | CodeAction:
     """Turn a JSON value into an action, or raise ActionError naming the bad field.
 
     A string is pyautogui code (or WAIT/DONE/FAIL); a dict with ``action_type`` is computer_13;
-    a dict with ``code`` is pyautogui code.
+    a dict with ``code`` is pyautogui code. ``strict`` takes values as :data:`WireAction`'s schema
+    types them (``"5"``, ``true`` or ``5.0`` is no coordinate): what an HTTP request gets.
     """
     if isinstance(raw, str):
         if not raw.strip():
@@ -230,7 +304,7 @@ def parse_action(raw: Any, field: str = "action") -> Computer13Action | CodeActi
         raise ActionError(field, f"expected a computer_13 object or a code string, got {type(raw).__name__}")
     if "code" in raw and "action_type" not in raw:
         try:
-            return CodeAction.model_validate(raw)
+            return CodeAction.model_validate(raw, strict=strict)
         except ValidationError as e:
             raise _first_error(e, field) from None
     at = raw.get("action_type")
@@ -240,7 +314,7 @@ def parse_action(raw: Any, field: str = "action") -> Computer13Action | CodeActi
         raise ActionError(f"{field}.action_type",
                           f"unknown action type {at!r}; expected one of " + ", ".join(ACTION_TYPES))
     try:
-        return _computer13.validate_python(raw)
+        return _computer13.validate_python(raw, strict=strict)
     except ValidationError as e:
         raise _first_error(e, field) from None
 
@@ -261,12 +335,13 @@ def check_on_screen(action: Computer13Action | CodeAction, width: int, height: i
             raise ActionError(f"{field}.parameters.{axis}", f"{v} is off screen (screen is {width}x{height})")
 
 
-def parse_actions(raws: Sequence[Any], width: int, height: int, field: str = "actions") -> list[Action]:
+def parse_actions(raws: Sequence[Any], width: int, height: int, field: str = "actions",
+                  strict: bool = False) -> list[Action]:
     """Parse and check a batch of actions for a width x height screen, all before any runs (so
     a bad batch has no partial effect); ActionError names the first bad one (``actions.<i>...``)."""
     actions: list[Action] = []
     for i, raw in enumerate(raws):
-        action = parse_action(raw, f"{field}.{i}")
+        action = parse_action(raw, f"{field}.{i}", strict)
         check_on_screen(action, width, height, f"{field}.{i}")
         actions.append(action)
     return actions

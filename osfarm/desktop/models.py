@@ -13,9 +13,11 @@ Routes (all need ``Authorization: Bearer <token>``):
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from osfarm.desktop.actions import JsonInt, WireAction
 
 ImageFormat = Literal["png", "jpeg", "webp"]
 # How agent actions are paced (osfarm.desktop.coderunner): "osworld" = each pyautogui code action
@@ -45,7 +47,7 @@ class ObserveOptions(BaseModel):
     screenshot: bool = True
     format: ImageFormat = "png"
     scale: float = Field(default=1.0, gt=0.0, le=1.0, description="resize factor for the screenshot")
-    quality: int = Field(default=80, ge=1, le=100, description="JPEG/WebP quality")
+    quality: JsonInt = Field(default=80, ge=1, le=100, description="JPEG/WebP quality")
     a11y: bool = False
     windows: bool = True
     cursor: bool = True
@@ -55,6 +57,13 @@ class ObserveOptions(BaseModel):
         "to go idle before capturing (apps handle input and repaint after it arrives; a busy one "
         "can show a still but stale screen); 0 captures at once",
     )
+
+
+class ObserveRequest(ObserveOptions):
+    """ObserveOptions in a JSON body, whose values are taken as the schema types them (``"80"`` is
+    no quality); in a query string they are text, read as ObserveOptions."""
+
+    model_config = ConfigDict(strict=True)
 
 
 class Window(BaseModel):
@@ -84,12 +93,12 @@ class StepRequest(BaseModel):
     # JSON bodies are taken as the schema types them ("5" is not an int): what OpenAPI says is what passes
     model_config = ConfigDict(strict=True)
 
-    actions: list[Any] = Field(
+    actions: list[WireAction] = Field(
         min_length=1,
         description="computer_13 objects ({action_type, parameters}), pyautogui code strings, "
         "or {code}; run in order, stopping at the first error",
     )
-    observe: ObserveOptions | None = Field(default=None, description="observation to return after the actions")
+    observe: ObserveRequest | None = Field(default=None, description="observation to return after the actions")
     code_timeout: float = Field(default=30.0, gt=0, le=600)
     timing: ActionTiming = Field(default="osworld", description=TIMING_FIELD_DESCRIPTION)
 
@@ -138,7 +147,7 @@ class WaitForFile(BaseModel):
     model_config = ConfigDict(strict=True)
 
     path: str
-    min_size: int = Field(default=0, ge=0)
+    min_size: JsonInt = Field(default=0, ge=0)
     timeout: float = Field(default=30.0, gt=0, le=600)
 
 

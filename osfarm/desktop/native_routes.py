@@ -160,7 +160,7 @@ async def step(req: StepRequest, desk: DesktopDep) -> StepResult:
     t0 = time.perf_counter()
     w, h = await run_in_threadpool(desk.screen_size)
     try:
-        actions = parse_actions(req.actions, w, h)
+        actions = parse_actions(req.actions, w, h, strict=True)
     except ActionError as e:
         raise HTTPException(422, str(e)) from None
     results, done = await run_in_threadpool(run_actions, desk, actions, req.code_timeout, req.timing)

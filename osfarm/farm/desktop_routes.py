@@ -99,7 +99,7 @@ async def get_desktop(lease: LeaseOf) -> LeaseInfo:
              responses={**DESKTOP_ERRORS, 502: {"model": ErrorBody}})
 async def step(req: StepRequest, lease: LeaseOf, state: State) -> Response:
     try:
-        parse_actions(req.actions, *lease.screen)  # every action checked before any runs
+        parse_actions(req.actions, *lease.screen, strict=True)  # every action checked before any runs
     except ActionError as e:
         raise ApiError(422, str(e)) from None
     timeout_s = req.code_timeout * len(req.actions) + 60.0
