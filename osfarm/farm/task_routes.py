@@ -7,10 +7,12 @@ the lease through :mod:`osfarm.farm.state`'s dependencies. Setup, postconfig and
 The guest calls go straight to the desktop's guest server with the synchronous
 :class:`GuestController`, run in a worker thread so other leases keep going.
 
-Errors answer ``{"detail": ...}`` like every farm route: a task that does not validate is 422
-naming the JSON path (``body.task: $.evaluator.func: ...``), a setup step that needs a Google
-account is 422, an offline asset that is not in the cache is 424 naming the URL, a failing setup
-step is 502 naming its index, type and reason, a crashing getter or metric is 502 naming it.
+Errors answer ``{"detail": ...}`` like every farm route: a task that does not validate, or names a
+setup type, getter or metric this farm does not run, is 422 naming the JSON path
+(``body.task: $.evaluator.func: ...``; the OpenAPI documents the task as
+:class:`osfarm.farm.task_schema.FarmTask`), a setup step that needs a Google account is 422, an
+offline asset that is not in the cache is 424 naming the URL, a failing setup step is 502 naming
+its index, type and reason, a crashing getter or metric is 502 naming it.
 
 The desktop itself is reset by :meth:`LeasePool.reset_lease` (the lease keeps its id and points
 at the fresh box).
@@ -28,11 +30,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_core import PydanticCustomError
 
 from osfarm.config import FarmSettings
@@ -40,13 +42,13 @@ from osfarm.evaluators.errors import RuleError
 from osfarm.farm.errors import ApiError
 from osfarm.farm.schemas import ErrorBody
 from osfarm.farm.state import LeaseOf, State
+from osfarm.farm.task_schema import FarmTask, unknown_names
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import URL_MAP_NAMES, AssetMissing, FileCache, load_url_map
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, run_postconfig, run_setup
 from osfarm.tasks.lifecycle import evaluate as evaluate_task
 from osfarm.tasks.model import Task, TaskError, parse_task
 from osfarm.tasks.setup import (
-    SETUP_TYPES,
     UNSUPPORTED_TYPES,
     SetupFailed,
     SetupUnsupported,
@@ -66,14 +68,29 @@ _SERVER_SETTINGS = {
 }
 
 
+def _as_sent(value: Any) -> Any:
+    return value
+
+
+def _refused(why: str) -> Any:
+    """A key that was accepted once: documented, and no value is valid (422 naming it)."""
+
+    def schema(field: dict[str, Any]) -> None:
+        field.clear()
+        field.update({"not": {}, "deprecated": True, "description": "not accepted (422): " + why})
+
+    return Field(default=None, json_schema_extra=schema)
+
+
 class _TaskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    task: dict[str, Any] = Field(description="an OSWorld task JSON object")
-    cache_dir: Any = Field(default=None, deprecated=True, description="not accepted (422): the farm takes no host "
-                           "path; " + _SERVER_SETTINGS["cache_dir"])
-    offline: Any = Field(default=None, deprecated=True, description="not accepted (422): "
-                         + _SERVER_SETTINGS["offline"])
+    # Documented as FarmTask (the task this farm can run); validated by validate_task, whose
+    # errors name the JSON path inside the task.
+    task: Annotated[dict[str, Any], BeforeValidator(_as_sent, json_schema_input_type=FarmTask)] = Field(
+        description="an OSWorld task JSON object")
+    cache_dir: Any = _refused("the farm takes no host path; " + _SERVER_SETTINGS["cache_dir"])
+    offline: Any = _refused(_SERVER_SETTINGS["offline"])
 
     @field_validator("cache_dir", "offline", mode="before")
     @classmethod
@@ -116,7 +133,8 @@ _ERRORS = {404: {"model": ErrorBody}, 409: {"model": ErrorBody}, 410: {"model": 
 
 
 def validate_task(data: dict[str, Any]) -> Task:
-    """The task, or a 422 naming every bad JSON path; unsupported or unknown setup types included."""
+    """The task, or a 422 naming every bad JSON path: unsupported or unknown setup types, unknown
+    getters and metrics included."""
     try:
         task = parse_task(data, file="body.task")
     except TaskError as e:
@@ -125,9 +143,9 @@ def validate_task(data: dict[str, Any]) -> Task:
         for i, step in enumerate(steps):
             if step.type in UNSUPPORTED_TYPES:
                 raise ApiError(422, f"body.task: $.{where}[{i}].type: {step.type!r} {GOOGLE}")
-            if step.type not in SETUP_TYPES:
-                raise ApiError(422, f"body.task: $.{where}[{i}].type: unknown setup type {step.type!r}; "
-                                    f"known: {', '.join(sorted(SETUP_TYPES))}")
+    unknown = unknown_names(task)
+    if unknown:
+        raise ApiError(422, "; ".join(f"body.task: {where}: {why}" for where, why in unknown))
     return task
 
 
