@@ -28,6 +28,9 @@ HEALTH = json.dumps({"status": "ok"}).encode()
 OBSERVATION = json.dumps({"screenshot": "A" * 4096, "format": "png", "width": 1024, "height": 768,
                           "screen": {"width": 1024, "height": 768}, "cursor": [0, 0], "windows": [],
                           "a11y": None, "t_ms": 0.1}).encode()
+# POST /v1/step: the actions' results (none: the box runs nothing), so the farm's step route
+# answers as on a desktop once it has checked the actions
+STEP = json.dumps({"results": [], "done": None, "observation": None, "t_env_ms": 0.1}).encode()
 
 
 @dataclass
@@ -151,8 +154,8 @@ class MemoryProvider:
 
 
 async def _serve_health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """HTTP/1.1 with keep-alive: 200 and a JSON body for /v1/health and /v1/observation, 404 for
-    anything else."""
+    """HTTP/1.1 with keep-alive: 200 and a JSON body for /v1/health, /v1/observation and
+    POST /v1/step, 404 for anything else."""
     try:
         while True:
             head = await reader.readuntil(b"\r\n\r\n")
@@ -163,6 +166,8 @@ async def _serve_health(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
                 status, body = b"200 OK", HEALTH
             elif target == b"/v1/observation":
                 status, body = b"200 OK", OBSERVATION
+            elif target == b"/v1/step" and method == b"POST":
+                status, body = b"200 OK", STEP
             else:
                 status, body = b"404 Not Found", b'{"detail":"no"}'
             writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\ncontent-length: "

@@ -31,7 +31,8 @@ CONTRACT = Path(__file__).resolve().parent / "contract"
 SEED = os.environ.get("OSFARM_CONTRACT_SEED", "1")
 
 
-def schemathesis(schema_url: str, config: Path | None, *extra: str, examples: int = 15, timeout: float = 600) -> str:
+def schemathesis(schema_url: str, config: Path | None, *extra: str, examples: int = 15, timeout: float = 600,
+                 env: dict[str, str] | None = None) -> str:
     """Run ``schemathesis run`` and return its report; a failure of any check fails the test."""
     if not SCHEMATHESIS.exists():
         pytest.fail(f"schemathesis is not installed ({SCHEMATHESIS}): pip install -e '.[dev]'")
@@ -40,7 +41,8 @@ def schemathesis(schema_url: str, config: Path | None, *extra: str, examples: in
         cmd += ["--config-file", str(config)]
     cmd += ["run", schema_url, "--checks", "all", "--max-examples", str(examples), "--seed", SEED, "--no-color",
             *extra]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                       env={**os.environ, **(env or {})})
     report = r.stdout + r.stderr
     assert r.returncode == 0, report[-12000:]
     assert " passed" in report and "failures" not in report.split("Test cases:")[-1], report[-4000:]
@@ -63,6 +65,26 @@ def test_the_farm_does_what_its_openapi_says(memory_farm: FarmProcess) -> None:
     report = schemathesis(f"{memory_farm.url}/openapi.json", CONTRACT / "farm.toml",
                           "-H", f"Authorization: Bearer {memory_farm.token}", examples=10)
     print(report[-1500:])
+
+
+@pytest.mark.timeout(300)
+def test_a_lease_takes_what_its_openapi_says(memory_farm: FarmProcess) -> None:
+    """schemathesis' default checks and settings (tests/contract/farm-lease.toml adds only what no
+    JSON Schema can state) on the routes that take a body of actions or a task, all on one held
+    lease: every schema-valid step, reset and evaluation is taken, every other one refused, so the
+    documented request schemas and what the server checks cannot drift apart."""
+    with memory_farm.client() as c:
+        lid = c.post("/v1/desktops", json={"wait_s": 30, "ttl_s": 3600}).json()["id"]
+        try:
+            report = schemathesis(f"{memory_farm.url}/openapi.json", CONTRACT / "farm-lease.toml",
+                                  "-H", f"Authorization: Bearer {memory_farm.token}",
+                                  "--include-path-regex", "^/v1/desktops/[^/]+/(step|reset|evaluate)$",
+                                  "--phases", "examples,coverage,fuzzing", examples=25, timeout=240,
+                                  env={"OSFARM_CONTRACT_LEASE": lid})
+            print(report[-1000:])
+            assert "3 selected" in report, report[:2000]
+        finally:
+            c.delete(f"/v1/desktops/{lid}")
 
 
 def test_the_farm_schema_has_its_bounds_and_every_error(memory_farm: FarmProcess) -> None:
