@@ -71,6 +71,12 @@ ON_DEMAND_PROCESSES = frozenset({
 ON_DEMAND_WINDOW_CLASSES = frozenset({"org.gnome.Shell.Screencast"})
 
 
+# How long the guest waits for the shell's top bar and dock before it answers anyway: about 3 s on a
+# sandbox, over a minute in a VM under TCG emulation (answering earlier starts the task on a black
+# screen). A farm's start timeout (60 s by default; 900 s for a TCG VM) ends a start that takes longer.
+SHELL_READY_S = 300.0
+
+
 class GnomeMissing(RuntimeError):
     """GNOME Shell or one of its parts is not installed where the desktop runs."""
 
@@ -154,7 +160,7 @@ def _workarea(display: str) -> list[int] | None:
         return None
 
 
-def wait_shell_ready(display: str, timeout: float = 30.0, stop: Callable[[], bool] = lambda: False) -> bool:
+def wait_shell_ready(display: str, timeout: float = SHELL_READY_S, stop: Callable[[], bool] = lambda: False) -> bool:
     """Wait until GNOME Shell has laid out its top bar and dock: the work area it publishes
     (``_NET_WORKAREA``) starts right of the dock and below the top bar. Apps started before that
     are placed over the whole screen, not where Ubuntu puts them. False on a timeout."""

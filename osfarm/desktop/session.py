@@ -383,7 +383,7 @@ class Session:
             if gnome.wait_shell_ready(self.display, stop=lambda: self.stopping):
                 self.mark("wm_ready_ms")
             elif not self.stopping:
-                log.warning("GNOME Shell's top bar and dock did not come up in 30 s")
+                log.warning("GNOME Shell's top bar and dock did not come up in %.0f s", gnome.SHELL_READY_S)
             return
         if not self.config.no_wm:
             self._spawn("openbox", ["openbox", "--config-file", str(ASSETS / "openbox-rc.xml")])
