@@ -22,23 +22,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
-import string
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
-import httpx
-
 from osfarm.config import FarmSettings
-from osfarm.farm import metrics
+from osfarm.farm import cpu_accounting, metrics
 from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, QuotaExceeded, ResetFailed, UnknownDesktop
+from osfarm.farm.guest_clients import HEALTH_TIMEOUT_S, GuestClients
+from osfarm.farm.lease import ControlSpan, Lease, new_lease_id
+from osfarm.farm.readopt import take_over
 from osfarm.farm.registry import FarmRegistry, SavedLease, Snapshot
-from osfarm.http.errors import error_detail
-from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider, tree_cpu_seconds
+from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint, Provider
+
+__all__ = ["HEALTH_TIMEOUT_S", "Clock", "ControlSpan", "DesktopView", "Lease", "LeasePool", "SystemClock",
+           "new_lease_id"]
 
 log = logging.getLogger("osfarm.farm.pool")
 
@@ -51,7 +52,6 @@ ENDED_LEASES_KEPT = 10_000
 # waiting for a desktop that will most likely not come.
 MAX_START_FAILURES = 3
 BACKOFF_MAX_S = 30.0
-HEALTH_TIMEOUT_S = 3.0
 # Guest health timeouts/connection errors in a row before a desktop counts as crashed: one slow
 # answer under load must not kill a lease. A dead box or a non-200 answer counts at once.
 UNREACHABLE_STRIKES = 2
@@ -75,44 +75,6 @@ class SystemClock:
         return time.monotonic()
 
 
-@dataclass
-class Lease:
-    id: str
-    desktop_id: str
-    owner: str | None
-    created_at: float
-    expires_at: float
-    ttl_s: float
-    endpoint: GuestEndpoint
-    screen: tuple[int, int]
-    wait_s: float
-    provider: str = "sandbox"
-    image: str | None = None
-    desktop: str | None = None  # the session (gnome, light); None for a lease taken over after a restart
-    principal: str | None = None  # the client (token) holding it; only it and admins see the lease
-    task_id: str | None = None  # the task of the last reset to a task (shown on the dashboard)
-    control: list[ControlSpan] = field(default_factory=list)  # people who took control (dashboard)
-    # CPU-seconds the desktop used for this lease (its boxes' processes, resets in place
-    # excluded): ``cpu_acc`` of earlier boxes plus the current box's since ``cpu_mark``.
-    cpu_mark: float | None = None
-    cpu_acc: float = 0.0
-    cpu_s: float | None = None  # the latest reading (heartbeat, release): the runner records it
-    # how its desktop was made ready (the runner records it): "warm", "cold" (a box restarted,
-    # ``reset_fallback`` naming why where a warm reset was meant) or "start" (a new box)
-    reset_mode: str | None = None
-    reset_fallback: str | None = None
-
-
-@dataclass
-class ControlSpan:
-    """Someone drove a leased desktop by hand (the dashboard's take-over): the lease holder sees
-    it in the lease info and the runner records it in the episode (``controlled_by``)."""
-
-    by: str
-    started_at: float
-    ended_at: float | None = None
-
-
 @dataclass(frozen=True)
 class DesktopView:
     """One desktop as the dashboard shows it (a snapshot, see :meth:`LeasePool.desktops`)."""
@@ -126,23 +88,6 @@ class DesktopView:
     endpoint: GuestEndpoint | None
     screen: tuple[int, int] | None
     lease: Lease | None
-
-
-_LEASE_ID_ALPHABET = string.ascii_letters + string.digits
-
-
-def new_lease_id() -> str:
-    """A fresh, unguessable lease id: 24 letters and digits (142 random bits).
-
-    Not base64url: its '-' and '_' made one id in 64 begin with '-', which a command line reads
-    as an option (``osfarm desktop release -Ao3...``); letters and digits are one word in a
-    URL, a shell and a terminal's double-click alike."""
-    return "".join(secrets.choice(_LEASE_ID_ALPHABET) for _ in range(24))
-
-
-def _seq_of(desktop_id: str) -> int:
-    """The number of a desktop id ``d<N>`` (0 for other ids): new ids continue after adopted ones."""
-    return int(desktop_id[1:]) if desktop_id[:1] == "d" and desktop_id[1:].isdigit() else 0
 
 
 @dataclass
@@ -159,20 +104,6 @@ class _Desktop:
     def __post_init__(self) -> None:
         if self.created_at < 0:
             self.created_at = self.since
-
-
-async def _close_after(client: httpx.AsyncClient, check: asyncio.Task[Any] | None) -> None:
-    """Close a box's health-check client once the check still using it has ended.
-
-    Closed under a check waiting for the guest's answer, the unix-socket stream (anyio, under
-    httpx) resolves the pending read itself while uvloop still polls the socket; the box's end
-    then makes the socket readable and the poll resolves the read again: "Exception in callback
-    <built-in method set_result of _asyncio.Future> ... InvalidStateError" on the farm's loop.
-    The check ends soon anyway (its box is going, and it has a timeout); its result is stale.
-    """
-    if check is not None:
-        await asyncio.wait({check})
-    await client.aclose()
 
 
 class LeasePool:
@@ -202,8 +133,7 @@ class LeasePool:
         self._waiters: deque[asyncio.Future[_Desktop]] = deque()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._box_tasks: dict[str, asyncio.Task[Any]] = {}  # start/reset in flight, by desktop
-        self._clients: dict[str, tuple[DesktopHandle, httpx.AsyncClient]] = {}
-        self._checks: dict[str, asyncio.Task[tuple[DesktopHandle, str | None, bool]]] = {}  # in flight, by desktop
+        self._guests = GuestClients(self._spawn)  # health-check clients, one per box
         self._changed = asyncio.Event()
         self._seq = 0
         self._fail_count = 0
@@ -279,10 +209,7 @@ class LeasePool:
             self._desktops.pop(d.id, None)
             if self.registry is not None:
                 self.registry.drop_desktop(d.id)
-        for _, client in self._clients.values():
-            with contextlib.suppress(Exception):
-                await client.aclose()
-        self._clients.clear()
+        await self._guests.aclose()
         self._publish()
         if self.registry is not None:
             await self.registry.close()
@@ -298,55 +225,22 @@ class LeasePool:
                                        lease.expires_at, lease.ttl_s, data, handle)
 
     async def _readopt(self, saved: Snapshot) -> None:
-        """Take over what the previous farm of this state dir left (its registry ``saved``).
-
-        A desktop comes back when it was ready, or leased under a live lease, and the provider
-        can ``adopt`` its box (docker: the container still runs; libvirt: the VM still runs) and
-        its guest answers; its lease comes back with a fresh TTL (its holder could not heartbeat
-        a farm that was down). Every other saved lease ends with a 410 saying why; boxes nobody
-        took over are left to ``reap_orphans``. Sandbox boxes die with their farm (a parent-death
-        signal: no daemon keeps them), so a sandbox farm's restart ends every lease."""
+        """Take over what the previous farm of this state dir left (its registry ``saved``;
+        farm/readopt.py says what comes back): adopted desktops and their leases join the pool,
+        every other saved lease ends."""
         assert self.registry is not None
         for e in saved.ended:
             self._ended[e.id] = (e.owner, e.message, e.principal)
-        leases = {sl.id: sl for sl in saved.leases}
-        adopt = getattr(self.provider, "adopt", None)
-        kept: set[str] = set()
         now = self.clock.time()
-        for sd in saved.desktops:
-            self._seq = max(self._seq, _seq_of(sd.id))
-            sl = leases.get(sd.lease_id) if sd.lease_id else None
-            handle: DesktopHandle | None = None
-            why: str | None = None
-            if sd.handle is None or not (sd.state == READY or (sd.state == LEASED and sl is not None)):
-                why = f"it was {sd.state} when the farm stopped"
-            elif sd.handle.provider != self.provider.name:
-                why = f"the farm now runs the {self.provider.name} provider, not {sd.handle.provider}"
-            elif (sd.handle.spec.width, sd.handle.spec.height) != (self.spec.width, self.spec.height):
-                why = (f"the farm now makes {self.spec.width}x{self.spec.height} desktops, not "
-                       f"{sd.handle.spec.width}x{sd.handle.spec.height}")
-            elif adopt is None:
-                why = f"{self.provider.name} desktops do not outlive their farm"
-            else:
-                try:
-                    handle = await adopt(sd.handle)
-                except Exception as e:  # noqa: BLE001 - any failure: the box is not ours to use
-                    why = f"taking its box over failed: {type(e).__name__}: {e}"
-                if handle is None:
-                    why = why or "its box is gone"
-                else:
-                    why = await self._guest_silent(handle)
-                    if why is not None:
-                        with contextlib.suppress(Exception):
-                            await self.provider.stop(handle)
-                        handle = None
-            if handle is None:
-                self.registry.drop_desktop(sd.id)
-                if sl is not None:
-                    self._end_saved(sl, f"its desktop {sd.id} did not survive the farm's restart ({why})")
-                log.info("not taken over after the restart desktop=%s why=%s", sd.id, why)
-                continue
-            d = _Desktop(id=sd.id, state=LEASED if sl is not None else READY, since=now, handle=handle)
+        got = await take_over(self.provider, self.spec, saved)
+        self._seq = max(self._seq, got.last_seq)
+        for desktop_id in got.dropped:
+            self.registry.drop_desktop(desktop_id)
+        for sl, why in got.ended:
+            self._end_saved(sl, why)
+        for a in got.adopted:
+            handle, sl = a.handle, a.lease
+            d = _Desktop(id=a.desktop_id, state=LEASED if sl is not None else READY, since=now, handle=handle)
             self._desktops[d.id] = d
             if sl is not None:
                 lease = Lease(id=sl.id, desktop_id=d.id, owner=sl.owner, created_at=sl.created_at,
@@ -355,17 +249,10 @@ class LeasePool:
                               provider=handle.provider, image=sl.data.get("image"), principal=sl.principal)
                 self._leases[lease.id] = lease
                 d.lease_id = lease.id
-                kept.add(lease.id)
                 self._save_lease(lease, handle)
             else:
                 self.registry.put_desktop(d.id, READY, None, handle)
-        for sl in saved.leases:
-            if sl.id not in kept and sl.id not in self._ended:
-                self._end_saved(sl, f"its desktop {sl.desktop_id} was not running when the farm restarted")
         await self.registry.flush()
-        if saved.desktops or saved.leases:
-            log.warning("farm restarted: took over desktops=%d leases=%d; ended leases=%d",
-                        len(self._desktops), len(kept), len(saved.leases) - len(kept))
         self._publish()
 
     def _end_saved(self, sl: SavedLease, why: str) -> None:
@@ -373,17 +260,6 @@ class LeasePool:
         message = f"lease {sl.id} ended: {why}; lease a new desktop"
         self._ended[sl.id] = (sl.owner, message, sl.principal)
         self.registry.end_lease(sl.id, sl.owner, sl.principal, message)
-
-    async def _guest_silent(self, handle: DesktopHandle) -> str | None:
-        """None when the box's guest answers its health route, else why not."""
-        client = handle.endpoint.client(timeout=HEALTH_TIMEOUT_S)
-        try:
-            r = await client.get("/v1/health")
-        except httpx.HTTPError as e:
-            return f"its guest does not answer: {e!r}"
-        finally:
-            await client.aclose()
-        return None if r.status_code == 200 else f"its guest's health answered {r.status_code}"
 
     # -- leases -----------------------------------------------------------------------------
 
@@ -520,45 +396,21 @@ class LeasePool:
     # -- CPU accounting -----------------------------------------------------------------------
 
     def cpu_seconds(self, handle: DesktopHandle | None) -> float | None:
-        """CPU-seconds a box used since it started (its cgroup, else its process tree); None
-        where the provider cannot tell."""
-        if handle is None:
-            return None
-        try:
-            fn = getattr(self.provider, "cpu_seconds", None)
-            return fn(handle) if fn is not None else tree_cpu_seconds(self.provider.pids(handle))
-        except Exception:  # noqa: BLE001 - accounting never fails a lease
-            return None
+        """CPU-seconds a box used since it started; None where the provider cannot tell."""
+        return cpu_accounting.box_cpu_seconds(self.provider, handle)
 
     def lease_cpu_seconds(self, lease: Lease) -> float | None:
         """CPU-seconds of the lease's desktop since the lease was granted (``lease.cpu_s``)."""
         d = self._desktops.get(lease.desktop_id)
         now = self.cpu_seconds(d.handle) if d is not None and d.lease_id == lease.id else None
-        if now is not None and lease.cpu_mark is not None:
-            lease.cpu_s = round(lease.cpu_acc + max(0.0, now - lease.cpu_mark), 4)
-        return lease.cpu_s
+        return cpu_accounting.read_lease_cpu(lease, now)
 
     def _episode_cpu(self, lease: Lease, d: _Desktop | None) -> None:
         if d is not None and d.lease_id == lease.id and self.lease_cpu_seconds(lease) is not None:
-            metrics.EPISODE_CPU.observe(lease.cpu_s)
-            metrics.DESKTOP_CPU.labels("episode").inc(lease.cpu_s)
+            cpu_accounting.count_episode(lease)
 
     def _reset_cpu(self, before: float | None, handle: DesktopHandle) -> None:
-        """Count a reset: its mode, a warm reset's fallback, and its CPU-seconds (a warm reset:
-        what the box used during it; a cold one: what the new box used to start). A provider that
-        does not say (libvirt: a reboot or a snapshot revert) made a cold one."""
-        mode = handle.info.setdefault("reset_mode", "cold")
-        metrics.RESETS.labels(mode).inc()
-        if handle.info.get("reset_fallback"):
-            metrics.WARM_FALLBACKS.labels(handle.info.get("reset_fallback_kind", "error")).inc()
-        after = self.cpu_seconds(handle)
-        if after is None:
-            return
-        used = after - before if mode == "warm" and before is not None else after
-        used = max(0.0, used)
-        handle.info["reset_cpu_s"] = f"{used:.4f}"
-        metrics.RESET_CPU.labels(mode).observe(used)
-        metrics.DESKTOP_CPU.labels("reset").inc(used)
+        cpu_accounting.count_reset(before, self.cpu_seconds(handle), handle)
 
     async def reset_lease(self, lease_id: str) -> Lease:
         """Give the lease a fresh desktop in place (a provider reset), for a new task.
@@ -843,9 +695,7 @@ class LeasePool:
             return
         dt = self.clock.monotonic() - t0
         metrics.START_SECONDS.observe(dt)
-        started_cpu = self.cpu_seconds(handle)
-        if started_cpu is not None:
-            metrics.DESKTOP_CPU.labels("start").inc(started_cpu)
+        cpu_accounting.count_start(self.cpu_seconds(handle))
         log.info("desktop ready desktop=%s start_s=%.3f", d.id, dt)
         self._box_ready(d, handle)
 
@@ -948,14 +798,7 @@ class LeasePool:
             if now > lease.expires_at:
                 self._expire(lease)
         targets = [d for d in self._desktops.values() if d.state in (READY, LEASED) and d.handle is not None]
-        checks = {d.id: asyncio.create_task(self._check(d)) for d in targets}
-        self._checks.update(checks)  # a client dropped meanwhile is closed after its check
-        try:
-            results = await asyncio.gather(*checks.values())
-        finally:
-            for desktop_id, task in checks.items():
-                if self._checks.get(desktop_id) is task:
-                    del self._checks[desktop_id]
+        results = await asyncio.gather(*(self._check(d) for d in targets))
         for d, (handle, reason, strike) in zip(targets, results, strict=True):
             if d.handle is not handle or d.state not in (READY, LEASED):
                 continue  # changed hands during the check (released, reset): result is stale
@@ -990,27 +833,8 @@ class LeasePool:
         reason = await self.provider.alive(handle)
         if reason:
             return handle, reason, False
-        client = self._client(d.id, handle)
-        try:
-            r = await client.get("/v1/health")
-        except httpx.HTTPError as e:
-            return handle, f"guest unreachable: {e!r}", True
-        if r.status_code != 200:
-            return handle, f"guest health returned {r.status_code}: {error_detail(r.content, limit=300)}", False
-        return handle, None, False
-
-    def _client(self, desktop_id: str, handle: DesktopHandle) -> httpx.AsyncClient:
-        # One client per box: building one per check costs an SSL context each time.
-        cached = self._clients.get(desktop_id)
-        if cached is not None and cached[0] is handle:
-            return cached[1]
-        self._drop_client(desktop_id)
-        client = handle.endpoint.client(timeout=HEALTH_TIMEOUT_S)
-        self._clients[desktop_id] = (handle, client)
-        return client
+        reason, strike = await self._guests.health(d.id, handle)
+        return handle, reason, strike
 
     def _drop_client(self, desktop_id: str) -> None:
-        cached = self._clients.pop(desktop_id, None)
-        if cached is not None:
-            self._spawn(_close_after(cached[1], self._checks.get(desktop_id)))
-
+        self._guests.drop(desktop_id)

@@ -105,6 +105,27 @@ class Provider(Protocol):
         ...
 
 
+@runtime_checkable
+class SupportsAdopt(Protocol):
+    """A provider whose boxes outlive their farm (docker containers, libvirt VMs): a farm
+    restarted on the same state dir takes over the boxes its registry names."""
+
+    async def adopt(self, handle: DesktopHandle) -> DesktopHandle | None:
+        """The box saved as ``handle`` if it still runs and is this provider's to use (its
+        handle, possibly refreshed), else None; raises when taking it over failed."""
+        ...
+
+
+@runtime_checkable
+class SupportsCpuSeconds(Protocol):
+    """A provider that can tell a box's CPU use itself (its cgroup); for the others the farm
+    adds up the box's processes (``tree_cpu_seconds`` of ``pids``)."""
+
+    def cpu_seconds(self, handle: DesktopHandle) -> float | None:
+        """CPU-seconds the box used since it started; None where it cannot tell."""
+        ...
+
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
