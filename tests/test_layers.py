@@ -37,7 +37,7 @@ What counts:
 * a function-local import must be of a heavy or optional third-party dependency
   (``LAZY_THIRD_PARTY``) or of an osfarm module in ``LAZY_OSFARM`` (each with its reason);
   everything else goes at the top of the module, where a reader sees it. The one exemption:
-  command modules (``osfarm.cli`` and each ``osfarm.<package>.cli``) load a command's
+  command modules (the ``osfarm.cli`` package and each ``osfarm.<package>.cli``) load a command's
   implementation when the command runs, so that ``osfarm --help`` starts in about a second
   instead of four (the farm app alone takes ~3 s to import). Bench scripts are not held to it.
 
@@ -281,7 +281,7 @@ def layer_name(i: int | None) -> str:
 
 
 def is_command_module(module: str) -> bool:
-    return module == "osfarm.cli" or (module.startswith("osfarm.") and module.endswith(".cli"))
+    return module.split(".")[:2] == ["osfarm", "cli"] or (module.startswith("osfarm.") and module.endswith(".cli"))
 
 
 def internal(imp: Import) -> bool:

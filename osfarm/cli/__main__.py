@@ -1,0 +1,5 @@
+"""``python -m osfarm.cli``: the ``osfarm`` command."""
+
+from osfarm.cli import main
+
+main()
