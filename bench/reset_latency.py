@@ -42,7 +42,7 @@ from rich.table import Table  # noqa: E402
 
 from osfarm.config import FarmSettings  # noqa: E402
 from osfarm.providers import make_provider  # noqa: E402
-from osfarm.providers.base import DesktopHandle, DesktopSpec, tree_cpu_seconds  # noqa: E402
+from osfarm.providers.base import DesktopHandle, DesktopSpec, SupportsCpuSeconds, tree_cpu_seconds  # noqa: E402
 
 # name -> (provider, settings overrides); both reset modes named (cold is the farm's default), and
 # no periodic cold reset in the warm variants (cold_every 0): each column measures one mode
@@ -86,8 +86,8 @@ async def dirty(handle: DesktopHandle) -> None:
 
 
 def box_cpu(provider: Any, handle: DesktopHandle) -> float:
-    fn = getattr(provider, "cpu_seconds", None)
-    used = fn(handle) if fn is not None else tree_cpu_seconds(provider.pids(handle))
+    used = provider.cpu_seconds(handle) if isinstance(provider, SupportsCpuSeconds) else tree_cpu_seconds(
+        provider.pids(handle))
     return used or 0.0
 
 
