@@ -308,6 +308,7 @@ def test_serve_runs_and_stops_cleanly() -> None:
 
 
 def test_demo_produces_png(tmp_path: Path) -> None:
+    """The main job as a new user runs it: on the default desktop (GNOME), in Ubuntu's terminal."""
     with tempfile.TemporaryDirectory(prefix="osfd") as d:
         env = cli_env(None, OSFARM_STATE_DIR=d, OSFARM_PRIVATE_NETWORK="true", OSFARM_WIDTH=str(W),
                       OSFARM_HEIGHT=str(H))
@@ -318,5 +319,5 @@ def test_demo_produces_png(tmp_path: Path) -> None:
     img = Image.open(pngs[0])
     assert img.format == "PNG" and img.size == (W, H)
     timings = json.loads((pngs[0].parent / "timings.json").read_text())
-    assert {"lease a desktop", "launch xfce4-terminal", "screenshot", "release", "total"} <= set(timings)
+    assert {"lease a desktop", "launch gnome-terminal", "screenshot", "release", "total"} <= set(timings)
     assert "screenshot:" in r.stdout

@@ -100,15 +100,16 @@ def demo(
             with farm_errors(), Farm(url, token) as farm:
                 with phase("lease a desktop"):
                     desk = farm.lease(owner="osfarm-demo", ttl_s=300)
+                # Ubuntu's terminal on the GNOME desktop (OSWorld's screen), xfce4-terminal on light
+                terminal = "gnome-terminal" if desk.info.desktop == "gnome" else "xfce4-terminal"
                 try:
-                    with phase("launch xfce4-terminal"):
-                        desk.guest("POST", "/setup/launch", json={"command": ["xfce4-terminal"], "shell": False})
+                    with phase(f"launch {terminal}"):
+                        desk.guest("POST", "/setup/launch", json={"command": [terminal], "shell": False})
                     with phase("wait for its window"):
-                        r = desk.guest("POST", "/v1/wait_for_window",
-                                       json={"wm_class": "xfce4-terminal", "timeout": 30})
+                        r = desk.guest("POST", "/v1/wait_for_window", json={"wm_class": terminal, "timeout": 30})
                         if not r.json().get("ok"):
                             raise FarmAPIError(504, f"the terminal window did not appear: {r.json().get('detail')}")
-                        if not _wait_focused(desk, "xfce4-terminal"):
+                        if not _wait_focused(desk, terminal):
                             raise FarmAPIError(504, "the terminal window did not take the keyboard focus in 30 s")
                         # painted and idle (osfarm.desktop.settle): GNOME's compositor shows a new
                         # window a few frames after it is focused
