@@ -42,7 +42,7 @@ images: venv services
 
 demo: venv
 	$(VENV)/bin/osfarm demo --out runs
-	$(VENV)/bin/osfarm eval --suite tasks/mini --agent replay --envs 2 --out runs/eval-mini
+	$(VENV)/bin/osfarm eval --suite suites/mini --agent replay --envs 2 --out runs/eval-mini
 	$(VENV)/bin/osfarm train --updates 2 --run-dir runs/train --no-resume
 
 test: venv images

@@ -1,7 +1,7 @@
 """The long chaos run (tests/chaos/test_chaos.py is the short one in ``make test``).
 
 Everything real: Redis (AOF, fsync always), a farm of sandbox (or docker) desktops, two Celery
-workers, the eval of tasks/mini through Celery, and a training run (tiny model, its own policy
+workers, the eval of suites/mini through Celery, and a training run (tiny model, its own policy
 server). A seeded driver kills, at random moments for ``--minutes``, one part after another with
 SIGKILL: a desktop (its Xvfb), a whole worker (supervisor and pool: its job comes back after the
 broker's visibility timeout), a worker's pool process (OOM-like), the farm (restarted on its port

@@ -55,7 +55,7 @@ from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITE = ROOT / "tasks" / "mini"
+SUITE = ROOT / "suites" / "mini"
 TASK_ID = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a03"  # no setup, infeasible evaluator: the episode is the agent's steps
 
 

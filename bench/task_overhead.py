@@ -97,7 +97,7 @@ def overhead(rec: dict) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--suite", type=Path, default=ROOT / "tasks" / "osfarm-offline")
+    ap.add_argument("--suite", type=Path, default=ROOT / "suites" / "osfarm-offline")
     ap.add_argument("--per-domain", type=int, default=2)
     ap.add_argument("--envs", default="1,2,4")
     ap.add_argument("--reset-modes", default="cold,warm",

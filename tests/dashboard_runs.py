@@ -68,5 +68,5 @@ def make_run(run: Path, agent: str, outcomes: dict[str, tuple[str, str]], respon
             (d / "step_1_x.png").write_bytes(PNG_1x1)
             (d / "traj.jsonl").write_text(json.dumps({"step_num": 1, "screenshot_file": "step_1_x.png"}) + "\n")
     (run / "results.json").write_text(json.dumps({"schema": "osfarm.results/1", "run_id": run.name, "agent": agent,
-                                                  "suite": "tasks/demo", "started_at": started, "tasks": rows}))
+                                                  "suite": "suites/demo", "started_at": started, "tasks": rows}))
     return ids

@@ -19,7 +19,7 @@ from osfarm.runner.cli import eval_command
 from osfarm.runner.results import read_episodes
 from osfarm.tasks.model import load_task
 
-SUITE = Path(__file__).resolve().parent.parent / "tasks" / "mini"
+SUITE = Path(__file__).resolve().parent.parent / "suites" / "mini"
 MKDIR = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a02"
 PROBE = "import os; print(os.getpid(), pyautogui.PAUSE, pyautogui.FAILSAFE, 'x' in globals())"
 

@@ -1,5 +1,5 @@
 """The Celery executor end to end: a real redis-server, real `osfarm worker` processes, a real
-farm of sandbox desktops, the replay agent on tasks/mini. Faults: a worker killed with SIGKILL
+farm of sandbox desktops, the replay agent on suites/mini. Faults: a worker killed with SIGKILL
 mid-episode, Redis killed and restarted mid-run."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from osfarm.farm.server import FarmServer
 from osfarm.stream.jsonl import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
-SUITE = ROOT / "tasks" / "mini"
+SUITE = ROOT / "suites" / "mini"
 N_TASKS = 3
 TIME_LIMIT_S = 40  # per episode; the hard limit is 70 s
 VISIBILITY_S = 75  # > the hard limit: a dead worker's episode is redelivered after this

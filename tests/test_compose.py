@@ -22,7 +22,7 @@ import yaml
 from docker_env import containers, ensure_images
 
 ROOT = Path(__file__).resolve().parent.parent
-MINI = ROOT / "tasks" / "mini" / "os"
+MINI = ROOT / "suites" / "mini" / "os"
 TASK = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a02"
 TOKEN = "compose-test-token-1234"
 REDIS_PASSWORD = "compose-test-redis-5678"

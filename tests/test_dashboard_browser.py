@@ -1,6 +1,6 @@
 """The dashboard in a real browser: Debian's Chromium (no browser download) driven by Playwright
 against a real farm of sandbox desktops serving /ui, and run dirs written by real ``osfarm eval``
-runs on tasks/mini.
+runs on suites/mini.
 
 Covered: log in; the pool page with live thumbnails; a desktop's live view changing after an
 agent's step; an admin taking control and typing a task's solution into its terminal (the text
@@ -40,7 +40,7 @@ playwright = pytest.importorskip("playwright.sync_api", reason="pip install play
 
 CHROMIUM = Path("/usr/bin/chromium")
 VIEWER_TOKEN = "viewer-token-for-the-ui-tests-0001"
-MINI = Path(__file__).resolve().parent.parent / "tasks" / "mini"
+MINI = Path(__file__).resolve().parent.parent / "suites" / "mini"
 HELLO = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a01"  # type a line into the terminal
 COORD_SHOTS = Path("/work/coord/ui-shots")
 DESKTOP = {"width": 1280, "height": 800}
@@ -90,7 +90,7 @@ def ui_farm(dash: Dashboard) -> Iterator[FarmServer]:
 
 @pytest.fixture(scope="module")
 def evals(ui_farm: FarmServer, runs_dir: Path) -> dict[str, Path]:
-    """Two real eval runs of tasks/mini on the farm (replay solves all three, noop none), a
+    """Two real eval runs of suites/mini on the farm (replay solves all three, noop none), a
     training run's metrics written by the trainer's own logger, and a hostile hand-made run."""
     osfarm = Path(sys.executable).parent / "osfarm"
     out = {}

@@ -1,4 +1,4 @@
-"""TaskEnv against a real farm: uvicorn on 127.0.0.1, sandbox desktops, the tasks of tasks/mini.
+"""TaskEnv against a real farm: uvicorn on 127.0.0.1, sandbox desktops, the tasks of suites/mini.
 
 reset leases a fresh desktop and runs the task's setup; step drives the real desktop; the reward
 is 0 until DONE/FAIL or max_steps end the episode, then the task's real evaluator scores it.
@@ -24,7 +24,7 @@ from osfarm.providers.sandbox import SANDBOX_ENV
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
 
-SUITE = Path(__file__).resolve().parent.parent / "tasks" / "mini"
+SUITE = Path(__file__).resolve().parent.parent / "suites" / "mini"
 HELLO, MKDIR, INFEASIBLE = (f"5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a0{i}" for i in (1, 2, 3))
 PNG = b"\x89PNG\r\n\x1a\n"
 

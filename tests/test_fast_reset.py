@@ -311,7 +311,7 @@ def test_hanging_warm_reset_falls_back_to_cold(warm_farm: FarmServer, monkeypatc
         c.delete(f"/v1/desktops/{lease}").raise_for_status()
 
 
-SUITE = Path(__file__).resolve().parent.parent / "tasks" / "osfarm-offline"
+SUITE = Path(__file__).resolve().parent.parent / "suites" / "osfarm-offline"
 
 
 @pytest.mark.timeout(900)

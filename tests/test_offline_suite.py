@@ -1,4 +1,4 @@
-"""The offline suite tasks/osfarm-offline, its acceptance runs on real desktops: every task
+"""The offline suite suites/osfarm-offline, its acceptance runs on real desktops: every task
 validates, the replay agent solves all of them through the GUI, noop solves none, and fail
 solves exactly the infeasible ones."""
 
@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from osfarm.runner.cli import eval_command
 from osfarm.tasks.suite import load_suite
 
-SUITE = Path(__file__).resolve().parent.parent / "tasks" / "osfarm-offline"
+SUITE = Path(__file__).resolve().parent.parent / "suites" / "osfarm-offline"
 
 def test_suite_loads_and_has_infeasible_tasks() -> None:
     suite = load_suite(SUITE)

@@ -46,7 +46,7 @@ def desktop_wait_s(name: str) -> float:
 
 
 ROOT = Path(__file__).resolve().parent.parent
-MINI = ROOT / "tasks" / "mini" / "os"
+MINI = ROOT / "suites" / "mini" / "os"
 MKDIR_TASK = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a02"  # terminal: mkdir -p ~/projects/osfarm
 VM_DISK_DIR = Path(os.environ.get("OSFARM_LIBVIRT_IMAGE_DIR") or default_image_dir())
 IMAGES = {"sandbox": None, "docker": "osfarm/desktop:latest", "libvirt": str(VM_DISK_DIR / BASE_DISK)}
@@ -232,7 +232,7 @@ def _zombie(pid: int) -> bool:
 
 # -- the same replay results on every provider ------------------------------------------------
 
-OFFLINE = ROOT / "tasks" / "osfarm-offline"
+OFFLINE = ROOT / "suites" / "osfarm-offline"
 EVAL_TASKS = {  # a few tasks across the terminal/files, a spreadsheet and the browser
     "os": ["0f5d2a10-0000-4000-8000-000000000001", "0f5d2a10-0000-4000-8000-000000000002"],
     "libreoffice_calc": ["0f5d2a10-0000-4000-8000-000000000101"],

@@ -1,4 +1,4 @@
-"""`osfarm eval` end to end: a real farm, real sandbox desktops, the tiny suite in tasks/mini."""
+"""`osfarm eval` end to end: a real farm, real sandbox desktops, the tiny suite in suites/mini."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from osfarm.runner.results import SCHEMA, SchemaError, check_record, read_episod
 from osfarm.tasks.model import load_task
 from osfarm.tasks.suite import load_suite
 
-SUITE = Path(__file__).resolve().parent.parent / "tasks" / "mini"
+SUITE = Path(__file__).resolve().parent.parent / "suites" / "mini"
 HELLO, MKDIR, INFEASIBLE = (f"5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a0{i}" for i in (1, 2, 3))
 MISSING_URL = "https://osfarm.invalid/suite_mini/missing-input.xlsx"
 

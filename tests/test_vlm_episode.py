@@ -17,7 +17,7 @@ from osfarm.farm.server import FarmServer
 from osfarm.runner.cli import eval_command
 from osfarm.runner.results import read_episodes
 
-SUITE = Path(__file__).resolve().parent.parent / "tasks" / "mini"
+SUITE = Path(__file__).resolve().parent.parent / "suites" / "mini"
 HELLO, INFEASIBLE = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a01", "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a03"
 FAST_RETRIES = ["--agent-opt", "retries=1", "--agent-opt", "backoff_s=0.05", "--agent-opt", "backoff_max_s=0.1"]
 

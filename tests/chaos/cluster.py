@@ -32,7 +32,7 @@ from redis_server import RedisServer
 
 from osfarm.stream.jsonl import read_jsonl
 
-SUITE = ROOT / "tasks" / "mini"
+SUITE = ROOT / "suites" / "mini"
 
 
 def base_env(base: Path, **extra: str) -> dict[str, str]:

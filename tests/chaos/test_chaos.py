@@ -1,7 +1,7 @@
 """Chaos, short (part of ``make test``; ``bench/chaos.py`` runs the long one): kill any process,
 lose no episode.
 
-* An eval of tasks/mini through Celery with two workers while a driver SIGKILLs, at random
+* An eval of suites/mini through Celery with two workers while a driver SIGKILLs, at random
   moments (seeded), a desktop, a worker, the farm and Redis (append-only file, fsync always),
   each brought back: every task has exactly one record (run dir and stream) and the results
   equal a fault-free run's; nothing of the cluster is left afterwards (process, socket, temp file).
@@ -44,7 +44,7 @@ from farm_process import ROOT, FarmProcess
 from redis_server import RedisServer
 
 SEED = int(os.environ.get("OSFARM_CHAOS_SEED", "17"))
-# per episode attempt: a tasks/mini replay takes a few seconds, but an attempt may wait for a farm
+# per episode attempt: a suites/mini replay takes a few seconds, but an attempt may wait for a farm
 # that is restarting (its client retries) and the machine is shared
 TIME_LIMIT_S = 60
 RETRIES = 3  # infra retries per task: a farm restart or a killed desktop costs one
@@ -131,7 +131,7 @@ def test_an_eval_through_celery_loses_no_episode_whatever_is_killed(base: Path) 
             broker.restart(kill=True, down_s=rng.uniform(0.5, 2.0))
             return f"pid {broker.proc.pid if broker.proc else '?'}"
 
-        # faults close together: with warm resets (the default) the faulty eval of tasks/mini takes
+        # faults close together: with warm resets (the default) the faulty eval of suites/mini takes
         # ~4-8 s, and spaced 1-5 s apart the driver sometimes reached only its first fault before the end
         plan = ["desktop", "worker", "farm", "redis"]
         rng.shuffle(plan)

@@ -100,7 +100,7 @@ def redteam_farm(name: str, cache: Path) -> Iterator[dict[str, Any]]:
                 shadow = []
             ctx = BoxContext(
                 provider=name,
-                host_paths=[str(ROOT), str(ROOT / "tasks"), str(server.settings.state_dir), str(cache),
+                host_paths=[str(ROOT), str(ROOT / "suites"), str(server.settings.state_dir), str(cache),
                             str(secret), "/root", "/var/cache/osfarm", "/var/lib/docker", "/work"],
                 host_shadow_lines=[hashlib.sha256(line.encode()).hexdigest() for line in shadow],
                 loopback_ports=[int(server.url.rsplit(":", 1)[1]), listener.port],

@@ -32,7 +32,7 @@ from osfarm.tasks.setup import SetupExecutor, SetupFailed
 from osfarm.tasks.suite import load_suite
 from osfarm.tasks.task_paths import TaskPathError
 
-MINI = Path(__file__).resolve().parents[2] / "tasks" / "mini"
+MINI = Path(__file__).resolve().parents[2] / "suites" / "mini"
 INFEASIBLE = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a03"
 PWNED = Path("/tmp/osfarm-redteam-pwned")  # where a hostile id would have written
 
