@@ -40,9 +40,9 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch
 
     from osfarm.policy.tiny import tiny_model_dir
-    from osfarm.trainer.data_manager import Sample
     from osfarm.trainer.distributed import DistContext
     from osfarm.trainer.learner import Learner, LearnerOptions
+    from osfarm.trainer.samples import Sample
 
     torch.set_num_threads(args.threads)
     ctx = DistContext.from_env()

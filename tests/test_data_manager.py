@@ -15,13 +15,8 @@ from redis_server import RedisServer
 
 from osfarm.stream.blobs import LocalBlobStore
 from osfarm.stream.jsonl import JsonlSink, read_jsonl
-from osfarm.trainer.data_manager import (
-    ACCEPTED,
-    DataConfig,
-    DataManager,
-    image_bytes,
-    trim_context,
-)
+from osfarm.trainer.data_manager import ACCEPTED, DataConfig, DataManager
+from osfarm.trainer.request_context import image_bytes, trim_context
 
 
 def Cfg(**kw) -> DataConfig:  # noqa: N802 - reads like the class it builds

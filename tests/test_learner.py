@@ -19,7 +19,6 @@ pytest.importorskip("transformers")
 from osfarm.policy.tiny import tiny_model_dir
 from osfarm.trainer.checkpoint import model_dir as served_dir
 from osfarm.trainer.checkpoint import prune_checkpoints, train_state_dir
-from osfarm.trainer.data_manager import Sample as DMSample
 from osfarm.trainer.learner import (
     STATE_FILE,
     Learner,
@@ -31,6 +30,7 @@ from osfarm.trainer.learner import (
     read_state,
     response_mask,
 )
+from osfarm.trainer.samples import Sample as DMSample
 
 
 def make_sample(messages: list[dict[str, Any]], response_token_ids: list[int] | None,

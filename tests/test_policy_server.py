@@ -27,8 +27,8 @@ from lora_adapters import lora_adapter
 
 from osfarm.policy.processing import load_processor
 from osfarm.policy.tiny import tiny_model_dir
-from osfarm.trainer.data_manager import Sample
 from osfarm.trainer.learner import Learner, encode_sample
+from osfarm.trainer.samples import Sample
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 
 from osfarm.policy.process import PolicyProcess
 from osfarm.policy.tiny import tiny_model_dir
-from osfarm.trainer.data_manager import Sample
 from osfarm.trainer.learner import Learner, LearnerOptions
+from osfarm.trainer.samples import Sample
 
 pytestmark = pytest.mark.timeout(600)
 T = 0.7

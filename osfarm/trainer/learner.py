@@ -64,7 +64,6 @@ from osfarm.trainer.checkpoint import (
     read_state,
     train_state_dir,
 )
-from osfarm.trainer.data_manager import Sample
 from osfarm.trainer.distributed import (
     Commands,
     DistContext,
@@ -75,6 +74,7 @@ from osfarm.trainer.distributed import (
     shard,
 )
 from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
+from osfarm.trainer.samples import Sample
 from osfarm.trainer.schedule import lr_factor
 
 __all__ = ["Encoded", "Learner", "LearnerOptions", "LoraOptions", "LossOptions", "UpdateStats", "encode_sample",
