@@ -34,6 +34,7 @@ from PIL import Image
 from pydantic import BaseModel
 
 from osfarm.desktop.models import ActionTiming, Observation, ObserveOptions, StepResult
+from osfarm.errors import OsfarmError
 from osfarm.farm.schemas import LeaseInfo
 from osfarm.http.errors import error_detail
 from osfarm.http.retry import Deadline
@@ -51,7 +52,7 @@ _RETRY_STATUSES = (502, 503)  # the farm restarting, or a dropped link to the gu
 # ---- errors -----------------------------------------------------------------------------------
 
 
-class FarmAPIError(Exception):
+class FarmAPIError(OsfarmError):
     """The farm answered an error. ``status`` is the HTTP status, ``detail`` its message."""
 
     def __init__(self, status: int, detail: str, retry_after_s: float | None = None):

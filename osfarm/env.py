@@ -56,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from osfarm.client import AsyncFarm, AsyncRemoteDesktop, FarmAPIError
 from osfarm.desktop.models import ActionResult, ActionTiming, ScreenSize
 from osfarm.desktop.models import Observation as DesktopObservation
+from osfarm.errors import EpisodeTimeout, InfraError
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, evaluate, run_postconfig, run_setup
@@ -83,19 +84,8 @@ def special_action(action: Action) -> Special | None:
 # ---- errors ----------------------------------------------------------------------------------
 
 
-class InfraError(Exception):
-    """The harness failed, not the agent: no desktop, a failed setup or postconfig step, a desktop
-    that died or cannot be reached, a crashing getter or metric. The message says which; ``phase``
-    is where (``lease``, ``setup``, ``observe``, ``step``, ``evaluate``). A benchmark counts such an
-    episode as ``infra_error`` (and may retry it), never as the agent's failure."""
-
-    def __init__(self, message: str, phase: str):
-        super().__init__(message)
-        self.phase = phase
-
-
-class EpisodeTimeout(TimeoutError):
-    """The episode's ``time_limit_s`` ran out during :meth:`TaskEnv.reset` or :meth:`TaskEnv.evaluate`."""
+# InfraError (the harness failed: infra_error) and EpisodeTimeout (the time limit ran out: timeout)
+# are osfarm's, in osfarm.errors; exported here, where the env raises them.
 
 
 # ---- what the agent sees ---------------------------------------------------------------------
@@ -302,7 +292,7 @@ class TaskEnv:
             return self._out_of_time(out)
         except FarmAPIError as e:
             if e.status not in (400, 422):
-                raise InfraError(f"step {i}: {e}", "step") from e
+                raise InfraError(f"step {i}: {e}", phase="step") from e
             # the agent sent something the desktop rejects: its failure, and the episode goes on
             out.rejected, out.action_error = True, f"{e.status}: {e.detail}"
             if batch:
@@ -374,7 +364,7 @@ class TaskEnv:
             desk = await self.farm.lease(ttl_s=self.lease_ttl_s, wait_s=self.lease_wait_s, heartbeat=True,
                                          task_id=task.id)
         except FarmAPIError as e:
-            raise InfraError(f"lease: {e}", "lease") from e
+            raise InfraError(f"lease: {e}", phase="lease") from e
         self._desk = desk
         self.desktop = {"provider": desk.info.provider, "image": desk.info.image, "session": desk.info.desktop,
                         "desktop_id": desk.info.desktop_id, "lease_id": desk.id}
@@ -386,7 +376,7 @@ class TaskEnv:
         try:
             reports = await asyncio.to_thread(run_setup, self._run)
         except SetupFailed as e:
-            raise InfraError(str(e), "setup") from e
+            raise InfraError(str(e), phase="setup") from e
         self._clock.lap("setup")
         if self.record:
             try:
@@ -396,7 +386,7 @@ class TaskEnv:
         try:
             raw = await desk.observe(a11y=self.a11y, windows=False, cursor=False, settle_s=self.settle_s)
         except FarmAPIError as e:
-            raise InfraError(f"observe: {e}", "observe") from e
+            raise InfraError(f"observe: {e}", phase="observe") from e
         self.observation = Observation.from_desktop(raw, task.instruction)
         return reports
 
@@ -428,13 +418,13 @@ class TaskEnv:
         try:
             await asyncio.to_thread(run_postconfig, run)
         except SetupFailed as e:
-            raise InfraError(f"postconfig: {e}", "evaluate") from e
+            raise InfraError(f"postconfig: {e}", phase="evaluate") from e
         try:
             return await asyncio.to_thread(evaluate, run, self.last_action)
         except EvaluationError as e:
-            raise InfraError(str(e), "evaluate") from e
+            raise InfraError(str(e), phase="evaluate") from e
         except GuestError as e:
-            raise InfraError(f"desktop unreachable: {e}", "evaluate") from e
+            raise InfraError(f"desktop unreachable: {e}", phase="evaluate") from e
 
     def _out_of_time(self, out: StepOutcome) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         self._ended = self._timed_out = out.time_limit = True

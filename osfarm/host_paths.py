@@ -19,10 +19,12 @@ from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from osfarm.errors import OsfarmError
+
 MAX_NAME = 255  # bytes in one path component (Linux's NAME_MAX)
 
 
-class TaskPathError(ValueError):
+class TaskPathError(OsfarmError, ValueError):
     """A path from a task that would leave its folder (absolute, ``..``, a symlink, outside the
     roots). ``where`` is the JSON path or parameter it came from, when known."""
 

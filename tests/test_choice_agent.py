@@ -17,6 +17,7 @@ from vlm_servers import closed_port_url, policy_server
 
 from osfarm.agents.chat_client import PolicyUnavailable
 from osfarm.agents.choice import ChoiceAgent
+from osfarm.errors import InfraError
 
 CHOICES = [f"open('/tmp/x', 'a').write('{c}')" for c in "ABCD"]
 
@@ -64,4 +65,4 @@ def test_server_down_is_an_infra_error() -> None:
     agent.reset(_task())
     with pytest.raises(PolicyUnavailable) as e:
         asyncio.run(agent.apredict("x", {"screenshot": None}))
-    assert e.value.infra
+    assert isinstance(e.value, InfraError)

@@ -14,8 +14,8 @@ they know a desktop only by its guest endpoint. They are one layer with a direct
 (``ACROSS``): the task lifecycle runs the evaluators, never the other way; what both need (the
 guest's error, confined host paths) is layer-neutral. The ``client`` sits on the farm because it
 speaks the farm's wire models (``farm.schemas``). ``stream`` (trajectory records and sinks)
-imports nothing of osfarm; it sits beside ``agents`` and ``policy``, where the runner and the
-trainer use it, and none of the three imports another. The ``dashboard`` (web UI) sits on top,
+imports nothing of osfarm but the error base; it sits beside ``agents`` and ``policy``, where the
+runner and the trainer use it, and none of the three imports another. The ``dashboard`` (web UI) sits on top,
 under the command only: it reads the farm's pool and guest links (live view), the stream's records
 and the runner's results layout (run pages), so nothing below imports it; the farm serves it
 because whoever builds the farm app hands its routers in (``farm.api.create_app(...,
@@ -84,12 +84,14 @@ NEUTRAL = {
     "osfarm.http": ("bearer auth and error-reply parsing shared by the guest server, the farm and the clients; "
                     "GuestError, which the task lifecycle's guest client raises and the evaluators catch"),
     "osfarm.host_paths": "task-given host paths confined to a folder; the task lifecycle and the evaluators use it",
+    "osfarm.errors": ("the exception hierarchy: OsfarmError, and the InfraError / EpisodeTimeout branches the runner "
+                      "tells episodes' ends apart by; imports nothing of osfarm"),
 }
 
 # Inside a layer of several packages: the imports allowed from one package to another (importer,
 # imported), each with its reason. Any other import between two packages of one layer is refused;
 # a new one is a decision about the design, made here. Today: tasks -> evaluators only; agents,
-# policy and stream import none of each other (stream imports nothing of osfarm at all).
+# policy and stream import none of each other (stream imports nothing of osfarm but the error base).
 ACROSS: dict[tuple[str, str], str] = {
     ("osfarm.tasks", "osfarm.evaluators"): (
         "the task lifecycle runs the evaluators (tasks.lifecycle's evaluate; tasks.coverage lists the getters and "

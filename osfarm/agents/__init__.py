@@ -19,6 +19,7 @@ from osfarm.agents.choice import ChoiceAgent
 from osfarm.agents.replay import ReplayAgent
 from osfarm.agents.trivial import FailAgent, NoopAgent
 from osfarm.agents.vlm import VLMAgent
+from osfarm.errors import OsfarmError
 
 AGENTS: dict[str, Callable[..., Agent]] = {
     "noop": NoopAgent,
@@ -31,7 +32,7 @@ AGENTS: dict[str, Callable[..., Agent]] = {
 PLANNED: dict[str, str] = {}
 
 
-class UnknownAgent(ValueError):
+class UnknownAgent(OsfarmError, ValueError):
     pass
 
 

@@ -47,8 +47,8 @@ class Agent(Protocol):
         ...
 
     async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
-        """``predict`` for the event loop (the runner awaits this). An exception whose ``infra``
-        attribute is True (e.g. a policy server that stays unreachable) is the harness's failure."""
+        """``predict`` for the event loop (the runner awaits this). An :class:`osfarm.errors.InfraError`
+        (e.g. a policy server that stays unreachable) is the harness's failure, not the agent's."""
         ...
 
     async def aclose(self) -> None:

@@ -4,8 +4,8 @@ Only the model call is retried, never anything that acts on a desktop: connectio
 timeouts, 429 and 5xx get up to ``retries`` more tries with exponential backoff and jitter
 (:func:`backoff_delay`; a ``Retry-After`` header is honoured up to the cap); any other 4xx is
 the request's fault and fails at once. When the server stays unreachable the error says
-``policy server unreachable: ...`` and carries ``infra = True``, so the runner ends the episode
-as an infra error instead of blaming the agent.
+``policy server unreachable: ...`` and is an :class:`~osfarm.errors.InfraError`, so the runner ends
+the episode as an infra error instead of blaming the agent.
 
 With ``logprobs=True`` the request asks for ``logprobs`` and ``return_tokens_as_token_ids``; the
 token ids come from our server's ``token_ids`` extension on the choice, else from vLLM's
@@ -24,26 +24,23 @@ from typing import Any, Self
 import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from osfarm.errors import InfraError, OsfarmError
+
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 TOKEN_ID_PREFIX = "token_id:"
 
 
-class PolicyError(Exception):
-    """A model call failed; ``infra`` says whether the harness (not the agent) is to blame."""
+class PolicyError(OsfarmError):
+    """A model call failed. The harness's failures (not the agent's) are also :class:`InfraError`:
+    :class:`PolicyUnavailable`, :class:`PolicyBadResponse`."""
 
-    infra = False
 
-
-class PolicyUnavailable(PolicyError):
+class PolicyUnavailable(PolicyError, InfraError):
     """The server could not be reached, or kept failing, through every retry."""
 
-    infra = True
 
-
-class PolicyBadResponse(PolicyError):
+class PolicyBadResponse(PolicyError, InfraError):
     """The server answered 200 with something that is not a chat completion."""
-
-    infra = True
 
 
 class PolicyRequestRejected(PolicyError):

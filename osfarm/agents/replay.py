@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from osfarm.agents.base import Action, ActionSpace, BaseAgent, special, special_action
+from osfarm.errors import OsfarmError
 
 
-class ReplayError(ValueError):
+class ReplayError(OsfarmError, ValueError):
     """The task has no usable reference solution."""
 
 

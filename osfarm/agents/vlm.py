@@ -10,7 +10,7 @@ messages sent, images as data URLs; the runner stores it as a blob).
 
 A reply that does not parse yields no action (``parse_error`` says why; the episode goes on, as
 in OSWorld). A policy server that stays unreachable raises :class:`PolicyUnavailable`
-(``infra = True``): the runner ends the episode as an infra error.
+(an :class:`~osfarm.errors.InfraError`): the runner ends the episode as an infra error.
 
 ``apredict`` is the native form (the runner awaits it, no thread); ``predict`` wraps it for
 callers without an event loop.

@@ -19,11 +19,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from osfarm.errors import OsfarmError
+
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
-class Refused(LookupError):
+class Refused(OsfarmError, LookupError):
     """A path that is not a readable regular file inside the root (the reason says why)."""
 
 

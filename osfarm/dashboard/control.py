@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from osfarm.desktop.actions import ActionError, CodeAction, Control, parse_actions
+from osfarm.errors import OsfarmError
 from osfarm.farm.pool import ControlSpan, Lease
 
 MAX_ACTIONS = 200  # one message: a burst of typing or a fast drag
@@ -28,7 +29,7 @@ ALLOWED = frozenset({
 })  # fmt: skip
 
 
-class ControlRefused(Exception):
+class ControlRefused(OsfarmError):
     """Why this viewer cannot take control now (shown to it)."""
 
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from osfarm.errors import OsfarmError
 from osfarm.farm.guest_link import GuestLink, GuestTimeout, GuestUnreachable
 from osfarm.providers.base import GuestEndpoint
 
@@ -36,7 +37,7 @@ STILL_AFTER = 10
 STILL_FPS = 4.0
 
 
-class DesktopGone(LookupError):
+class DesktopGone(OsfarmError, LookupError):
     """The desktop is not in the pool (any more), or has no guest to capture."""
 
 

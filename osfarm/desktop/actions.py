@@ -28,6 +28,8 @@ from pydantic import (
     field_validator,
 )
 
+from osfarm.errors import OsfarmError
+
 # pyautogui's KEYBOARD_KEYS (the names computer_13 agents use), plus a few common aliases.
 KEY_NAMES: frozenset[str] = frozenset(
     [chr(c) for c in range(0x20, 0x7F)]
@@ -278,7 +280,7 @@ def _as_sent(value: Any) -> Any:
 WireAction = Annotated[Any, PlainValidator(_as_sent, json_schema_input_type=CodeText | CodeAction | Computer13Action)]
 
 
-class ActionError(ValueError):
+class ActionError(OsfarmError, ValueError):
     """An action that cannot be run; ``field`` is the dotted path of the offending input."""
 
     def __init__(self, field: str, message: str):

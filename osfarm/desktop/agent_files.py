@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from osfarm.desktop.agent_world import AgentWorld
+from osfarm.errors import OsfarmError
 
 MAX_READ_BYTES = 1 << 30
 # The agent's python3, found on its PATH: the system one with pyautogui in /usr/local (sandbox),
@@ -121,7 +122,7 @@ except (PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
 '''
 
 
-class AgentFileError(Exception):
+class AgentFileError(OsfarmError):
     """What the helper said instead of ``ok``: ``kind`` is notfound, isdir, notdir, notfile,
     toolarge, oserror (``message`` says more) or helper (it failed or said nothing)."""
 

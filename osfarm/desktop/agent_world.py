@@ -49,6 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from osfarm.desktop import linux_ns
+from osfarm.errors import OsfarmError
 
 ENV_VAR = "OSFARM_AGENT_WORLD"
 ID_COUNT = 65536  # box uids/gids 0..65535 are mapped for the agent
@@ -68,7 +69,7 @@ root\tALL=(ALL:ALL) ALL
 """  # no @includedir: the box's own /etc/sudoers.d is not the agent's root's to read
 
 
-class AgentWorldError(RuntimeError):
+class AgentWorldError(OsfarmError, RuntimeError):
     """The agent's namespaces could not be made; the message says which step failed."""
 
 

@@ -38,6 +38,7 @@ from osfarm.desktop.agent_world import (
     AgentWorldSpec,
     make_agent_world,
 )
+from osfarm.errors import InfraError
 
 PLAN_ENV = "OSFARM_BOX_PLAN"  # ``--env``: the plan in this variable (a container's command line)
 
@@ -105,7 +106,7 @@ class BoxPlan:
         return cls(**d)
 
 
-class BoxInitError(RuntimeError):
+class BoxInitError(InfraError, RuntimeError):
     """A step of the box's init failed; the message names the step."""
 
 

@@ -31,6 +31,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from osfarm.errors import OsfarmError
+
 GNOME = Path(__file__).resolve().parent / "assets" / "gnome"
 DESKTOPS = ("gnome", "light")
 SHELL = "gnome-shell"
@@ -77,7 +79,7 @@ ON_DEMAND_WINDOW_CLASSES = frozenset({"org.gnome.Shell.Screencast"})
 SHELL_READY_S = 300.0
 
 
-class GnomeMissing(RuntimeError):
+class GnomeMissing(OsfarmError, RuntimeError):
     """GNOME Shell or one of its parts is not installed where the desktop runs."""
 
 

@@ -16,13 +16,14 @@ from urllib.parse import unquote, urlsplit
 
 from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.commands import run_command
+from osfarm.errors import OsfarmError
 
 SCHEMA = "org.gnome.desktop.background"
 KEYS = ("picture-uri", "picture-uri-dark")
 _TIMEOUT_S = 10.0
 
 
-class WallpaperError(RuntimeError):
+class WallpaperError(OsfarmError, RuntimeError):
     """gsettings failed (the message says how)."""
 
 

@@ -30,6 +30,7 @@ from osfarm.desktop.gnome import DESKTOPS
 from osfarm.desktop.process_tree import set_child_subreaper
 from osfarm.desktop.session import Session, SessionConfig
 from osfarm.desktop.xserver import DisplayError
+from osfarm.errors import OsfarmError
 from osfarm.http.hosts import is_loopback_host
 
 # Named, not __name__: run with -m this module is __main__, outside the "osfarm.desktop" logger.
@@ -38,7 +39,7 @@ log = logging.getLogger("osfarm.desktop.launcher")
 BLAS_THREADS = "OPENBLAS_NUM_THREADS"  # read once, when numpy loads its OpenBLAS
 
 
-class TokenError(ValueError):
+class TokenError(OsfarmError, ValueError):
     """No usable bearer token; the message says where one was looked for."""
 
 

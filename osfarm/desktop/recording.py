@@ -18,8 +18,10 @@ import time
 from collections import deque
 from pathlib import Path
 
+from osfarm.errors import OsfarmError
 
-class RecordingError(RuntimeError):
+
+class RecordingError(OsfarmError, RuntimeError):
     """Recording cannot start or stop; ``status`` is the HTTP status the guest should answer."""
 
     def __init__(self, message: str, status: int = 400):

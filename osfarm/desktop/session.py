@@ -42,6 +42,7 @@ from osfarm.desktop.a11y_bus import open_connection
 from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.process_tree import kill_tree
 from osfarm.desktop.xserver import Xvfb
+from osfarm.errors import InfraError
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ A11Y_ENV = {
 }
 
 
-class SessionError(RuntimeError):
+class SessionError(InfraError, RuntimeError):
     """The desktop could not be started; the message says what failed."""
 
 

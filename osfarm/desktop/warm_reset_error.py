@@ -3,6 +3,8 @@ the agent-side helper): the guest answers it as a refusal and the farm restarts 
 
 from __future__ import annotations
 
+from osfarm.errors import InfraError
 
-class WarmResetError(RuntimeError):
+
+class WarmResetError(InfraError, RuntimeError):
     """The desktop cannot be put back warm; the farm restarts it cold. The message says why."""

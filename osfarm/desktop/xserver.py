@@ -15,13 +15,15 @@ import subprocess
 import time
 from pathlib import Path
 
+from osfarm.errors import InfraError
+
 log = logging.getLogger(__name__)
 
 MAX_DISPLAY = 1000
 START_ATTEMPTS = 20
 
 
-class DisplayError(RuntimeError):
+class DisplayError(InfraError, RuntimeError):
     """Xvfb could not be started; the message says why."""
 
 

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import struct
 
+from osfarm.errors import OsfarmError
+
 INTEGER, STRING, COLOR = 0, 1, 2
 # Settings whose value is new with each start of the session: the D-Bus session bus's id.
 PER_START = frozenset({"Gtk/SessionBusId"})
 
 
-class XSettingsError(ValueError):
+class XSettingsError(OsfarmError, ValueError):
     """The property's bytes are not in the XSETTINGS layout."""
 
 

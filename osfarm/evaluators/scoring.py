@@ -24,12 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from osfarm.errors import OsfarmError
+
 __all__ = ["UnknownMetricError", "is_fail_action", "score"]
 
 INFEASIBLE = "infeasible"
 
 
-class UnknownMetricError(KeyError):
+class UnknownMetricError(OsfarmError, KeyError):
     """The evaluator names a metric that is not in the registry."""
 
     def __str__(self) -> str:  # KeyError's str() is the repr of its argument

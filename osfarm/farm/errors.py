@@ -3,8 +3,10 @@ maps each to an HTTP status with the message as ``{"detail": ...}``."""
 
 from __future__ import annotations
 
+from osfarm.errors import OsfarmError
 
-class FarmError(Exception):
+
+class FarmError(OsfarmError):
     status: int = 500
 
     def __init__(self, message: str):
@@ -63,7 +65,7 @@ class QuotaExceeded(FarmError):
         self.max_leases = max_leases
 
 
-class ApiError(Exception):
+class ApiError(OsfarmError):
     """An HTTP error raised inside a route (not by the pool); answered as ``{"detail": message}``."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):

@@ -13,14 +13,15 @@ from typing import Any
 
 import aiohttp
 
+from osfarm.errors import InfraError, OsfarmError
 from osfarm.providers.base import GuestEndpoint
 
 
-class GuestUnreachable(ConnectionError):
+class GuestUnreachable(InfraError, ConnectionError):
     """The guest did not answer at all (socket gone, process died mid-reply)."""
 
 
-class GuestTimeout(TimeoutError):
+class GuestTimeout(OsfarmError, TimeoutError):
     """The guest did not answer within the call's timeout."""
 
 

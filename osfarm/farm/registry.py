@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from osfarm.errors import OsfarmError
 from osfarm.providers.base import DesktopHandle, DesktopSpec, GuestEndpoint
 
 log = logging.getLogger("osfarm.farm.registry")
@@ -61,7 +62,7 @@ CREATE TABLE IF NOT EXISTS ended (
 """
 
 
-class RegistryError(RuntimeError):
+class RegistryError(OsfarmError, RuntimeError):
     """The registry file cannot be used (another farm's newer schema, a corrupt file)."""
 
 

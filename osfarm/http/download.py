@@ -41,13 +41,15 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
+from osfarm.errors import OsfarmError
+
 ALLOW_HOSTS_ENV = "OSFARM_DOWNLOAD_ALLOW_HOSTS"  # comma-separated default allow-list
 _PART_SUFFIX = ".part"
 
 ProgressFn = Callable[[int, int | None], None]  # (bytes so far, total or None)
 
 
-class DownloadError(Exception):
+class DownloadError(OsfarmError):
     """A download that failed or was refused; ``retryable`` says whether trying again may help."""
 
     def __init__(self, url: str, reason: str, *, retryable: bool = False):

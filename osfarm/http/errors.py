@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+from osfarm.errors import InfraError
+
 DETAIL_KEYS = ("detail", "message", "error")
 
 
@@ -26,7 +28,7 @@ def error_detail(content: bytes | str, fallback: str = "", limit: int = 500) -> 
     return text.strip()[:limit] or fallback
 
 
-class GuestError(RuntimeError):
+class GuestError(InfraError, RuntimeError):
     """A guest route answered an error; ``route``, ``status`` and ``message`` say which and why."""
 
     def __init__(self, route: str, status: int | None, message: str):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from osfarm.errors import OsfarmError
 from osfarm.images import recipes
 from osfarm.images.debootstrap import build_base
 from osfarm.images.recipes import LABEL_KIND, LABEL_RECIPE, LABEL_VERSION, VERSION, Recipe, image_ref
@@ -30,7 +31,7 @@ STEP = re.compile(r"^Step (\d+)/(\d+) : (.*)")
 TAIL_LINES = 40
 
 
-class ImageBuildError(RuntimeError):
+class ImageBuildError(OsfarmError, RuntimeError):
     """An image could not be built; the message says which, why, and where the log is."""
 
 

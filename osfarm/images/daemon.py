@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from osfarm.errors import InfraError
+
 SETUP_HINT = "start it with `bash scripts/setup-docker.sh` (or `dockerd --bridge=none --iptables=false &`)"
 
 
-class DockerUnavailable(RuntimeError):
+class DockerUnavailable(InfraError, RuntimeError):
     """The daemon cannot be used; the message says why and how to fix it."""
 
 

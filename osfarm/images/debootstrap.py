@@ -16,6 +16,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from osfarm.errors import OsfarmError
 from osfarm.images.recipes import LABEL_KIND, LABEL_RECIPE, LABEL_VERSION, SUITE, VARIANT, VERSION, read_packages
 
 Progress = Callable[[str], None]
@@ -24,7 +25,7 @@ PHASE = re.compile(r"^I: (Retrieving|Validating|Extracting|Unpacking|Configuring
 TAIL_LINES = 40
 
 
-class BaseBuildError(RuntimeError):
+class BaseBuildError(OsfarmError, RuntimeError):
     """debootstrap or the import failed; the message says why and where the log is."""
 
 

@@ -33,6 +33,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from osfarm.errors import OsfarmError
+
 VM_IMAGE = "osfarm/desktop-vm"
 DESKTOP_IMAGE = "osfarm/desktop:latest"
 BASE_DISK = "base.qcow2"
@@ -45,7 +47,7 @@ GIB = 1 << 30
 RECIPE_LABEL = "org.osfarm.recipe"  # the desktop image's recipe hash (osfarm/images/recipes.py)
 
 
-class DiskBuildError(RuntimeError):
+class DiskBuildError(OsfarmError, RuntimeError):
     """The VM disk could not be built; the message says what is missing and how to fix it."""
 
 

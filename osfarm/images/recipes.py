@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import osfarm
+from osfarm.errors import OsfarmError
 
 VERSION = osfarm.__version__
 BASE_REPO = "osfarm/base"
@@ -33,7 +34,7 @@ SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache"}
 SKIP_SUFFIXES = (".pyc", ".pyo")
 
 
-class RecipeError(RuntimeError):
+class RecipeError(OsfarmError, RuntimeError):
     """The image recipe files cannot be found; the message says where they were looked for."""
 
 

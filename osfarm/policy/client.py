@@ -15,6 +15,8 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, Field
 
+from osfarm.errors import InfraError
+
 
 class PolicyServer(BaseModel):
     """One policy server: its URL and the way new weights reach it (``kind``, see
@@ -37,12 +39,12 @@ class PolicyServer(BaseModel):
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-class PolicyUnavailable(RuntimeError):
+class PolicyNotHealthy(InfraError, RuntimeError):
     """The server did not answer ``GET /health`` with 200 in time (the message says what it did)."""
 
 
 async def wait_healthy(client: httpx.AsyncClient, server: PolicyServer, timeout_s: float) -> None:
-    """Poll ``GET /health`` until it answers 200 (or raise PolicyUnavailable after ``timeout_s``)."""
+    """Poll ``GET /health`` until it answers 200 (or raise PolicyNotHealthy after ``timeout_s``)."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while True:
@@ -54,5 +56,5 @@ async def wait_healthy(client: httpx.AsyncClient, server: PolicyServer, timeout_
         except httpx.HTTPError as e:
             last = f"{type(e).__name__}: {e}"
         if time.monotonic() > deadline:
-            raise PolicyUnavailable(f"{server.url} not healthy after {timeout_s:g} s ({last})")
+            raise PolicyNotHealthy(f"{server.url} not healthy after {timeout_s:g} s ({last})")
         await asyncio.sleep(0.2)

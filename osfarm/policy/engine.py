@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from osfarm.errors import OsfarmError
 from osfarm.policy.processing import encode_chat, load_processor
 from osfarm.policy.progress import hf_progress_bars_off
 from osfarm.policy.sampling import LogprobsMode, SamplingParams, cut_at_stop, finite_logprob, sequence_end
@@ -32,7 +33,7 @@ from osfarm.policy.tiny import tiny_model_dir
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
+class RequestError(OsfarmError, ValueError):
     """A request the engine refuses; ``field`` names the offending request field (JSON path)."""
 
     def __init__(self, field: str, message: str, status: int = 400):

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import httpx
 
-from osfarm.policy.client import PolicyServer, PolicyUnavailable, wait_healthy
+from osfarm.errors import InfraError
+from osfarm.policy.client import PolicyNotHealthy, PolicyServer, wait_healthy
 
 
-class PolicyStartError(RuntimeError):
+class PolicyStartError(InfraError, RuntimeError):
     """The server exited or never became healthy (the message has its log's tail)."""
 
 
@@ -96,7 +97,7 @@ class PolicyProcess:
                         await task
             try:
                 task.result()
-            except PolicyUnavailable as e:
+            except PolicyNotHealthy as e:
                 raise PolicyStartError(f"policy server did not start: {e} (log: {self.log_path})") from None
 
     def stop(self) -> None:

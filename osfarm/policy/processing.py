@@ -24,8 +24,10 @@ from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from osfarm.errors import OsfarmError
 
-class MessageError(ValueError):
+
+class MessageError(OsfarmError, ValueError):
     """A chat message the model cannot take; ``field`` says which part of the request (JSON path)."""
 
     def __init__(self, field: str, message: str):

@@ -15,8 +15,10 @@ from typing import Protocol, runtime_checkable
 
 import httpx
 
+from osfarm.errors import InfraError
 
-class ProviderError(RuntimeError):
+
+class ProviderError(InfraError, RuntimeError):
     """A box could not be made or reached; the message says what is missing and how to fix it."""
 
 

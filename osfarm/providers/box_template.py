@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from osfarm.errors import OsfarmError
+
 log = logging.getLogger("osfarm.providers.sandbox")
 
 READY_TIMEOUT_S = 60.0
@@ -32,7 +34,7 @@ REQUEST_TIMEOUT_S = 10.0
 MSG_MAX = 65536
 
 
-class TemplateError(RuntimeError):
+class TemplateError(OsfarmError, RuntimeError):
     """The template could not start or could not fork a box; the message says why."""
 
 

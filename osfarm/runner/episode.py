@@ -135,8 +135,8 @@ async def _attempt(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, 
             try:
                 response, actions = await agent.apredict(task.instruction, obs.as_dict())
             except Exception as e:  # noqa: BLE001
-                if getattr(e, "infra", False):  # e.g. the policy server stayed unreachable through its retries
-                    raise InfraError(f"step {i}: {e}", "agent") from e
+                if isinstance(e, InfraError):  # e.g. the policy server stayed unreachable through its retries
+                    raise InfraError(f"step {i}: {e}", phase="agent") from e
                 res.status, res.error = FAILURE, f"agent predict (step {i}): {type(e).__name__}: {e}"
                 return
             t_model = (time.perf_counter() - t0) * 1000

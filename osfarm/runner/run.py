@@ -34,6 +34,7 @@ from rich.progress import (
 from osfarm.agents import make_agent
 from osfarm.client import AsyncFarm
 from osfarm.desktop.models import ActionTiming
+from osfarm.errors import EpisodeTimeout
 from osfarm.farm.local import local_farm, local_farm_settings
 from osfarm.http.download import DownloadPolicy
 from osfarm.runner.episode import (
@@ -124,7 +125,7 @@ class RunOptions:
 def _failed_row(task: Any, done: Done[Any, Any], run_id: str) -> dict[str, Any]:
     """The row of an episode whose executor failed (a Celery worker error, a hard time limit)."""
     err = done.error
-    status = TIMEOUT if getattr(err, "timed_out", False) else INFRA_ERROR
+    status = TIMEOUT if isinstance(err, EpisodeTimeout) else INFRA_ERROR  # Celery's time limit stopped it
     return {"task_id": task.id, "domain": task.domain, "status": status, "score": 0.0,
             "error": f"{type(err).__name__}: {err}", "steps": 0, "attempts": 1,
             "seconds": round(done.finished - done.started, 2), "episode_id": episode_id(run_id, task.id)}

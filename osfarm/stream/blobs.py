@@ -14,8 +14,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Protocol
 
+from osfarm.errors import OsfarmError
 
-class BlobMissing(KeyError):
+
+class BlobMissing(OsfarmError, KeyError):
     """A ref whose bytes the store does not hold."""
 
 

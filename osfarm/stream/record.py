@@ -13,13 +13,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from osfarm.errors import OsfarmError
+
 SCHEMA = "osfarm.episode/1"
 SCHEMA_MAJOR = 1
 STATUSES = ("success", "failure", "infra_error", "timeout")
 _SCHEMA_RE = re.compile(r"^osfarm\.episode/(\d+)(?:\.(\d+))?$")
 
 
-class SchemaError(ValueError):
+class SchemaError(OsfarmError, ValueError):
     """A record that is not a valid ``osfarm.episode/1`` object; the message names the field."""
 
 

@@ -34,6 +34,7 @@ from urllib.parse import unquote, urlparse
 
 import yaml
 
+from osfarm.errors import OsfarmError
 from osfarm.http.download import DownloadError, DownloadPolicy, download_sync
 from osfarm.tasks.manifest import Manifest
 from osfarm.tasks.task_paths import (
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
 URL_MAP_NAMES = ("url_map.json", "url_map.yaml", "url_map.yml")
 
 
-class AssetMissing(FileNotFoundError):
+class AssetMissing(OsfarmError, FileNotFoundError):
     """A task's file is in none of the places looked at (and may not be downloaded)."""
 
     def __init__(self, url: str, looked: list[str], reason: str = "not available offline"):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from osfarm.errors import OsfarmError
 from osfarm.evaluators.getters import GETTERS
 from osfarm.evaluators.getters.env import EvalEnv
 from osfarm.evaluators.metrics import METRICS
@@ -28,7 +29,7 @@ from osfarm.tasks.model import Task
 from osfarm.tasks.setup import POSTCONFIG_WINDOW_S, SetupExecutor, StepReport
 
 
-class EvaluationError(Exception):
+class EvaluationError(OsfarmError):
     """A getter or metric crashed, or the evaluator names an unknown getter: the harness failed,
     not the agent (the message names which)."""
 

@@ -39,6 +39,7 @@ from pydantic import (
     model_validator,
 )
 
+from osfarm.errors import OsfarmError
 from osfarm.tasks.task_paths import task_path_problems
 
 # ---- errors -----------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ class Issue:
         return f"{self.file}: {self.path}: {self.message}"
 
 
-class TaskError(Exception):
+class TaskError(OsfarmError):
     """Raised when one or more task (or index) files are invalid; ``issues`` lists them all."""
 
     def __init__(self, issues: list[Issue]):

@@ -24,6 +24,7 @@ the episode is an ``infra_error`` naming the step, as a download missing from th
 
 from __future__ import annotations
 
+from osfarm.errors import OsfarmError
 from osfarm.tasks.controller import GuestController
 from osfarm.tasks.network_steps import Command, NetworkNeeds, PipPackage, network_needs
 
@@ -32,7 +33,7 @@ CHECK_TIMEOUT_S = 30.0
 _HAS_DISTRIBUTION = "import importlib.metadata as m, sys; m.distribution(sys.argv[1])"
 
 
-class NeedsNetwork(Exception):
+class NeedsNetwork(OsfarmError):
     """The step needs something from the network that the desktop does not have."""
 
 

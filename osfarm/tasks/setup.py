@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from osfarm.errors import InfraError
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import AssetMissing, FileCache
 from osfarm.tasks.model import ConfigStep
@@ -58,7 +59,7 @@ CDP_PORT = 9222
 # not titled "GNU Image Manipulation Program", which a GIMP postconfig names).
 POSTCONFIG_WINDOW_S = 2.0
 
-class SetupFailed(RuntimeError):
+class SetupFailed(InfraError, RuntimeError):
     def __init__(self, index: int, type: str, reason: str):
         self.index, self.type, self.reason = index, type, reason
         super().__init__(f"setup step {index} ({type}) failed: {reason}")

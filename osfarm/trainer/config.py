@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from osfarm.config import read_yaml_mapping, validation_message
+from osfarm.errors import OsfarmError
 from osfarm.policy.client import PolicyServer
 from osfarm.trainer.learner import LearnerOptions
 from osfarm.trainer.metrics import WandbOptions
@@ -22,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SUITE = REPO_ROOT / "tests" / "fixtures" / "train_suite"
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(OsfarmError, ValueError):
     """A train.yaml problem; the message names the file and line."""
 
 

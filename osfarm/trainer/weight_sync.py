@@ -43,7 +43,8 @@ from pathlib import Path
 
 import httpx
 
-from osfarm.policy.client import PolicyServer, PolicyUnavailable, wait_healthy
+from osfarm.errors import OsfarmError
+from osfarm.policy.client import PolicyNotHealthy, PolicyServer, wait_healthy
 from osfarm.trainer.checkpoint import ADAPTER_DIR, model_dir
 
 
@@ -56,7 +57,7 @@ class SyncResult:
     error: str | None = None
 
 
-class SyncError(RuntimeError):
+class SyncError(OsfarmError, RuntimeError):
     pass
 
 
@@ -181,9 +182,9 @@ class WeightSync:
             else:
                 await _reload_command(server, path, version)
             await wait_healthy(client, server, server.health_timeout_s)
-        except (SyncError, PolicyUnavailable, httpx.HTTPError, OSError, ValueError) as e:
+        except (SyncError, PolicyNotHealthy, httpx.HTTPError, OSError, ValueError) as e:
             self.failures += 1
-            msg = str(e) if isinstance(e, SyncError | PolicyUnavailable) else f"{server.url}: {type(e).__name__}: {e}"
+            msg = str(e) if isinstance(e, SyncError | PolicyNotHealthy) else f"{server.url}: {type(e).__name__}: {e}"
             return SyncResult(server.url, version, False, time.perf_counter() - t0, msg)
         self.versions[server.url] = version
         if server.kind == "vllm_lora":

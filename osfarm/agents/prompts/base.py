@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 from osfarm.agents.base import Action, ActionSpace
+from osfarm.errors import OsfarmError
 
 Observation = Literal["screenshot", "a11y", "screenshot_a11y"]
 OBSERVATIONS: tuple[Observation, ...] = ("screenshot", "a11y", "screenshot_a11y")
 
 
-class ParseError(ValueError):
+class ParseError(OsfarmError, ValueError):
     """The model's reply has no valid action; the message says why."""
 
 

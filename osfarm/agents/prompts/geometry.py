@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 import struct
 
+from osfarm.errors import OsfarmError
+
 FACTOR = 28
 MIN_PIXELS = 100 * 28 * 28  # Qwen2.5-VL / UI-TARS defaults
 MAX_PIXELS = 16384 * 28 * 28
 MAX_ASPECT = 200
 
 
-class GeometryError(ValueError):
+class GeometryError(OsfarmError, ValueError):
     pass
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import redis
 from kombu.exceptions import OperationalError
 
+from osfarm.errors import EpisodeTimeout, InfraError
 from osfarm.http.retry import backoff_s
 from osfarm.runner.executors.celery_app import (
     TASK_NAME,
@@ -67,7 +68,7 @@ class CeleryExecutor:
             if done:
                 if state == "SUCCESS":
                     return result
-                raise RemoteEpisodeError(state, result)
+                raise worker_failure(state, result)
             await asyncio.sleep(self.poll_s)
 
     async def _retry(self, fn: Any) -> Any:
@@ -87,10 +88,26 @@ class CeleryExecutor:
         self.app.close()
 
 
-class RemoteEpisodeError(RuntimeError):
+class _WorkerFailure:
+    """What a failed episode job left: Celery's ``state`` (FAILURE, REVOKED) and its ``result``."""
+
     def __init__(self, state: str, result: Any):
         self.state = state
         self.result = result
         name = type(result).__name__ if isinstance(result, BaseException) else "error"
-        self.timed_out = name in ("TimeLimitExceeded", "SoftTimeLimitExceeded")
         super().__init__(f"worker {state.lower()}: {name}: {result}")
+
+
+class RemoteEpisodeError(_WorkerFailure, InfraError, RuntimeError):
+    """A worker's episode job failed (the worker crashed in it, the job was revoked): an infra error."""
+
+
+class RemoteEpisodeTimeout(_WorkerFailure, EpisodeTimeout, RuntimeError):
+    """Celery's time limit stopped a worker's episode job: the episode timed out."""
+
+
+def worker_failure(state: str, result: Any) -> RemoteEpisodeError | RemoteEpisodeTimeout:
+    """The error a failed job raises: a timeout if Celery's time limit stopped it, else an infra error."""
+    timed_out = isinstance(result, BaseException) and type(result).__name__ in ("TimeLimitExceeded",
+                                                                               "SoftTimeLimitExceeded")
+    return (RemoteEpisodeTimeout if timed_out else RemoteEpisodeError)(state, result)
