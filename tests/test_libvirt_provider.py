@@ -323,3 +323,28 @@ async def test_snapshot_reset_reverts_files_and_fixes_clock(vm_disk):
         await provider.close()
         shutil.rmtree(state, ignore_errors=True)
     assert domain_name(state, "s1") not in names
+
+
+@pytest.mark.timeout(900)
+async def test_gnome_vm_is_the_ubuntu_screen(vm_disk):
+    """desktop: gnome (on request on libvirt): the VM runs GNOME Shell in Ubuntu's session, and
+    the guest answers once the shell has laid out its top bar and dock (under TCG that takes over
+    a minute; answering earlier started tasks on a black screen)."""
+    state = new_state_dir()
+    provider = LibvirtProvider(settings_for(state, vm_disk))
+    handle = None
+    try:
+        handle = await provider.start("g1", DesktopSpec(width=SPEC.width, height=SPEC.height, desktop="gnome"))
+        print("libvirt gnome start:", handle.info)
+        assert (await sh(handle, "echo $XDG_CURRENT_DESKTOP $LANG")).split() == ["ubuntu:GNOME", "en_US.UTF-8"]
+        assert "gnome-shell --x11 --mode=ubuntu" in await sh(handle, "ps -eo args")
+        # the work area starts right of the dock and below the top bar
+        area = (await sh(handle, "xprop -root _NET_WORKAREA")).partition("=")[2].split(",")
+        x, y = int(area[0]), int(area[1])
+        assert 40 <= x <= 120 and 20 <= y <= 60, area
+        await check_guest(handle)
+    finally:
+        if handle is not None:
+            await provider.stop(handle)
+        await provider.close()
+        shutil.rmtree(state, ignore_errors=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from osfarm.config import FarmSettings, load_settings
 from osfarm.farm.api import UiMount
@@ -28,13 +28,24 @@ def local_farm_settings(envs: int, spares: int = 1, config: Path | None = None, 
     return load_settings(config, **{"port": 0, **overrides, "pool_min": n, "pool_max": n})
 
 
+@runtime_checkable
+class _OwnStartTimeout(Protocol):
+    """A provider that waits longer for a start than the settings say (libvirt under TCG)."""
+
+    start_timeout_s: float
+
+
 def start_local_farm(settings: FarmSettings, extra_wait_s: float = 30.0, ui: UiMount | None = None) -> FarmServer:
-    """Start the farm and wait for its warm pool (``start_timeout_s + extra_wait_s`` at most);
-    the caller stops it. The provider is made first, so a missing box tool/Xvfb/docker raises its
-    ProviderError (naming the fix) before anything starts; a farm that does not come up raises
-    RuntimeError."""
-    server = FarmServer(settings, make_provider(settings), ui=ui)
-    server.start(timeout=settings.start_timeout_s + extra_wait_s)
+    """Start the farm and wait for its warm pool (the provider's start timeout + ``extra_wait_s``
+    at most); the caller stops it. The provider is made first, so a missing box tool/Xvfb/docker
+    raises its ProviderError (naming the fix) before anything starts; a farm that does not come up
+    raises RuntimeError."""
+    provider = make_provider(settings)
+    start_s = settings.start_timeout_s
+    if isinstance(provider, _OwnStartTimeout):
+        start_s = max(start_s, provider.start_timeout_s)
+    server = FarmServer(settings, provider, ui=ui)
+    server.start(timeout=start_s + extra_wait_s)
     return server
 
 
