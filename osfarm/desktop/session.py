@@ -20,7 +20,6 @@ import overlaps Xvfb's start.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -32,14 +31,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 from osfarm.desktop import gnome
-from osfarm.desktop.a11y_bus import open_connection
+from osfarm.desktop.a11y_enable import A11Y_ENV, enable_dbus_send, enable_gio, launcher_runtime_dir
 from osfarm.desktop.agent_world import AgentWorld
+from osfarm.desktop.home_settings import DEFAULT_APPS, HOME_FILES, TOTEM_VIDEO_TYPES, home_files, write_missing
 from osfarm.desktop.process_tree import kill_tree
 from osfarm.desktop.xserver import Xvfb
 from osfarm.errors import InfraError
@@ -47,82 +46,9 @@ from osfarm.errors import InfraError
 log = logging.getLogger(__name__)
 
 ASSETS = Path(__file__).resolve().parent / "assets"
-# Settings from OSWorld's VM image: VLC's HTTP interface on 8080 with password "password"
-# (its getters read /requests/status.xml) and no first-run privacy dialog over the player, and
-# a graphical default for text files so that /setup/open_file of a .txt opens a window named
-# after the file.
-# Default apps as on OSWorld's Ubuntu (GNOME's defaults: Videos, i.e. Totem, plays videos and
-# Document Viewer, i.e. Evince, shows PDFs), except video/mp4, which opens in VLC there (task
-# 9f3bb592 opens an .mp4 and waits for "video.mp4 - VLC media player"). VLC is therefore the
-# default of one video type, not of most: the default_video_player getter counts every type
-# below, and task 937087b6 asks the agent to make VLC the default video player.
-# (tests/test_desktop_defaults.py checks these on a real desktop.)
-TOTEM_VIDEO_TYPES = (
-    "3gp", "3gpp", "3gpp2", "avi", "divx", "dv", "fli", "flv", "mp2t", "mp4", "mp4v-es", "mpeg",
-    "mpeg-system", "msvideo", "ogg", "quicktime", "vnd.divx", "vnd.mpegurl", "vnd.rn-realvideo", "webm",
-    "x-anim", "x-avi", "x-flc", "x-fli", "x-flv", "x-m4v", "x-matroska", "x-mpeg", "x-mpeg-system",
-    "x-mpeg2", "x-ms-asf", "x-ms-asf-plugin", "x-ms-asx", "x-ms-wm", "x-ms-wmv", "x-ms-wmx", "x-ms-wvx",
-    "x-msvideo", "x-nsv", "x-ogm", "x-ogm+ogg", "x-theora", "x-theora+ogg",
-)
-DEFAULT_APPS = {
-    "text/plain": "org.xfce.mousepad.desktop",
-    # text/csv is a kind of text/plain: without these gio would hand it to the editor.
-    "text/csv": "libreoffice-calc.desktop",
-    "text/tab-separated-values": "libreoffice-calc.desktop",
-    "application/pdf": "org.gnome.Evince.desktop",
-    "inode/directory": "org.gnome.Nautilus.desktop",
-    **{f"video/{t}": "org.gnome.Totem.desktop" for t in TOTEM_VIDEO_TYPES},
-    "video/mp4": "vlc.desktop",
-}
-
-
-def _mimeapps(apps: dict[str, str]) -> str:
-    return "[Default Applications]\n" + "".join(f"{k}={v}\n" for k, v in apps.items())
-
-
-HOME_FILES = {
-    ".config/vlc/vlcrc": ("[qt]\nqt-privacy-ask=0\n[core]\nextraintf=http\nhttp-port=8080\n"
-                          "[lua]\nhttp-password=password\n"),
-    # The box has no sound card: ALSA's default device is a sink that discards the samples, so
-    # players run at normal speed instead of failing with an "audio output failed" dialog.
-    ".asoundrc": "pcm.!default {\n    type null\n}\n",
-    ".config/mimeapps.list": _mimeapps(DEFAULT_APPS),
-    # LibreOffice as a used profile: no Tip of the Day dialog and no "what's new" bar over the
-    # first document, which would cover the screen an agent (or a reference solution) sees.
-    ".config/libreoffice/4/user/registrymodifications.xcu": (
-        '<?xml version="1.0" encoding="UTF-8"?>\n'
-        '<oor:items xmlns:oor="http://openoffice.org/2001/registry" '
-        'xmlns:xs="http://www.w3.org/2001/XMLSchema" '
-        'xmlns:xsi="http://www.w3.org/2001/XMLSchema-instance">\n'
-        '<item oor:path="/org.openoffice.Office.Common/Misc"><prop oor:name="ShowTipOfTheDay" '
-        'oor:op="fuse"><value>false</value></prop></item>\n'
-        '<item oor:path="/org.openoffice.Office.Common/Misc"><prop oor:name="FirstRun" '
-        'oor:op="fuse"><value>false</value></prop></item>\n'
-        '<item oor:path="/org.openoffice.Setup/Product"><prop oor:name="ooSetupLastVersion" '
-        'oor:op="fuse"><value>7.4</value></prop></item>\n'
-        '</oor:items>\n'
-    ),
-}
-
-
-
-def home_files(desktop: str) -> dict[str, str]:
-    """The files a fresh home of ``desktop`` gets (relative path -> text)."""
-    files = dict(HOME_FILES)
-    if desktop == "gnome":
-        files.update(gnome.HOME_FILES)
-        files[".config/mimeapps.list"] = _mimeapps({**DEFAULT_APPS, **gnome.DEFAULT_APPS})
-    return files
-
-
-# Environment every app of the desktop gets (accessibility on for GTK, Qt and LibreOffice).
-A11Y_ENV = {
-    "GTK_MODULES": "gail:atk-bridge",
-    "QT_ACCESSIBILITY": "1",
-    "QT_LINUX_ACCESSIBILITY_ALWAYS_ON": "1",
-    "SAL_USE_VCLPLUGIN": "gtk3",
-    "NO_AT_BRIDGE": "0",
-}
+# Also the names of home_settings and a11y_enable that the providers and tests import from here.
+__all__ = ["A11Y_ENV", "ASSETS", "DEFAULT_APPS", "HOME_FILES", "TOTEM_VIDEO_TYPES", "Session", "SessionConfig",
+           "SessionError", "SessionState", "home_files"]
 
 
 class SessionError(InfraError, RuntimeError):
@@ -238,16 +164,7 @@ class Session:
     def prepare_home(self) -> None:
         """App settings OSWorld's VM image has and its tasks rely on, written only where the
         home lacks them (a fresh sandbox home always does)."""
-        home = Path(self.config.home)
-        for rel, text in home_files(self.config.desktop).items():
-            path = home / rel
-            if path.exists():
-                continue
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
-            except OSError as e:
-                log.warning("cannot write %s: %s", path, e.strerror)
+        write_missing(Path(self.config.home), self.config.desktop)
 
     def build_env(self) -> None:
         env = dict(os.environ)
@@ -294,18 +211,11 @@ class Session:
                 # the agent's runtime dir exists only in the agent's mounts (and is 0700), so the
                 # launcher gets a dir in /tmp whose at-spi/ the guest made beforehand, sticky and
                 # open to all (at-spi-bus-launcher keeps an existing dir as it is).
-                env = {**env, "XDG_RUNTIME_DIR": self._a11y_runtime_dir()}
+                env = {**env, "XDG_RUNTIME_DIR": launcher_runtime_dir()}
         proc = subprocess.Popen(argv, env=env, pass_fds=pass_fds,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         self.procs[name] = proc
         return proc
-
-    def _a11y_runtime_dir(self) -> str:
-        base = Path(tempfile.mkdtemp(prefix="osfarm-a11y-"))
-        base.chmod(0o1777)  # the launcher's dconf writes here too
-        (base / "at-spi").mkdir(mode=0o1777)
-        (base / "at-spi").chmod(0o1777)
-        return str(base)
 
     def start_dbus(self, timeout: float = 5.0, link_wait: bool = True) -> subprocess.Popen[bytes] | None:
         """The agent's session bus; its address linked where Ubuntu has it (``link_wait`` False:
@@ -447,7 +357,7 @@ class Session:
             launcher = self.config.atspi_launcher
             if os.path.exists(launcher):
                 self._spawn("atspi", [launcher, "--launch-immediately", "--a11y=1"], as_agent=True)
-                if not self._enable_a11y_gio(mark):
+                if not enable_gio(self.dbus_address, self.env, mark, stop=lambda: self.stopping):
                     self._enable_a11y(poll_s=0.01)  # without gi: dbus-send, looked at more often
                     mark("registry")
             else:
@@ -471,99 +381,11 @@ class Session:
             else:
                 log.warning("%s not found; no accessibility tree", launcher)
 
-    def _enable_a11y_gio(self, mark: Callable[[str], None], timeout: float = 10.0) -> bool:
-        """What :meth:`_enable_a11y` and :meth:`_start_registry` do, with in-process D-Bus calls
-        (Gio) instead of a ``dbus-send`` process each (a warm reset waits for them); False where
-        gi is missing (nothing done then)."""
-        try:
-            from gi.repository import Gio, GLib
-        except ImportError:
-            return False
-        deadline = time.monotonic() + timeout
-
-        def call(conn: Any, dest: str, path: str, iface: str, method: str, args: Any, reply: str | None) -> Any:
-            left = max(1, int((deadline - time.monotonic()) * 1000))
-            return conn.call_sync(dest, path, iface, method, args, GLib.VariantType(reply) if reply else None,
-                                  Gio.DBusCallFlags.NONE, left, None).unpack()
-
-        bus = ("org.freedesktop.DBus", "/org/freedesktop/DBus", "org.freedesktop.DBus")
-        conns = []
-        try:
-            conn = open_connection(self.dbus_address, 2000)
-            conns.append(conn)
-            while not call(conn, *bus, "NameHasOwner", GLib.Variant("(s)", ("org.a11y.Bus",)), "(b)")[0]:
-                if time.monotonic() > deadline or self.stopping:
-                    log.warning("AT-SPI bus did not come up; /accessibility will be empty")
-                    return True
-                time.sleep(0.002)
-            mark("a11y_bus")
-            call(conn, "org.a11y.Bus", "/org/a11y/bus", "org.freedesktop.DBus.Properties", "Set",
-                 GLib.Variant("(ssv)", ("org.a11y.Status", "IsEnabled", GLib.Variant("b", True))), None)
-            address = call(conn, "org.a11y.Bus", "/org/a11y/bus", "org.a11y.Bus", "GetAddress", None, "(s)")[0]
-            if not address:
-                return True
-            # as _start_registry: apps launched from now on get the bus directly
-            self.env["AT_SPI_BUS_ADDRESS"] = address
-            os.environ["AT_SPI_BUS_ADDRESS"] = address
-            a11y = open_connection(address, 2000)
-            conns.append(a11y)
-            call(a11y, *bus, "StartServiceByName", GLib.Variant("(su)", ("org.a11y.atspi.Registry", 0)), "(u)")
-        except GLib.Error as e:
-            log.warning("enabling AT-SPI failed: %s", e.message)
-            return True
-        finally:
-            for c in conns:
-                with contextlib.suppress(Exception):
-                    c.close_sync(None)
-        mark("registry")
-        return True
-
     def _enable_a11y(self, poll_s: float = 0.05) -> None:
-        """Set org.a11y.Status.IsEnabled once the bus launcher owns its name.
-
-        ``--a11y=1`` already asks for it; setting the property too covers launcher versions
-        that ignore the flag, and GTK apps started later read it at startup.
-        """
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not self.stopping:
-            r = subprocess.run(
-                ["dbus-send", "--session", "--print-reply", "--dest=org.freedesktop.DBus",
-                 "/org/freedesktop/DBus", "org.freedesktop.DBus.NameHasOwner", "string:org.a11y.Bus"],
-                capture_output=True, text=True, env=self.env,
-            )
-            if "boolean true" in r.stdout:
-                subprocess.run(
-                    ["dbus-send", "--session", "--print-reply", "--dest=org.a11y.Bus", "/org/a11y/bus",
-                     "org.freedesktop.DBus.Properties.Set", "string:org.a11y.Status",
-                     "string:IsEnabled", "variant:boolean:true"],
-                    capture_output=True, env=self.env,
-                )
-                self._start_registry()
-                self.mark("a11y_ready_ms")
-                return
-            time.sleep(poll_s)
-        if not self.stopping:
-            log.warning("AT-SPI bus did not come up; /accessibility will be empty")
-
-    def _start_registry(self) -> None:
-        """Start at-spi2-registryd now (it is D-Bus-activated on the a11y bus, normally by the
-        first app), so the bus answers health checks and the first tree request is not slowed."""
-        r = subprocess.run(
-            ["dbus-send", "--session", "--print-reply=literal", "--dest=org.a11y.Bus", "/org/a11y/bus",
-             "org.a11y.Bus.GetAddress"], capture_output=True, text=True, env=self.env,
-        )
-        address = r.stdout.strip()
-        if r.returncode != 0 or not address:
-            return
-        # Apps launched from now on get the bus directly instead of reading it from the X root
-        # window, which any client of this display may overwrite.
-        self.env["AT_SPI_BUS_ADDRESS"] = address
-        os.environ["AT_SPI_BUS_ADDRESS"] = address
-        subprocess.run(
-            ["dbus-send", f"--bus={address}", "--print-reply", "--dest=org.freedesktop.DBus",
-             "/org/freedesktop/DBus", "org.freedesktop.DBus.StartServiceByName",
-             "string:org.a11y.atspi.Registry", "uint32:0"], capture_output=True, env=self.env,
-        )
+        """Switch the AT-SPI bus on and start its registry (osfarm.desktop.a11y_enable), with
+        ``dbus-send``; marks ``a11y_ready_ms`` once done."""
+        if enable_dbus_send(self.env, stop=lambda: self.stopping, poll_s=poll_s):
+            self.mark("a11y_ready_ms")
 
     # ---- running
 
