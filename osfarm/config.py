@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from osfarm.errors import OsfarmError
+from osfarm.host_kvm import vms_run_under_kvm
 
 
 def default_state_dir() -> Path:
@@ -87,7 +88,7 @@ class FarmSettings(BaseSettings):
         default=None, description="the desktop session. gnome: OSWorld's Ubuntu 22.04 screen (GNOME Shell with "
         "the top bar, the Ubuntu Dock on the left, Yaru, the Ubuntu font; osfarm/desktop/gnome.py). light: openbox "
         "with a tint2 panel, the cheapest desktop. Every lease, results.json row and episode record says which ran. "
-        "Default: gnome; light on the libvirt provider (gnome runs there on request)",
+        "Default: gnome; light on the libvirt provider where its VMs run under TCG emulation (no usable KVM)",
     )
     desktop_timezone: str = Field(
         default="America/Los_Angeles", pattern=r"^[A-Za-z0-9_+-]+(/[A-Za-z0-9_+-]+)*$",
@@ -161,8 +162,9 @@ class FarmSettings(BaseSettings):
     @model_validator(mode="after")
     def _desktop_and_zone(self) -> FarmSettings:
         if self.desktop is None:
-            # GNOME Shell in a VM is opt-in: under TCG it died once during a task's setup (docs/desktop.md)
-            self.desktop = "light" if self.provider == "libvirt" else "gnome"
+            # libvirt VMs under TCG emulation get the light desktop: GNOME Shell there is slow to
+            # start and once died during a task's setup (docs/osworld-compat.md)
+            self.desktop = "light" if self.provider == "libvirt" and not vms_run_under_kvm() else "gnome"
         # a GNOME box's /etc/localtime links to /usr/share/zoneinfo/<zone> (the host's /usr): a
         # zone missing there would silently be UTC in the box
         zone = self.desktop_timezone

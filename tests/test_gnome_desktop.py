@@ -29,6 +29,7 @@ from osfarm.desktop.box_init import BoxInitError, write_etc
 from osfarm.desktop.fingerprint_diff import differences
 from osfarm.desktop.gnome import session_env, timezone_files
 from osfarm.farm.server import FarmServer
+from osfarm.host_kvm import vms_run_under_kvm
 from tests.farms import running_farm
 
 pytestmark = pytest.mark.slow
@@ -150,9 +151,15 @@ def test_gnome_is_the_default_desktop_where_its_provider_runs_it_well(monkeypatc
     assert FarmSettings().desktop == "gnome"
     assert FarmSettings(provider="sandbox").desktop == "gnome"
     assert FarmSettings(provider="docker").desktop == "gnome"
-    # GNOME on libvirt is on request (tests/test_libvirt_provider.py boots one); light by default
+    # libvirt: GNOME where its VMs run under KVM, light under TCG emulation; gnome on request anywhere
+    # (tests/test_libvirt_provider.py boots one)
+    monkeypatch.setenv("OSFARM_LIBVIRT_ACCEL", "kvm")
+    assert FarmSettings(provider="libvirt").desktop == "gnome"
+    monkeypatch.setenv("OSFARM_LIBVIRT_ACCEL", "tcg")
     assert FarmSettings(provider="libvirt").desktop == "light"
     assert FarmSettings(provider="libvirt", desktop="gnome").desktop == "gnome"
+    monkeypatch.delenv("OSFARM_LIBVIRT_ACCEL")
+    assert FarmSettings(provider="libvirt").desktop == ("gnome" if vms_run_under_kvm() else "light")
     monkeypatch.setenv("OSFARM_DESKTOP", "light")
     assert FarmSettings().desktop == "light"
 

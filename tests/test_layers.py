@@ -84,6 +84,7 @@ NEUTRAL = {
     "osfarm.http": ("bearer auth and error-reply parsing shared by the guest server, the farm and the clients; "
                     "GuestError, which the task lifecycle's guest client raises and the evaluators catch"),
     "osfarm.host_paths": "task-given host paths confined to a folder; the task lifecycle and the evaluators use it",
+    "osfarm.host_kvm": "whether KVM can run our VMs: the libvirt provider's accelerator, the settings' default desktop",
     "osfarm.errors": ("the exception hierarchy: OsfarmError, and the InfraError / EpisodeTimeout branches the runner "
                       "tells episodes' ends apart by; imports nothing of osfarm"),
 }

@@ -48,7 +48,7 @@ DCONF_PROFILE = f"user-db:user\nsystem-db:{DCONF_DB}\n"
 
 
 # What Ubuntu's defaults.list gives on top of the light desktop's choices: gedit for text, eog for
-# images (merged over session.DEFAULT_APPS).
+# images (merged over home_settings.DEFAULT_APPS).
 DEFAULT_APPS = {
     "text/plain": "org.gnome.gedit.desktop",
     **{f"image/{t}": "org.gnome.eog.desktop" for t in ("png", "jpeg", "gif", "bmp", "tiff", "webp", "svg+xml",

@@ -12,28 +12,13 @@ import logging
 import os
 from typing import Any
 
+from osfarm.host_kvm import kvm_usable
 from osfarm.providers.base import ProviderError
 
 # The libvirt provider's log: these are its warnings.
 log = logging.getLogger("osfarm.providers.libvirt")
 
 TCG_MIN_START_TIMEOUT_S = 900.0
-
-
-def kvm_usable() -> str | None:
-    """None when /dev/kvm can run our VMs, else why not."""
-    if not os.path.exists("/dev/kvm"):
-        return "/dev/kvm does not exist (no hardware virtualisation, or the kvm module is not loaded)"
-    if os.path.isdir("/sys/module/kvm_pvm"):
-        # PVM (nested virtualisation without hardware support) only runs guest kernels built
-        # for it; a stock Debian kernel hangs right after its decompressor.
-        return "/dev/kvm is KVM-PVM, which boots only PVM guest kernels"
-    try:
-        fd = os.open("/dev/kvm", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as e:
-        return f"/dev/kvm cannot be opened: {e.strerror} (add this user to the kvm group)"
-    os.close(fd)
-    return None
 
 
 def connect(lv: Any, uri: str) -> Any:
