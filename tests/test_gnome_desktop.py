@@ -27,7 +27,7 @@ from osfarm.client import Farm, RemoteDesktop
 from osfarm.config import FarmSettings
 from osfarm.desktop.box_init import BoxInitError, write_etc
 from osfarm.desktop.fingerprint_diff import differences
-from osfarm.desktop.gnome import session_env, timezone_files
+from osfarm.desktop.gnome import session_env, shell_respawn_wait_s, timezone_files
 from osfarm.farm.server import FarmServer
 from osfarm.host_kvm import vms_run_under_kvm
 from tests.farms import running_farm
@@ -231,6 +231,28 @@ def test_ctrl_alt_t_opens_gnome_terminal(desk: RemoteDesktop) -> None:
     desk.step({"action_type": "HOTKEY", "parameters": {"keys": ["ctrl", "alt", "t"]}})
     w = wait_window(desk, "terminal")
     assert "gnome-terminal" in w.wm_class.lower(), w
+
+
+def test_a_killed_shell_comes_back(desk: RemoteDesktop) -> None:
+    # as gnome-session does on Ubuntu: the top bar and the dock return, windows are managed again
+    before = sh(desk, "pgrep -x gnome-shell").split()
+    assert len(before) == 1, before
+    sh(desk, "pkill -KILL -x gnome-shell")
+    deadline = time.monotonic() + 90
+    now: list[str] = []
+    while time.monotonic() < deadline:
+        now = sh(desk, "pgrep -x gnome-shell").split()
+        if now and now != before:
+            break
+        time.sleep(0.5)
+    assert now and now != before, f"no new GNOME Shell after the old one ({before}) was killed"
+    wait_shell_ready(desk, timeout=90)
+    desk.step({"action_type": "HOTKEY", "parameters": {"keys": ["ctrl", "alt", "t"]}})
+    assert "gnome-terminal" in wait_window(desk, "terminal").wm_class.lower()
+
+
+def test_shell_restarts_back_off() -> None:
+    assert [shell_respawn_wait_s(n) for n in range(8)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
 
 
 def test_timedatectl_changes_the_time_zone(desk: RemoteDesktop) -> None:

@@ -78,6 +78,21 @@ ON_DEMAND_WINDOW_CLASSES = frozenset({"org.gnome.Shell.Screencast"})
 # screen). A farm's start timeout (60 s by default; 900 s for a TCG VM) ends a start that takes longer.
 SHELL_READY_S = 300.0
 
+# The session's shell watcher (osfarm.desktop.session.Session._watch_shell): how often it looks,
+# and the window in which recent restarts count towards its back-off.
+SHELL_WATCH_S = 0.5
+SHELL_RESPAWN_WINDOW_S = 300.0
+SHELL_RESPAWN_MAX_WAIT_S = 30.0
+
+
+def shell_respawn_wait_s(recent_restarts: int) -> float:
+    """How long after the last restart the shell may be started again, given how many restarts
+    the last ``SHELL_RESPAWN_WINDOW_S`` saw: at once the first time, then 1, 2, 4 ... s, at most
+    ``SHELL_RESPAWN_MAX_WAIT_S`` (a shell that dies at every start costs a start per 30 s)."""
+    if recent_restarts <= 0:
+        return 0.0
+    return min(SHELL_RESPAWN_MAX_WAIT_S, 2.0 ** (recent_restarts - 1))
+
 
 class GnomeMissing(OsfarmError, RuntimeError):
     """GNOME Shell or one of its parts is not installed where the desktop runs."""

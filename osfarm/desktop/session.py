@@ -122,6 +122,9 @@ class Session:
         except ValueError:
             self.box_times = {}
         self._state_lock = threading.Lock()
+        # held while the agent's buses and shell are (re)started, so the shell's watcher never
+        # starts a shell in the middle of a warm reset's restart (osfarm/desktop/warm.py)
+        self._agent_procs_lock = threading.RLock()
         self._published = False  # the state file is written: later marks write it again
         self.stopping = False
         # Set by a box's init (osfarm.desktop.box_init): the agent's processes (apps, the buses
@@ -295,6 +298,7 @@ class Session:
                 self.mark("wm_ready_ms")
             elif not self.stopping:
                 log.warning("GNOME Shell's top bar and dock did not come up in %.0f s", gnome.SHELL_READY_S)
+            threading.Thread(target=self._watch_shell, daemon=True, name="shell-watch").start()
             return
         if not self.config.no_wm:
             self._spawn("openbox", ["openbox", "--config-file", str(ASSETS / "openbox-rc.xml")])
@@ -319,17 +323,54 @@ class Session:
         if not self.dbus_address:
             raise SessionError("GNOME Shell needs the session bus, which did not start")
         self._spawn("system-bus", gnome.system_bus_command(), as_agent=True, agent_root=True)
+        self._start_shell()
+        for name, cmd in gnome.settings_daemon_commands().items():
+            self._spawn(name, cmd, as_agent=True)
+
+    def _start_shell(self) -> None:
         # the shell connects to the system bus as it starts: wait for its socket (the agent's /run)
         wait_bus = (f"i=0; while [ ! -S {gnome.SYSTEM_BUS_SOCKET} ] && [ $i -lt 250 ]; do sleep 0.02; "
                     "i=$((i+1)); done; exec \"$0\" \"$@\"")
         self._spawn("gnome-shell", ["/bin/sh", "-c", wait_bus, *gnome.shell_command()], as_agent=True)
-        for name, cmd in gnome.settings_daemon_commands().items():
-            self._spawn(name, cmd, as_agent=True)
+
+    def _watch_shell(self) -> None:
+        """Start GNOME Shell again when it exits, as Ubuntu's gnome-session does: without it the
+        screen has no top bar, dock or window management, and nothing else would notice (the shell
+        is the agent's process: it may be killed or crash; a health check failing on it would let
+        an agent turn its own failures into infra errors). A shell that dies while the session bus
+        is gone too is a warm reset's kill, whose restart starts the shell itself; the shell must be
+        seen dead twice in a row, so the kill rounds' order cannot fool the check. Restarts back off
+        (``gnome.SHELL_RESPAWN_BACKOFF_S``) so a shell that keeps dying costs little."""
+        seen_dead = 0
+        restarts: list[float] = []
+        while not self.stopping:
+            time.sleep(gnome.SHELL_WATCH_S)
+            with self._agent_procs_lock:
+                shell, bus = self.procs.get("gnome-shell"), self.procs.get("dbus")
+                if self.stopping or shell is None or shell.poll() is None or bus is None or bus.poll() is not None:
+                    seen_dead = 0
+                    continue
+                seen_dead += 1
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < gnome.SHELL_RESPAWN_WINDOW_S]
+                wait_s = gnome.shell_respawn_wait_s(len(restarts))
+                if seen_dead < 2 or (restarts and now - restarts[-1] < wait_s):
+                    continue
+                log.warning("GNOME Shell exited (code %s): starting it again", shell.returncode)
+                restarts.append(now)
+                seen_dead = 0
+                gnome.clear_workarea(self.display)
+                self._start_shell()
+                self.write_state()  # the shell's new pid
 
     def restart_agent_buses(self) -> dict[str, float]:
         """Start the agent's buses anew once a warm reset killed them (osfarm/desktop/warm.py):
         no process of the agent's survives a reset, not even one a task could have tampered with.
         Returns when the accessibility registry runs, with the ms each step took since the start."""
+        with self._agent_procs_lock:
+            return self._restart_agent_buses()
+
+    def _restart_agent_buses(self) -> dict[str, float]:
         t0 = time.perf_counter()
         steps: dict[str, float] = {}
 
