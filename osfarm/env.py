@@ -73,12 +73,14 @@ SETTLE_S = 1.0
 Action = str | dict[str, Any]
 Special = Literal["WAIT", "DONE", "FAIL"]
 SPECIAL_ACTIONS: tuple[Special, ...] = ("WAIT", "DONE", "FAIL")
+Ending = Literal["DONE", "FAIL"]
+ENDINGS: tuple[Ending, ...] = ("DONE", "FAIL")
 
 
 def special_action(action: Action) -> Special | None:
     """``"DONE"`` for ``"DONE"`` or ``{"action_type": "DONE"}``; None for an ordinary action."""
     kind = action.get("action_type") if isinstance(action, dict) else action
-    return kind if kind in SPECIAL_ACTIONS else None  # type: ignore[return-value]
+    return kind if kind in SPECIAL_ACTIONS else None
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -278,7 +280,7 @@ class TaskEnv:
             raise RuntimeError("call reset(task) before step()")
         if self._ended:
             raise RuntimeError("the episode has ended: call reset(task) to start another")
-        batch = list(actions) if isinstance(actions, (list, tuple)) else [actions]
+        batch: list[Action] = [actions] if isinstance(actions, (str, dict)) else list(actions)
         self.steps += 1
         i = self.steps
         out = StepOutcome(index=i, actions=batch or ["WAIT"])
@@ -310,9 +312,9 @@ class TaskEnv:
         if batch:
             self.last_action = batch[-1]
         # the guest stops at the first failing action, so a DONE after it is looked for here too
-        done = sr.done or next((special_action(a) for a in batch if special_action(a) in ("DONE", "FAIL")), None)
+        done = sr.done or next((s for s in map(special_action, batch) if s in ENDINGS), None)
         if done:
-            out.done = done  # type: ignore[assignment]
+            out.done = done
             self.last_action = {"action_type": done} if isinstance(self.last_action, dict) else done
         terminated = done is not None
         truncated = not terminated and self.steps >= self.max_steps

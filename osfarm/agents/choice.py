@@ -21,7 +21,7 @@ import asyncio
 import base64
 from typing import Any
 
-from osfarm.agents.base import Action, BaseAgent
+from osfarm.agents.base import Action, ActionSpace, BaseAgent
 from osfarm.agents.chat_client import ChatClient, ChatResult, PolicyBadResponse
 
 SYSTEM_PROMPT = "You control a Linux desktop. Answer with the number of the action to take."
@@ -29,7 +29,7 @@ SYSTEM_PROMPT = "You control a Linux desktop. Answer with the number of the acti
 
 class ChoiceAgent(BaseAgent):
     name = "choice"
-    action_space = "pyautogui"
+    action_space: ActionSpace = "pyautogui"
 
     def __init__(self, base_url: str | None = None, model: str = "policy", *, choices: list[str] | None = None,
                  temperature: float = 1.0, timeout_s: float = 120.0, screenshot: bool = True,

@@ -107,13 +107,14 @@ class VLMAgent(BaseAgent):
     def __init__(self, **options: Any) -> None:
         o = parse_options(options)
         fmt_name = o.prompt_format or o.action_space or "pyautogui"
+        space: ActionSpace
         if o.prompt_format == "uitars":
-            space: ActionSpace = o.action_space or "pyautogui"
+            space = o.action_space or "pyautogui"
             self.format = make_format("uitars", coordinates=o.coordinates, min_pixels=o.min_pixels,
                                       max_pixels=o.max_pixels, language=o.language)
         else:
-            self.format = make_format(fmt_name)
-            space = fmt_name  # type: ignore[assignment]
+            space = o.prompt_format or o.action_space or "pyautogui"  # the format writes its own space
+            self.format = make_format(space)
             if o.action_space is not None and o.action_space != space:
                 raise ValueError(f"vlm agent: prompt format {fmt_name!r} writes {space} actions, not "
                                  f"{o.action_space}; use --action-space {space}")

@@ -157,18 +157,18 @@ class AgentFiles:
         the program it runs, so nothing it says is trusted to be small or well-formed)."""
         proc = subprocess.Popen(self._argv(*args), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=self.env)
+        assert proc.stdout is not None and proc.stderr is not None  # both are PIPEs
         timer = threading.Timer(HELPER_TIMEOUT_S, proc.kill)
         timer.start()
         try:
-            assert proc.stdout is not None and proc.stderr is not None
             out = proc.stdout.read(MAX_REPLY_BYTES + 1)
             err = proc.stderr.read(4096) if len(out) <= MAX_REPLY_BYTES else b""
         finally:
             timer.cancel()
             proc.kill()
             proc.wait()
-            proc.stdout.close()  # type: ignore[union-attr]
-            proc.stderr.close()  # type: ignore[union-attr]
+            proc.stdout.close()
+            proc.stderr.close()
         if len(out) > MAX_REPLY_BYTES:
             raise AgentFileError("helper", f"the file helper's reply is over {MAX_REPLY_BYTES} bytes")
         return _header(out.split(b"\n", 1)[0], err)

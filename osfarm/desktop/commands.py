@@ -37,7 +37,13 @@ def as_agent(command: Command, shell: bool, cwd: str | None, agent: AgentWorld |
     same command run as the agent's user in its namespaces (``nsenter`` opens ``cwd``)."""
     if agent is None:
         return command, shell, cwd, None
-    argv = ["/bin/sh", "-c", command] if shell else ([command] if isinstance(command, str) else list(command))
+    argv: list[str]
+    if not shell:
+        argv = [command] if isinstance(command, str) else list(command)
+    elif isinstance(command, str):
+        argv = ["/bin/sh", "-c", command]
+    else:  # as Popen(shell=True) runs a list: the script, then its $0, $1, ...
+        argv = ["/bin/sh", "-c", *command]
     return agent.command(argv, cwd), False, None, agent.env(dict(os.environ))
 
 

@@ -85,7 +85,7 @@ def _agent_world_view() -> dict[str, Any]:
                     a, b = left.split(), right.split()
                     rows.append(" ".join([a[4], a[5], b[0], normalise(b[2]) if len(b) > 2 else ""]))
             root = f"/proc/{pid}/root/etc"
-            loader = {}
+            loader: dict[str, str | None] = {}  # None: the file does not exist
             for name in ("ld.so.preload", "ld.so.cache"):
                 try:
                     fd = os.open(f"{root}/{name}", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)

@@ -28,6 +28,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -111,7 +112,7 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        err = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
+        err: dict[str, Any] = errors[0] if errors else {"loc": ("body",), "msg": "invalid request", "type": ""}
         loc = [str(p) for p in err.get("loc", ())]
         if err.get("type") == "json_invalid":
             return JSONResponse({"detail": f"body: invalid JSON: {err.get('ctx', {}).get('error', err['msg'])}"}, 400)

@@ -15,6 +15,7 @@ import select
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
@@ -35,10 +36,11 @@ KEEP_ALIVE_S = 75
 
 
 class _Server(uvicorn.Server):
-    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises captured signals after serving; the session must clean up first,
         # so serve() handles signals itself.
-        return contextlib.nullcontext()
+        yield
 
 
 def _bound_port(server: uvicorn.Server) -> int | None:

@@ -165,7 +165,7 @@ async def step(req: StepRequest, desk: DesktopDep) -> StepResult:
         raise HTTPException(422, str(e)) from None
     results, done = await run_in_threadpool(run_actions, desk, actions, req.code_timeout, req.timing)
     obs = await run_in_threadpool(observe, desk, req.observe) if req.observe is not None else None
-    return StepResult(results=results, done=done, observation=obs,  # type: ignore[arg-type]
+    return StepResult(results=results, done=done, observation=obs,
                       t_env_ms=round((time.perf_counter() - t0) * 1000, 2))
 
 

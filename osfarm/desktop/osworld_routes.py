@@ -82,15 +82,15 @@ def directory_tree(path: str, max_entries: int = 200_000) -> dict[str, Any]:
             entries = sorted(os.scandir(p), key=lambda e: e.name)
         except OSError as e:
             return {"error": str(e)}
-        for e in entries:
+        for entry in entries:
             count += 1
             if count > max_entries:
                 break
             try:
-                is_dir = e.is_dir(follow_symlinks=False)
+                is_dir = entry.is_dir(follow_symlinks=False)
             except OSError:
                 is_dir = False
-            node["children"].append(walk(e.path) if is_dir else {"type": "file", "name": e.name})
+            node["children"].append(walk(entry.path) if is_dir else {"type": "file", "name": entry.name})
         return node
 
     return walk(path)

@@ -326,9 +326,8 @@ class InputController:
         elif isinstance(a, KeyUp):
             self._refresh_if_changed()
             key = a.parameters.key
-            codes = self._held.pop(key, None)
-            if codes is None:
-                codes = [self._resolve_key(key, "parameters.key")[0]]
+            held = self._held.pop(key, None)
+            codes = [self._resolve_key(key, "parameters.key")[0]] if held is None else held
             for c in reversed(codes):
                 self._key(c, False)
         elif isinstance(a, Hotkey):

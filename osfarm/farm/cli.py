@@ -79,7 +79,7 @@ def add(
         raise _fail(f"{file}: a client named {name!r} exists; remove it first (`osfarm tokens remove`)", 2)
     token = new_token()
     try:
-        entry = TokenEntry(name=name, role=role, sha256=token_digest(token), max_leases=max_leases,  # type: ignore[arg-type]
+        entry = TokenEntry(name=name, role=role, sha256=token_digest(token), max_leases=max_leases,
                            max_ttl_s=max_ttl)
     except ValueError as e:
         raise _fail(f"{name}: {e}", 2) from None

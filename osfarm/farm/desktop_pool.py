@@ -97,6 +97,9 @@ class DesktopPool:
         self.clock = clock
         self.registry = registry
         self.on_crash = on_crash
+        if settings.desktop is None:
+            raise ValueError("settings.desktop is None: FarmSettings' validator chooses the desktop; "
+                             "these settings were built without validation")
         self.spec = DesktopSpec(
             width=settings.width,
             height=settings.height,

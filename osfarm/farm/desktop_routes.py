@@ -128,7 +128,7 @@ async def screenshot(
 ) -> Response:
     r = await state.guest_call(lease, "GET", "/v1/screenshot",
                                params={"format": format, "scale": str(scale), "quality": str(quality)})
-    size = {k: r.headers[k] for k in ("x-image-width", "x-image-height") if k in r.headers}
+    size: dict[str, str] = {k: r.headers[k] for k in ("x-image-width", "x-image-height") if k in r.headers}
     return Response(r.content, media_type=r.headers.get("content-type", f"image/{format}"), headers=size)
 
 

@@ -143,8 +143,8 @@ class LeasePool:
         self._boxes.seq = max(self._boxes.seq, got.last_seq)
         for desktop_id in got.dropped:
             self.registry.drop_desktop(desktop_id)
-        for sl, why in got.ended:
-            self._end_saved(sl, why)
+        for ended, why in got.ended:
+            self._end_saved(ended, why)
         for a in got.adopted:
             handle, sl = a.handle, a.lease
             d = Desktop(id=a.desktop_id, state=LEASED if sl is not None else READY, since=now, handle=handle)

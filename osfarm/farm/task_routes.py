@@ -128,8 +128,10 @@ class EvaluateReply(BaseModel):
     t_ms: float
 
 
-_ERRORS = {404: {"model": ErrorBody}, 409: {"model": ErrorBody}, 410: {"model": ErrorBody},
-           422: {"model": ErrorBody}, 424: {"model": ErrorBody}, 502: {"model": ErrorBody}}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorBody}, 409: {"model": ErrorBody}, 410: {"model": ErrorBody},
+    422: {"model": ErrorBody}, 424: {"model": ErrorBody}, 502: {"model": ErrorBody},
+}
 
 
 def validate_task(data: dict[str, Any]) -> Task:

@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from osfarm.http.auth import ASGIApp, Receive, Scope, Send
+from osfarm.http.auth import ASGIApp, Message, Receive, Scope, Send
 
 
 class BodyTooLarge(Exception):
@@ -75,7 +75,7 @@ class BodyLimit:
         over = False
         started = False
 
-        async def counted() -> dict:
+        async def counted() -> Message:
             nonlocal seen, over
             message = dict(await receive())
             if message["type"] == "http.request":
@@ -85,7 +85,7 @@ class BodyLimit:
                     raise BodyTooLarge(_too_large(scope, rule, f"more than {limit} bytes"))
             return message
 
-        async def guarded(message: dict) -> None:
+        async def guarded(message: Message) -> None:
             nonlocal started
             if over and not started:
                 return  # the app's own answer to the cut-off body is replaced by the 413 below

@@ -141,7 +141,10 @@ async def check_url(url: str, policy: DownloadPolicy) -> None:
     except OSError as e:
         raise DownloadError(url, f"cannot resolve {host}: {e}", retryable=True) from None
     for info in infos:
-        addr = ipaddress.ip_address(info[4][0].split("%", 1)[0])
+        ip = info[4][0]
+        if not isinstance(ip, str):  # AF_INET/AF_INET6 give text; anything else is no public address
+            raise DownloadRefused(url, f"host {host} resolves to a non-IP address {ip!r}")
+        addr = ipaddress.ip_address(ip.split("%", 1)[0])
         if not addr.is_global:
             raise DownloadRefused(url, f"host {host} resolves to the non-public address {addr}; name it on the "
                                        f"allow-list to download from it")

@@ -85,7 +85,7 @@ def parse_token_list(text: str, source: str = "OSFARM_TOKENS") -> list[tuple[str
             raise ConfigError(f"{where} ({name}): max_leases and max_ttl_s must be numbers") from None
         if (max_leases is not None and max_leases < 1) or (max_ttl is not None and max_ttl <= 0):
             raise ConfigError(f"{where} ({name}): max_leases must be >= 1 and max_ttl_s > 0")
-        out.append((digest, Principal(name, role, max_leases, max_ttl)))  # type: ignore[arg-type]
+        out.append((digest, Principal(name, role, max_leases, max_ttl)))
     return out
 
 

@@ -252,9 +252,10 @@ def build_libvirt_disk(
         step(f"docker build {image} (FROM {base_image})")
         img_id = build_vm_image(base_image, image)
     else:
-        img_id = image_id(image)
-        if img_id is None:
+        found = image_id(image)
+        if found is None:
             raise DiskBuildError(f"image {image} not found: build it (`osfarm image build-vm`)")
+        img_id = found
     if (
         not force
         and old is not None

@@ -161,7 +161,7 @@ def _choice(engine: PolicyEngine, c: Choice, req: ChatCompletionRequest) -> Chat
     return ChatChoice(
         index=c.index,
         message=AssistantMessage(content=c.text),
-        finish_reason=c.finish_reason,  # type: ignore[arg-type]
+        finish_reason=c.finish_reason,
         logprobs=None if c.logprobs is None else _logprobs(engine, req, c.token_ids, c.logprobs, c.top_logprobs),
         token_ids=c.token_ids,
     )
@@ -209,7 +209,7 @@ def _stream(server: ServerState, req: ChatCompletionRequest, prepared: Prepared)
     def delta_chunk(d: ChoiceDelta, completion: int) -> ChatCompletionChunk:
         lps = None if d.logprobs is None else _logprobs(engine, req, d.token_ids, d.logprobs, d.top_logprobs)
         choice = ChunkChoice(index=d.index, delta=DeltaMessage(content=d.text), logprobs=lps,
-                             finish_reason=d.finish_reason, token_ids=d.token_ids)  # type: ignore[arg-type]
+                             finish_reason=d.finish_reason, token_ids=d.token_ids)
         return chunk([choice], completion)
 
     async def body() -> AsyncIterator[str]:
@@ -222,9 +222,15 @@ def _stream(server: ServerState, req: ChatCompletionRequest, prepared: Prepared)
 
         metrics.inflight.inc()
         future = loop.run_in_executor(server.gen_pool, engine.run, prepared, emit, cancel)
+
         # the end of the deltas; and the outcome of a generation nobody reads any more (client
         # gone) is still retrieved, so no "exception was never retrieved" noise
-        future.add_done_callback(lambda f: (queue.put_nowait(_END), None if f.cancelled() else f.exception()))
+        def generation_done(f: asyncio.Future[Any]) -> None:
+            queue.put_nowait(_END)
+            if not f.cancelled():
+                f.exception()
+
+        future.add_done_callback(generation_done)
         outcome = "disconnected"
         completion = 0
         t0 = time.perf_counter()

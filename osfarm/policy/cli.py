@@ -15,7 +15,7 @@ from rich.console import Console
 
 from osfarm.http.hosts import is_loopback_host
 from osfarm.policy.engine import PolicyEngine, resolve_model_path
-from osfarm.policy.sampling import LatencyModel
+from osfarm.policy.sampling import LOGPROBS_MODES, LatencyModel
 from osfarm.policy.tiny import build_tiny_model, tiny_model_dir
 from osfarm.policy.vllm import VllmOptions, compose_command, shell_command
 
@@ -80,7 +80,7 @@ def serve(
     """Serve a transformers VLM on the CPU behind /v1/chat/completions (OpenAPI at /docs)."""
     if not is_loopback_host(host) and not allow_remote:
         raise _fail(f"--host {host}: bind a loopback address, or pass --allow-remote if the network is trusted")
-    if logprobs_mode not in ("processed", "raw"):
+    if logprobs_mode not in LOGPROBS_MODES:
         raise _fail(f"--logprobs-mode {logprobs_mode}: expected processed or raw")
     if dtype not in ("float32", "bfloat16", "float16"):
         raise _fail(f"--dtype {dtype}: expected float32, bfloat16 or float16")
@@ -111,7 +111,7 @@ def serve(
                 path,
                 served_name=name,
                 version=version,
-                logprobs_mode=logprobs_mode,  # type: ignore[arg-type]
+                logprobs_mode=logprobs_mode,
                 dtype=dtype,
                 max_model_len=max_model_len,
                 processor_path=tokenizer,

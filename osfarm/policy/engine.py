@@ -236,7 +236,7 @@ class PolicyEngine:
         base = self._load_full(self.model_path)
         # PeftModel.from_pretrained only warns when the adapter's weights do not fit the model:
         # build it the same way, then check what load_adapter reports.
-        peft_cls = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)  # type: ignore[arg-type]
+        peft_cls = MODEL_TYPE_TO_PEFT_MODEL_MAPPING.get(config.task_type, PeftModel)
         model = peft_cls(base, config, "default")
         result = model.load_adapter(str(path), "default", torch_device="cpu")
         if result.missing_keys:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 LogprobsMode = Literal["processed", "raw"]
+LOGPROBS_MODES: tuple[LogprobsMode, ...] = ("processed", "raw")
 
 # JSON has no -inf: tokens outside the nucleus are reported with this log-prob (as vLLM does).
 NEG_INF_LOGPROB = -9999.0

@@ -26,14 +26,16 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
-_PART_MODELS = {"text": TextPart, "image_url": ImagePart}
+_PART_MODELS: dict[str, type[TextPart] | type[ImagePart]] = {"text": TextPart, "image_url": ImagePart}
 
 
 def _check_part(j: int, part: Any) -> dict:
     """One content part, with an error that names it (``[j].image_url.url: Field required``)."""
     if not isinstance(part, dict):
         raise ValueError(f"[{j}]: a content part must be an object")  # noqa: TRY004 (pydantic wants ValueError)
-    model = _PART_MODELS.get(part.get("type"))  # type: ignore[arg-type]
+    kind = part.get("type")
+    # a non-string type (a list: unhashable) is an unsupported type, not a TypeError
+    model = _PART_MODELS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise ValueError(f"[{j}].type: unsupported content part type {part.get('type')!r} (text, image_url)")
     try:

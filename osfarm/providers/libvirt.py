@@ -154,9 +154,10 @@ class LibvirtProvider:
         except OSError as e:
             raise ProviderError(f"domain template {tpl}: {e.strerror} (set OSFARM_VM_IMAGES to the vm_images dir)"
                                 ) from None
-        self.qemu_img = shutil.which("qemu-img")
-        if not self.qemu_img:
+        qemu_img = shutil.which("qemu-img")
+        if not qemu_img:
             raise ProviderError("qemu-img not found: apt-get install qemu-utils")
+        self.qemu_img = qemu_img
         self.state_dir = Path(settings.state_dir).expanduser().absolute()
         self.root = self.state_dir / "libvirt"
         self.root.mkdir(parents=True, exist_ok=True)

@@ -130,12 +130,13 @@ class SandboxProvider:
                 "the sandbox provider needs root: it gives each desktop a user namespace with its own "
                 "range of ids, cgroup limits and mounts. Run the farm as root, or use --provider docker"
             )
-        self.tools = {t: shutil.which(t) for t in TOOLS}
-        missing = [t for t, path in self.tools.items() if path is None]
+        found = {t: shutil.which(t) for t in TOOLS}
+        missing = [t for t, path in found.items() if path is None]
         if missing:
             pkg = {"Xvfb": "xvfb"}
             raise ProviderError(f"missing {', '.join(missing)}: apt-get install "
                                 f"{' '.join(sorted({pkg.get(m, 'util-linux') for m in missing}))}")
+        self.tools: dict[str, str] = {t: path for t, path in found.items() if path is not None}
         try:
             self.limits = Limits(parse_size(settings.sandbox_memory), settings.sandbox_pids,
                                  settings.sandbox_cpu_weight)

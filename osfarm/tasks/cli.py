@@ -215,8 +215,8 @@ def fetch_cmd(
               f"{report.count('cached')} already cached, {report.count('linked')} linked, "
               f"{report.count('failed')} failed, {report.count('refused')} refused; "
               f"manifest {cache / 'fetch-manifest.json'}")
-    for r in suite.refused:
-        typer.echo(f"refused task file (its files are unknown): {r.file}")
+    for refused in suite.refused:
+        typer.echo(f"refused task file (its files are unknown): {refused.file}")
     if report.failed or suite.refused:
         raise typer.Exit(1)
 

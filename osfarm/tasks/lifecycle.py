@@ -108,7 +108,7 @@ def evaluate(run: TaskRun, last_action: Any) -> float:
             return None
         cfg = spec if isinstance(spec, dict) else spec.to_json()
         typ = cfg.get("type")
-        fn = GETTERS.get(typ)
+        fn = GETTERS.get(typ) if isinstance(typ, str) else None
         if fn is None:
             raise EvaluationError(f"evaluation: unknown getter {typ!r}")
         try:

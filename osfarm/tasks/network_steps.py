@@ -485,7 +485,7 @@ def _git(args: list[str], found: _Found) -> _Use:
     repo = rest[0]
     scp = _SCP_LIKE.fullmatch(repo)
     remote = (remote_url(repo) if "://" in repo else
-              bool(scp) and scp.group(1).lower() not in LOCAL_HOSTS and not repo.startswith(("/", ".", "~")))
+              scp is not None and scp.group(1).lower() not in LOCAL_HOSTS and not repo.startswith(("/", ".", "~")))
     if not remote:
         return _Use.LOCAL
     found.fetches.append(f"{repo} (git clone)")

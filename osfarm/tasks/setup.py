@@ -37,7 +37,7 @@ import json
 import os
 import shlex
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -239,10 +239,12 @@ class SetupExecutor:
             "login": self._unsupported,
         }
 
-    def run(self, steps: list[ConfigStep | dict], where: str = "$.config") -> list[StepReport]:
+    def run(self, steps: Sequence[ConfigStep | dict], where: str = "$.config") -> list[StepReport]:
         """Run ``steps``; ``where`` (``"<task file>: $.config"``) prefixes the JSON path in errors."""
         reports: list[StepReport] = []
         for i, step in enumerate(steps):
+            typ: object  # a raw step's values are checked below
+            params: object
             if isinstance(step, ConfigStep):
                 typ, params = step.type, dict(step.parameters)
             elif isinstance(step, dict):

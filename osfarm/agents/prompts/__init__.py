@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from osfarm.agents.prompts.base import (
@@ -21,13 +22,15 @@ from osfarm.agents.prompts.computer13 import Computer13Format
 from osfarm.agents.prompts.pyautogui_code import PyAutoGUIFormat
 from osfarm.agents.prompts.uitars import UITarsFormat
 
-FORMATS: dict[str, type] = {"pyautogui": PyAutoGUIFormat, "computer_13": Computer13Format, "uitars": UITarsFormat}
+FORMATS: dict[str, Callable[..., PromptFormat]] = {
+    "pyautogui": PyAutoGUIFormat, "computer_13": Computer13Format, "uitars": UITarsFormat,
+}
 
 
 def make_format(name: str, **options: Any) -> PromptFormat:
     if name not in FORMATS:
         raise ValueError(f"unknown prompt format {name!r}; expected one of {', '.join(FORMATS)}")
-    return FORMATS[name](**options)  # type: ignore[no-any-return]
+    return FORMATS[name](**options)
 
 
 __all__ = ["FORMATS", "OBSERVATIONS", "Computer13Format", "Observation", "ParseError", "Parsed", "PromptFormat",

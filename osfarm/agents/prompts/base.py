@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from osfarm.agents.base import Action, ActionSpace
+from osfarm.agents.base import Action, ActionSpace, Special
 from osfarm.errors import OsfarmError
 
 Observation = Literal["screenshot", "a11y", "screenshot_a11y"]
@@ -52,10 +52,10 @@ class PromptFormat(Protocol):
         ...
 
 
-SPECIAL_WORDS = ("WAIT", "DONE", "FAIL")
+SPECIAL_WORDS: tuple[Special, ...] = ("WAIT", "DONE", "FAIL")
 
 
-def bare_special(line: str) -> str | None:
+def bare_special(line: str) -> Special | None:
     """``DONE`` for a line that is only the word (tolerating backticks, quotes and a full stop)."""
     word = line.strip().strip("`'\".").strip()
     return word if word in SPECIAL_WORDS else None

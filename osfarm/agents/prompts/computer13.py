@@ -116,8 +116,8 @@ def to_actions(value: Any, ctx: StepContext, where: str) -> list[Action]:
     actions: list[Action] = []
     for n, raw in enumerate(items, 1):
         field = f"action {n}" if len(items) > 1 else "action"
-        if isinstance(raw, str) and bare_special(raw):
-            actions.append(special(bare_special(raw), "computer_13"))  # type: ignore[arg-type]
+        if isinstance(raw, str) and (word := bare_special(raw)):
+            actions.append(special(word, "computer_13"))
             continue
         try:
             if not isinstance(raw, dict):
@@ -139,19 +139,19 @@ def parse_json_reply(reply: str, ctx: StepContext) -> Parsed:
         raise ParseError("empty reply")
     word = bare_special(text)
     if word:
-        return Parsed([special(word, "computer_13")])  # type: ignore[arg-type]
+        return Parsed([special(word, "computer_13")])
     actions: list[Action] = []
     for where, src in _candidates(text):
         word = bare_special(src)
         if word:
-            actions.append(special(word, "computer_13"))  # type: ignore[arg-type]
+            actions.append(special(word, "computer_13"))
             continue
         actions += to_actions(load_json_lenient(src, where), ctx, where)
     if actions:
         return Parsed(actions)
     last = bare_special(text.splitlines()[-1])
     if last:
-        return Parsed([special(last, "computer_13")], notes=["special answer outside a code block"])  # type: ignore[arg-type]
+        return Parsed([special(last, "computer_13")], notes=["special answer outside a code block"])
     raise ParseError("no JSON action in the reply (expected a ```json block with {\"action_type\": ...})")
 
 

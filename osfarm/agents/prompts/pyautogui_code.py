@@ -99,8 +99,8 @@ def parse_code_reply(reply: str) -> Parsed:
     text = (reply or "").strip()
     if not text:
         raise ParseError("empty reply")
-    if bare_special(text):
-        return Parsed([bare_special(text)])  # type: ignore[list-item]
+    if word := bare_special(text):
+        return Parsed([word])
     actions: list[Action] = []
     notes: list[str] = []
     skipped: list[str] = []

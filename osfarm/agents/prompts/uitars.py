@@ -172,27 +172,31 @@ class UITarsFormat:
             actions += self.convert(*parse_call(src), ctx)
         return Parsed(actions, thought=thought)
 
-    def _arg(self, name: str, kwargs: dict[str, str], keys: tuple[str, ...], required: bool = True) -> str | None:
+    def _opt_arg(self, kwargs: dict[str, str], keys: tuple[str, ...]) -> str | None:
         for k in keys:
             if k in kwargs:
                 return kwargs[k]
-        if required:
-            raise ParseError(f"{name}(...) needs {keys[0]}=")
         return None
+
+    def _arg(self, name: str, kwargs: dict[str, str], keys: tuple[str, ...]) -> str:
+        value = self._opt_arg(kwargs, keys)
+        if value is None:
+            raise ParseError(f"{name}(...) needs {keys[0]}=")
+        return value
 
     def convert(self, name: str, kwargs: dict[str, str], ctx: StepContext) -> list[Action]:
         """One UI-TARS action -> actions of ``ctx.action_space``."""
         out = Emit(ctx.action_space)
         if name in CLICKS:
             button, n = CLICKS[name]
-            x, y = self.point(self._arg(name, kwargs, POINT_ARGS), "start_box", ctx)  # type: ignore[arg-type]
+            x, y = self.point(self._arg(name, kwargs, POINT_ARGS), "start_box", ctx)
             return out.click(x, y, button, n)
         if name in HOVER:
-            x, y = self.point(self._arg(name, kwargs, POINT_ARGS), "start_box", ctx)  # type: ignore[arg-type]
+            x, y = self.point(self._arg(name, kwargs, POINT_ARGS), "start_box", ctx)
             return out.move(x, y)
         if name in DRAG:
-            x1, y1 = self.point(self._arg(name, kwargs, POINT_ARGS), "start_box", ctx)  # type: ignore[arg-type]
-            x2, y2 = self.point(self._arg(name, kwargs, END_ARGS), "end_box", ctx)  # type: ignore[arg-type]
+            x1, y1 = self.point(self._arg(name, kwargs, POINT_ARGS), "start_box", ctx)
+            x2, y2 = self.point(self._arg(name, kwargs, END_ARGS), "end_box", ctx)
             return out.drag(x1, y1, x2, y2)
         if name == "hotkey":
             raw = self._arg(name, kwargs, ("key", "hotkey", "keys")) or ""
@@ -207,7 +211,7 @@ class UITarsFormat:
             content = self._arg(name, kwargs, ("content", "text"))
             return out.type(content or "")
         if name == "scroll":
-            box = self._arg(name, kwargs, POINT_ARGS, required=False)
+            box = self._opt_arg(kwargs, POINT_ARGS)
             at = self.point(box, "start_box", ctx) if box else None
             direction = (kwargs.get("direction") or "").strip().lower()
             if direction not in ("up", "down", "left", "right"):

@@ -39,6 +39,12 @@ def _with_time_suffix(name: str, fmt: str, now: datetime) -> str:
     return parts[0] + now.strftime(fmt) + "." + parts[1]
 
 
+def vm_file(env: EvalEnv, path: str, dest: str) -> str | None:
+    """The desktop's file ``path`` saved as ``dest`` in the cache dir: its local path, or None."""
+    local = env.fetch_vm_file(path, dest)
+    return None if local is None else str(local)
+
+
 def get_vm_file(env: EvalEnv, config: dict[str, Any]) -> str | None | list[str | None]:
     """Config: ``path`` (desktop path), ``dest`` (name in the cache dir); ``multi`` (both are
     lists), ``gives`` (indices returned, default ``[0]``); single file only: ``time_suffix``,
@@ -53,9 +59,9 @@ def get_vm_file(env: EvalEnv, config: dict[str, Any]) -> str | None | list[str |
     out: list[str | None] = []
     for i, (p, d) in enumerate(zip(paths, dests, strict=False)):
         # streamed to disk with a byte cap; missing, too large or gone: None, the metric scores 0
-        local = env.fetch_vm_file(p, d)
+        local = vm_file(env, p, d)
         if i in gives:
-            out.append(None if local is None else str(local))
+            out.append(local)
     return _pick(out)
 
 

@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlparse
 
 from osfarm.evaluators.archive_limits import read_member
 from osfarm.evaluators.getters.env import EvalEnv
-from osfarm.evaluators.getters.files import get_vm_file
+from osfarm.evaluators.getters.files import vm_file
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ _R_EMBED = "{http://schemas.openxmlformats.org/officeDocument/2006/relationships
 def _deck(env: EvalEnv, config: dict[str, Any]) -> tuple[zipfile.ZipFile, int] | None:
     """The deck ``ppt_file_path`` fetched into the cache, open, and the slide number (1-based)."""
     ppt = config["ppt_file_path"]
-    local = get_vm_file(env, {"path": ppt, "dest": ppt.rstrip("/").rsplit("/", 1)[-1]})
+    local = vm_file(env, ppt, ppt.rstrip("/").rsplit("/", 1)[-1])
     if not isinstance(local, str):
         return None
     try:
@@ -47,7 +47,7 @@ def _slide_media(env: EvalEnv, zf: zipfile.ZipFile, n: int, pick: Any, dest: str
     target = rel.get("Target", "")
     if rel.get("TargetMode") == "External" or target.startswith("file:"):
         path = unquote(urlparse(target).path) if target.startswith("file:") else target
-        return get_vm_file(env, {"path": path, "dest": dest})
+        return vm_file(env, path, dest)
     member = posixpath.normpath(posixpath.join("ppt/slides", target)) if not target.startswith("/") else target[1:]
     if member not in zf.namelist():
         return None

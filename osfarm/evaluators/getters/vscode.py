@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from osfarm.evaluators.getters.env import EvalEnv
-from osfarm.evaluators.getters.files import get_vm_file
+from osfarm.evaluators.getters.files import vm_file
 
 log = logging.getLogger(__name__)
 
@@ -39,4 +39,4 @@ def get_vscode_config(env: EvalEnv, config: dict[str, Any]) -> str | None:
         env.controller.wait_for_file(config["path"], timeout=5)
     except Exception as e:  # noqa: BLE001 - the keys could not be sent: the file decides
         log.info("vscode_config: %r", e)
-    return get_vm_file(env, {"path": config["path"], "dest": config["dest"]})
+    return vm_file(env, config["path"], config["dest"])

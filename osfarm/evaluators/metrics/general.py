@@ -150,7 +150,7 @@ def check_direct_json_object(result: Any, rules: Mapping[str, Any]) -> float:
             got = result.get(key)
             if ignore_order:
                 try:
-                    if sorted(want) != sorted(got):
+                    if got is None or sorted(want) != sorted(got):
                         return 0.0
                 except TypeError:
                     return 0.0

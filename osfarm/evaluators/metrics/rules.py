@@ -34,7 +34,7 @@ def match_value_to_rule(value: Any, rule: Mapping[str, Any]) -> bool:
     method raises :class:`UnsupportedOption`.
     """
     method: str = rule["method"]
-    ref = rule.get("ref")
+    ref: Any = rule.get("ref")  # its type depends on the method: a pattern, a number, a pair, a list
     if method.startswith("re"):
         flags = re.RegexFlag(0)
         for name in method.split(".")[1:]:
@@ -67,6 +67,6 @@ def rule_type(rule: Mapping[str, Any], allowed: tuple[str, ...]) -> str:
     """``rule["type"]``, which must be one of ``allowed``: another is the task's bug
     (:class:`RuleError`), not the agent's failure."""
     kind = rule.get("type")
-    if kind not in allowed:
+    if not isinstance(kind, str) or kind not in allowed:
         raise RuleError(f"unsupported rule type {kind!r} (expected one of {allowed})")
-    return kind  # type: ignore[return-value]
+    return kind

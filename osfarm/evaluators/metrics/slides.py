@@ -98,7 +98,8 @@ def _bullets(slide: Any) -> list[tuple[str, str, str]]:
         if not text.strip():
             continue
         ppr = p.find(f"{_A}pPr")
-        lvl, char = "0", "No Bullet"
+        lvl = "0"
+        char: str | None = "No Bullet"  # None: a bullet element without a character
         if ppr is not None:
             lvl = ppr.get("lvl") or "0"
             bu = ppr.find(f"{_A}buChar")

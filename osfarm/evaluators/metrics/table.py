@@ -63,7 +63,7 @@ def _match_cell_rule(value: Any, rule: Mapping[str, Any]) -> bool:
     """
     method: str = rule["method"]
     if method == "spreadsheet_range":
-        ref = rule.get("ref")
+        ref: Any = rule.get("ref")  # [subset, superset], cell range strings
         val = value if isinstance(value, MultiCellRange) else MultiCellRange(str(value))
         lower, upper = MultiCellRange(ref[0]), MultiCellRange(ref[1])
         return all(r in val for r in lower) and all(r in upper for r in val)

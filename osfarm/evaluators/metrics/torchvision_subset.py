@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 # torchvision's VGG "D" configuration: channels of each 3x3 conv, "M" a 2x2 max-pool
-_VGG16 = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+_VGG16: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
 VERSION = "0.28.0"  # what easyocr's version check reads (>= 0.13: the weights= keyword)
 
 
