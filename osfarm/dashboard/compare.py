@@ -49,7 +49,8 @@ def compare(a: EvalRun, b: EvalRun) -> Comparison:
     rows_a = {r.task_id: r for r in a.rows}
     rows_b = {r.task_id: r for r in b.rows}
     common = [t for t in rows_a if t in rows_b]
-    gained, lost = [], []
+    gained: list[Flip] = []
+    lost: list[Flip] = []
     for t in common:
         ra, rb = rows_a[t], rows_b[t]
         if ra.ok != rb.ok:

@@ -278,7 +278,7 @@ async def _on_message(dash: Dashboard, ws: WebSocket, state: FarmState, desktop_
             await send_json({"type": "error", "detail": str(e)})
             return
         try:
-            await state.guest_call(view.lease, "POST", "/v1/step", timeout_s=STEP_TIMEOUT_S,
+            await state.guest_call(lease, "POST", "/v1/step", timeout_s=STEP_TIMEOUT_S,
                                    json={"actions": actions, "timing": "fast", "code_timeout": 10})
         except ApiError as e:
             await send_json({"type": "error", "detail": e.message})

@@ -97,7 +97,8 @@ def marks_of(actions: list[Any]) -> list[Mark]:
 
 def _c13_marks(a: dict[str, Any], pen: _Pen) -> None:
     t = a.get("action_type")
-    p = a.get("parameters") if isinstance(a.get("parameters"), dict) else {}
+    params = a.get("parameters")
+    p: dict[str, Any] = params if isinstance(params, dict) else {}
     if t in _C13_POINTER:
         label = _C13_POINTER[t]
         if t == "CLICK" and p.get("button") not in (None, "left"):
@@ -112,7 +113,8 @@ def _c13_marks(a: dict[str, Any], pen: _Pen) -> None:
     elif t in ("PRESS", "KEY_DOWN", "KEY_UP"):
         pen.text("keys", f"{str(t).lower().replace('_', ' ')} {p.get('key', '')}")
     elif t == "HOTKEY":
-        keys = p.get("keys") if isinstance(p.get("keys"), list) else []
+        given = p.get("keys")
+        keys: list[Any] = given if isinstance(given, list) else []
         pen.text("keys", "keys " + "+".join(str(k) for k in keys))
     elif t == "SCROLL":
         pen.text("scroll", f"scroll dx={p.get('dx', 0)} dy={p.get('dy', 0)}")

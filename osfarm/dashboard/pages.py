@@ -173,8 +173,11 @@ def takeovers(rec: dict[str, Any]) -> list[tuple[str, str]]:
         if not isinstance(c, dict):
             continue
         start, end = c.get("started_at"), c.get("ended_at")
-        nums = isinstance(start, (int, float)) and isinstance(end, (int, float))
-        out.append((str(c.get("by", "?")), f"{end - start:.0f} s" if nums else "until the end"))
+        if isinstance(start, (int, float)) and isinstance(end, (int, float)):
+            took = f"{end - start:.0f} s"
+        else:
+            took = "until the end"
+        out.append((str(c.get("by", "?")), took))
     return out
 
 

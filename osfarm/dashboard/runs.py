@@ -353,7 +353,10 @@ class RunsRoot:
                 try:
                     s = json.loads(line)
                     if isinstance(s, dict) and isinstance(s.get("screenshot_file"), str):
-                        after[int(s.get("step_num"))] = f"{d}/{s['screenshot_file']}"
+                        step = s.get("step_num")
+                        if step is None:  # no step number: the screenshot belongs to no step
+                            continue
+                        after[int(step)] = f"{d}/{s['screenshot_file']}"
                 except (ValueError, TypeError):
                     continue
         except Refused:

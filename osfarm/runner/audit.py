@@ -40,7 +40,7 @@ from osfarm.agents import make_agent
 from osfarm.client import AsyncFarm
 from osfarm.env import EpisodeTimeout, InfraError, TaskEnv
 from osfarm.evaluators.errors import UnsupportedOption
-from osfarm.tasks.coverage import NEEDS_EXTRA, UNSUPPORTED, implemented
+from osfarm.tasks.coverage import NEEDS_EXTRA, UNSUPPORTED, Kind, implemented
 from osfarm.tasks.fetch import task_assets
 from osfarm.tasks.filecache import AssetMissing, FileCache
 from osfarm.tasks.model import Task
@@ -171,14 +171,15 @@ def _unsupported_reason(task: Task) -> str | None:
     if needs_vscode(task):
         if not _has_vscode():
             return NO_VSCODE
-    needs = [("setup", s.type) for s in [*task.config, *ev.postconfig]]
-    needs += [("getter", g.type) for g in ev.getters()] + [("metric", f) for f in ev.funcs]
+    needs: list[tuple[Kind, str]] = [("setup", s.type) for s in [*task.config, *ev.postconfig]]
+    needs += [("getter", g.type) for g in ev.getters()]
+    needs += [("metric", f) for f in ev.funcs]
     for kind, name in needs:
         if name in UNSUPPORTED:
             return f"{kind} {name}: {UNSUPPORTED[name]}"
         if name in NEEDS_EXTRA and not NEEDS_EXTRA[name][0]():
             return f"{kind} {name}: {NEEDS_EXTRA[name][1]}"
-        if name not in implemented(kind):  # type: ignore[arg-type]
+        if name not in implemented(kind):
             return f"{kind} {name}: not implemented in osfarm"
     return None
 

@@ -88,8 +88,8 @@ def audit_command(
     elif url is not None:
         report = asyncio.run(go(url, token))
     else:
-        overrides = {"provider": provider} if provider else {}
-        with local_farm(local_farm_settings(envs, **overrides)) as server:
+        settings = local_farm_settings(envs, provider=provider) if provider else local_farm_settings(envs)
+        with local_farm(settings) as server:
             report = asyncio.run(go(server.url, server.token))
     _print_audit(report, con)
     j, h = write_reports(report, out)

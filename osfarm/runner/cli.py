@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from osfarm.runner.options import FarmTokenOpt, FarmUrlOpt
+
+if TYPE_CHECKING:
+    from osfarm.desktop.models import ActionTiming
 
 
 def eval_command(
@@ -122,17 +125,22 @@ def eval_command(
     from osfarm.tasks.model import TaskError
 
     err = Console(stderr=True)
+    timing: ActionTiming
+    if action_timing == "osworld":
+        timing = "osworld"
+    elif action_timing == "fast":
+        timing = "fast"
+    else:
+        err.print(f"[bold red]error:[/] --action-timing must be osworld or fast, got {action_timing!r}",
+                  highlight=False)
+        raise typer.Exit(2)
     overrides = {k: v for k, v in (("width", width), ("height", height), ("provider", provider)) if v is not None}
     opts = RunOptions(suite=suite, agent=agent, out=out, index=index, envs=envs, max_steps=max_steps, resume=resume,
                       url=url, token=token, cache=cache, offline=offline, time_limit_s=time_limit,
                       infra_retries=retries, action_space=action_space, progress=progress, record=record,
                       solutions=solutions, farm_overrides=overrides, executor=executor, broker=broker,
                       max_concurrent=max_concurrent, sync_batches=sync_batches, stream_url=stream_url, stream=stream,
-                      allow_hosts=tuple(allow_host) if allow_host else None, action_timing=action_timing)  # type: ignore[arg-type]
-    if action_timing not in ("osworld", "fast"):
-        err.print(f"[bold red]error:[/] --action-timing must be osworld or fast, got {action_timing!r}",
-                  highlight=False)
-        raise typer.Exit(2)
+                      allow_hosts=tuple(allow_host) if allow_host else None, action_timing=timing)
     if executor not in ("inprocess", "celery"):
         err.print(f"[bold red]error:[/] --executor must be inprocess or celery, got {executor!r}", highlight=False)
         raise typer.Exit(2)

@@ -235,7 +235,9 @@ async def run_async(
                 if done.error is not None:  # the executor itself failed: counted, never a crash
                     row, rec = _failed_row(task, done, run_id), None
                 else:
-                    row, rec = done.result  # type: ignore[misc]
+                    if done.result is None:  # run_one returns its (row, record) whenever it does not raise
+                        raise RuntimeError(f"task {task.id}: the episode runner returned nothing and raised nothing")
+                    row, rec = done.result
                 rows[task.id] = row
                 if rec is not None:
                     jsonl.publish(rec)

@@ -32,7 +32,11 @@ class Done(Generic[T, R]):
     slot: int  # which of the N slots ran it (0..N-1)
 
 
-_CLOSED = object()
+class _Closed:
+    """The end marker of the scheduler's queues (no more items; no more results)."""
+
+
+_CLOSED = _Closed()
 
 
 class RolloutScheduler(Generic[T, R]):
@@ -42,8 +46,8 @@ class RolloutScheduler(Generic[T, R]):
         self.run_one = run_one
         self.max_concurrent = max_concurrent
         self.sync_batches = sync_batches
-        self._todo: asyncio.Queue[object] = asyncio.Queue()
-        self._done: asyncio.Queue[object] = asyncio.Queue()
+        self._todo: asyncio.Queue[T | _Closed] = asyncio.Queue()
+        self._done: asyncio.Queue[Done[T, R] | _Closed] = asyncio.Queue()
         self._closed = False
         self._runner: asyncio.Task[None] | None = None
         self.in_flight = 0
@@ -84,10 +88,10 @@ class RolloutScheduler(Generic[T, R]):
     async def _slot(self, slot: int) -> None:
         while True:
             item = await self._todo.get()
-            if item is _CLOSED:
+            if isinstance(item, _Closed):
                 self._todo.put_nowait(_CLOSED)  # let the other slots see it too
                 return
-            self._done.put_nowait(await self._one(item, slot))  # type: ignore[arg-type]
+            self._done.put_nowait(await self._one(item, slot))
 
     async def _batches(self) -> None:
         ended = False
@@ -97,10 +101,10 @@ class RolloutScheduler(Generic[T, R]):
                 # wait for the first item; take more only while they are already queued or the
                 # batch is not full yet (a streaming producer fills it)
                 item = await self._todo.get()
-                if item is _CLOSED:
+                if isinstance(item, _Closed):
                     ended = True
                     break
-                batch.append(item)  # type: ignore[arg-type]
+                batch.append(item)
             if batch:
                 for d in await asyncio.gather(*(self._one(x, i) for i, x in enumerate(batch))):
                     self._done.put_nowait(d)
@@ -119,11 +123,12 @@ class RolloutScheduler(Generic[T, R]):
         self._ensure_started()
         while True:
             d = await self._done.get()
-            if d is _CLOSED:
-                if self._runner is not None and self._runner.done() and self._runner.exception():
-                    raise self._runner.exception()  # type: ignore[misc]
+            if isinstance(d, _Closed):
+                failed = self._runner.exception() if self._runner is not None and self._runner.done() else None
+                if failed is not None:
+                    raise failed
                 return
-            yield d  # type: ignore[misc]
+            yield d
 
     async def aclose(self) -> None:
         if self._runner is not None and not self._runner.done():

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from redis.typing import EncodableT, FieldT, XReadGroupResponse
 
 from osfarm.stream.jsonl import JsonlSink, read_jsonl
 from osfarm.stream.record import SchemaError, check_record
@@ -88,6 +89,25 @@ def connect(url: str) -> redis.Redis:
                                 retry_on_error=[redis.ConnectionError, redis.TimeoutError])
 
 
+# one stream entry as read through connect()'s decoding client; fields None: deleted while pending
+EntryRow = tuple[str, dict[str, str] | None]
+
+
+def _text(v: bytes | str) -> str:
+    """A reply value as text (connect() decodes replies; bytes come only from a client made otherwise)."""
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def _group_entries(resp: XReadGroupResponse) -> list[EntryRow]:
+    """The entries of the one stream an XREADGROUP asked for (RESP2 reply: [[stream, entries]])."""
+    if not resp:
+        return []
+    if not isinstance(resp, list):
+        raise TypeError(f"XREADGROUP gave a RESP3 reply ({type(resp).__name__}); connect() speaks RESP2")
+    entries: list[EntryRow] = resp[0][1]
+    return entries
+
+
 def dedupe_key(stream: str, episode_id: str) -> str:
     return f"{stream}:published:{episode_id}"
 
@@ -100,10 +120,11 @@ def dead_letter(r: redis.Redis, stream: str, group: str, consumer: str, entry_id
                 fields: dict[str, str] | None, reason: str) -> str:
     """Move one entry to ``<stream>:dead`` (with the reason and who gave up on it) and acknowledge
     it, in one transaction: the entry is never both lost and acknowledged."""
-    dead = {"stream": stream, "entry_id": entry_id, "group": group, "consumer": consumer, "reason": reason[:4000],
-            "fields": json.dumps(fields or {}, ensure_ascii=False), "at": f"{time.time():.3f}"}
+    dead: dict[FieldT, EncodableT] = {
+        "stream": stream, "entry_id": entry_id, "group": group, "consumer": consumer, "reason": reason[:4000],
+        "fields": json.dumps(fields or {}, ensure_ascii=False), "at": f"{time.time():.3f}"}
     pipe = r.pipeline(transaction=True)
-    pipe.xadd(dead_letter_stream(stream), dead)  # type: ignore[arg-type]
+    pipe.xadd(dead_letter_stream(stream), dead)
     pipe.xack(stream, group, entry_id)
     dead_id = str(pipe.execute()[0])
     log.warning("stream %s entry %s dead-lettered to %s: %s", stream, entry_id, dead_letter_stream(stream), reason)
@@ -112,7 +133,8 @@ def dead_letter(r: redis.Redis, stream: str, group: str, consumer: str, entry_id
 
 def dead_letters(r: redis.Redis, stream: str, count: int = 1000) -> list[dict[str, Any]]:
     """The dead-lettered entries of ``stream`` (oldest first), each with its reason."""
-    return [{"id": i, **f} for i, f in r.xrange(dead_letter_stream(stream), count=count)]
+    return [{"id": i, **{_text(k): _text(v) for k, v in (f or {}).items()}}
+            for i, f in r.xrange(dead_letter_stream(stream), count=count) or []]
 
 
 @dataclass
@@ -155,7 +177,7 @@ def _lag(r: redis.Redis, stream: str, g: dict[str, Any], limit: int) -> int:
     if lag is not None:
         return int(lag)
     # Redis cannot tell (entries deleted in the middle): count what follows the last delivery
-    return len(r.xrange(stream, min=f"({g['last-delivered-id']}", max="+", count=limit + 1))
+    return len(r.xrange(stream, min=f"({g['last-delivered-id']}", max="+", count=limit + 1) or [])
 
 
 def groups(r: redis.Redis, stream: str, limit: int = 1_000_000) -> list[GroupInfo]:
@@ -236,7 +258,7 @@ class RedisStreamSink:
         eid = rec["episode_id"]
         prev = self.r.get(dedupe_key(self.stream, eid))
         if prev:
-            return Published("duplicate", prev)
+            return Published("duplicate", _text(prev))
         if not self.wait_for_room():
             JsonlSink(self.spill, fsync=True).publish(rec)
             log.warning("stream %s holds >= %d unconsumed episodes after %.0f s: episode %s spilled to %s "
@@ -313,7 +335,7 @@ class RedisStreamSource:
         dead_letter(self.r, self.stream, self.group, self.consumer, entry_id, fields, reason)
         self.dead_lettered += 1
 
-    def _entries(self, raw: list[tuple[str, dict[str, str]]]) -> list[Entry]:
+    def _entries(self, raw: list[EntryRow]) -> list[Entry]:
         out = []
         for eid, fields in raw:
             if fields is None:  # deleted while pending (trimmed): nothing to read, nothing to keep
@@ -333,12 +355,12 @@ class RedisStreamSource:
     def read(self, count: int = 10, block_ms: int | None = 1000) -> list[Entry]:
         """New entries for this consumer (they stay pending until :meth:`ack`)."""
         resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
-        return self._entries(resp[0][1]) if resp else []
+        return self._entries(_group_entries(resp))
 
     def pending_mine(self, count: int = 100) -> list[Entry]:
         """Entries this consumer read before (e.g. before a restart) and never acknowledged."""
         resp = self.r.xreadgroup(self.group, self.consumer, {self.stream: "0"}, count=count)
-        return self._entries(resp[0][1]) if resp else []
+        return self._entries(_group_entries(resp))
 
     def ack(self, *ids: str) -> int:
         return int(self.r.xack(self.stream, self.group, *ids)) if ids else 0
@@ -364,7 +386,7 @@ class RedisStreamSource:
             if cursor == "0-0" or not claimed:
                 return out
 
-    def _without_poison(self, claimed: list[tuple[str, dict[str, str]]]) -> list[tuple[str, dict[str, str]]]:
+    def _without_poison(self, claimed: list[EntryRow]) -> list[EntryRow]:
         if not claimed:
             return claimed
         ids = [eid for eid, _ in claimed]

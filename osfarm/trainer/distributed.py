@@ -106,20 +106,20 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
                        device=params[0].device if params else None)
     dist.all_reduce(has, op=dist.ReduceOp.SUM)
-    by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}  # the parameters' gradients, summed in place
     for p, anywhere in zip(params, has.tolist(), strict=True):
         if not anywhere:
             continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        by_dtype.setdefault(p.grad.dtype, []).append(p)
-    for group in by_dtype.values():
-        flat = torch.cat([p.grad.reshape(-1) for p in group])
+        by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
         offset = 0
-        for p in group:
-            n = p.grad.numel()
-            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
 
 

@@ -53,8 +53,10 @@ class EvalTracker:
 
     def due(self, version: int) -> bool:
         """Whether ``version`` gets evaluated (multiples of eval_every, 0 included; each once)."""
-        return self.enabled and version % self.every == 0 and version not in self.rounds and not any(
-            r.get("version") == version for r in self.read())  # type: ignore[operator]
+        if self.every is None or not self.tasks:
+            return False
+        return version % self.every == 0 and version not in self.rounds and not any(
+            r.get("version") == version for r in self.read())
 
     def start(self, version: int) -> list[str]:
         """Open a round for ``version``; returns the task ids to run (each ``episodes`` times)."""

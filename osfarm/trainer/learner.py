@@ -73,7 +73,7 @@ from osfarm.trainer.distributed import (
     leave_process_groups,
     shard,
 )
-from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
+from osfarm.trainer.losses import Aggregation, KLKind, decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
 from osfarm.trainer.samples import Sample
 from osfarm.trainer.schedule import lr_factor
 
@@ -99,11 +99,11 @@ class LossOptions(BaseModel):
     behav_cap: float | None = Field(default=1.0, gt=0, description="DART: truncate π_prox/π_b at C")
     behav_reject: float | None = Field(default=None, gt=0, description="AReaL: drop tokens with π_prox/π_b above this")
     dual_clip: float | None = Field(default=None, gt=1)
-    aggregation: str = Field(default="token_mean", pattern="^(token_mean|seq_mean)$")
+    aggregation: Aggregation = "token_mean"
     entropy_coef: float = Field(default=0.0, ge=0.0, description="entropy bonus (0: off)")
     kl_coef: float = Field(default=0.0, ge=0.0,
                            description="weight of KL(π_θ ‖ π_ref) in the loss (0: off, no reference kept)")
-    kl_kind: str = Field(default="k3", pattern="^(k1|k2|k3)$", description="KL estimator (Schulman's k1/k2/k3)")
+    kl_kind: KLKind = Field(default="k3", description="KL estimator (Schulman's k1/k2/k3)")
 
 
 class LearnerOptions(BaseModel):
@@ -375,10 +375,10 @@ class Learner:
         adv = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32, device=logp.device)
         loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, clip_low=lo.clip_low, clip_high=lo.clip_high,
                                          behav_cap=lo.behav_cap, behav_reject=lo.behav_reject, dual_clip=lo.dual_clip,
-                                         aggregation=lo.aggregation)  # type: ignore[arg-type]
+                                         aggregation=lo.aggregation)
         if ref is not None and lo.kl_coef > 0:
-            kl = kl_penalty(logp, ref.to(logp.device, logp.dtype), mask, kind=lo.kl_kind,  # type: ignore[arg-type]
-                            aggregation=lo.aggregation)  # type: ignore[arg-type]
+            kl = kl_penalty(logp, ref.to(logp.device, logp.dtype), mask, kind=lo.kl_kind,
+                            aggregation=lo.aggregation)
             loss = loss + lo.kl_coef * kl
             stats = {**stats, "kl_ref": float(kl.detach())}
         ent = token_entropy(logits)
@@ -431,10 +431,10 @@ class Learner:
         minibatches = [list(range(len(samples)))[i::n_mb] for i in range(n_mb)]
         step = self.opts.micro_batch_size
         plans: list[list[tuple[list[int], float]]] = []
-        for mb in minibatches:
-            per_rank = [shard(mb, lengths, r, world) for r in range(world)]
+        for mb_indices in minibatches:
+            per_rank = [shard(mb_indices, lengths, r, world) for r in range(world)]
             count = max(math.ceil(len(p) / step) for p in per_rank)
-            plans.append(self._micro_batches(per_rank[rank], count, mb[0]))
+            plans.append(self._micro_batches(per_rank[rank], count, mb_indices[0]))
         mine = sorted({i for plan in plans for idx, _ in plan for i in idx})
         encs = {i: encode_sample(self.processor, samples[i].messages, resp[i]) for i in mine}
 
@@ -549,8 +549,13 @@ class Learner:
         )
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return (get_model_state_dict(self.model, options=opts),
-                get_optimizer_state_dict(self.model, self.optimizer, options=opts))
+        model_sd: dict[str, torch.Tensor] = {}
+        for k, v in get_model_state_dict(self.model, options=opts).items():
+            # a full model state dict maps names to tensors (torch types it as any state-dict value)
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"full model state dict entry {k!r} is a {type(v).__name__}, not a tensor")
+            model_sd[k] = v
+        return model_sd, get_optimizer_state_dict(self.model, self.optimizer, options=opts)
 
     def save(self, out: Path, extra_state: dict[str, Any] | None = None,
              write_extra: Callable[[Path], None] | None = None) -> Path:

@@ -354,6 +354,11 @@ class Trainer:
         pool = fresh or servers
         return pool[seq % len(pool)]
 
+    def _open_metrics(self) -> TrainMetrics:
+        if self.metrics is None:
+            raise RuntimeError("metrics logged before _train opened the metrics sinks")
+        return self.metrics
+
     async def _consume(self, scheduler: RolloutScheduler[Rollout, EpisodeRecord], dm: DataManager,
                        controller: RolloutController) -> None:
         async for done in scheduler.results():
@@ -366,7 +371,7 @@ class Trainer:
                     self.console.print(f"[yellow]evaluation episode failed[/]: {type(done.error).__name__}: "
                                        f"{done.error}", highlight=False)
                 if row is not None:
-                    self.metrics.log_eval(row)
+                    self._open_metrics().log_eval(row)
                 continue
             if rec is None:
                 aborted = isinstance(done.error, Aborted)
@@ -438,8 +443,11 @@ class Trainer:
             await asyncio.to_thread(controller.save, train_state_dir(ckpt) / RC_STATE, rc_state)
             await asyncio.to_thread(prune_checkpoints, self.ckpt_root, cfg.keep_checkpoints)
             if not cfg.rollout.interruptible:  # what started before the window can only come back stale
-                self.cancel(lambda r, version=version: r.kind == TRAIN and (
-                    r.started_version if r.started_version is not None else r.version) < version - eta)
+                def started_stale(r: Rollout, version: int = version) -> bool:
+                    return r.kind == TRAIN and (
+                        r.started_version if r.started_version is not None else r.version) < version - eta
+
+                self.cancel(started_stale)
             if self.eval.due(version):
                 self._start_eval(version, scheduler)
             self.totals["samples"] += len(samples)
@@ -450,7 +458,7 @@ class Trainer:
                  results: list[SyncResult], batch: Batch, controller: RolloutController, learner: Learner) -> None:
         now = time.monotonic()
         w, self.window = self.window, Window(started=now)
-        self.metrics.log(update_row(w, now, self.in_flight.values(), stats, samples, stale, batch, results,
+        self._open_metrics().log(update_row(w, now, self.in_flight.values(), stats, samples, stale, batch, results,
                                     update_s=update_s, sync_s=sync_s, capacity=controller.capacity(),
                                     envs=self.cfg.rollout.envs, eta=self.cfg.rollout.eta, ranks=self.ctx.world,
                                     counters=dict(learner.counters),

@@ -191,7 +191,7 @@ class RunResources:
         self.stack.callback(self._shutdown_learner_pool)
         return self
 
-    async def __aexit__(self, *exc: Any) -> bool:
+    async def __aexit__(self, *exc: Any) -> bool | None:
         return await self.stack.__aexit__(*exc)
 
     # -- the learner ---------------------------------------------------------------------------------

@@ -63,12 +63,12 @@ def select_high_entropy(entropies: Sequence[float | None], fraction: float) -> l
     """
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"entropy selection fraction must be in [0, 1], got {fraction}")
-    known = [i for i, h in enumerate(entropies) if h is not None]
+    known = [(i, h) for i, h in enumerate(entropies) if h is not None]
     keep = [h is None for h in entropies]
     if fraction >= 1.0:
         return [True] * len(entropies)
     n_keep = math.ceil(fraction * len(known) - 1e-9)
-    ranked = sorted(known, key=lambda i: (-float(entropies[i]), i))  # type: ignore[arg-type]
-    for i in ranked[:n_keep]:
+    ranked = sorted(known, key=lambda ih: (-float(ih[1]), ih[0]))
+    for i, _ in ranked[:n_keep]:
         keep[i] = True
     return keep

@@ -30,18 +30,24 @@ class Intake(Protocol):
     def add(self, record: dict[str, Any], blob_root: Path | str | None = None) -> str: ...
 
 
-_END = object()
 T = TypeVar("T")
+
+
+def _next_of(it: Iterator[T]) -> tuple[T] | None:
+    """The next item of ``it`` in a 1-tuple, or None when it is exhausted (an item may be None)."""
+    for item in it:
+        return (item,)
+    return None
 
 
 async def iterate_in_thread(it: Iterator[T]) -> AsyncIterator[T]:
     """An async iterator over a blocking one (e.g. :func:`osfarm.stream.jsonl.follow_jsonl`):
     each ``next`` runs in a worker thread so the event loop keeps going."""
     while True:
-        item = await asyncio.to_thread(next, it, _END)
-        if item is _END:
+        got = await asyncio.to_thread(_next_of, it)
+        if got is None:
             return
-        yield item
+        yield got[0]
 
 
 async def consume_records(intake: Intake, records: AsyncIterable[dict[str, Any]] | Iterable[dict[str, Any]],

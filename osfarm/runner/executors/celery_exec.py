@@ -14,7 +14,7 @@ from typing import Any
 import redis
 from kombu.exceptions import OperationalError
 
-from osfarm.errors import EpisodeTimeout, InfraError
+from osfarm.errors import EpisodeTimeout, InfraError, OsfarmError
 from osfarm.http.retry import backoff_s
 from osfarm.runner.executors.celery_app import (
     TASK_NAME,
@@ -88,8 +88,9 @@ class CeleryExecutor:
         self.app.close()
 
 
-class _WorkerFailure:
-    """What a failed episode job left: Celery's ``state`` (FAILURE, REVOKED) and its ``result``."""
+class _WorkerFailure(OsfarmError):
+    """What a failed episode job left: Celery's ``state`` (FAILURE, REVOKED) and its ``result``
+    (the base of the two errors below, before their InfraError / EpisodeTimeout branch)."""
 
     def __init__(self, state: str, result: Any):
         self.state = state
