@@ -54,9 +54,11 @@ test-fast:
 	@test -x $(PY) || { echo "no venv at $(VENV): run make venv first" >&2; exit 1; }
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
-# ruff (rules and line length in pyproject.toml): pyflakes, pycodestyle, isort, bugbear, pyupgrade
+# ruff (rules and line length in pyproject.toml): pyflakes, pycodestyle, isort, bugbear, pyupgrade;
+# then mypy on osfarm/ ([tool.mypy] in pyproject.toml)
 lint: venv
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: venv
 	$(PY) bench/lease_latency.py

