@@ -33,11 +33,12 @@ import httpx
 from PIL import Image
 from pydantic import BaseModel
 
-from osfarm.desktop.models import ActionTiming, Observation, ObserveOptions, StepResult
 from osfarm.errors import OsfarmError
-from osfarm.farm.schemas import LeaseInfo
 from osfarm.http.errors import error_detail
 from osfarm.http.retry import Deadline
+from osfarm.schema.guest import ActionTiming, StepResult
+from osfarm.schema.lease import LeaseInfo
+from osfarm.schema.observation import Observation, ObserveOptions
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 OWNER_HEADER = "X-Osfarm-Owner"

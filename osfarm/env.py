@@ -54,9 +54,10 @@ from typing import Any, Literal, Self, TypeVar, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from osfarm.client import AsyncFarm, AsyncRemoteDesktop, FarmAPIError
-from osfarm.desktop.models import ActionResult, ActionTiming, ScreenSize
-from osfarm.desktop.models import Observation as DesktopObservation
 from osfarm.errors import EpisodeTimeout, InfraError
+from osfarm.schema.guest import ActionResult, ActionTiming
+from osfarm.schema.observation import Observation as DesktopObservation
+from osfarm.schema.observation import ScreenSize
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, evaluate, run_postconfig, run_setup
@@ -96,7 +97,7 @@ def special_action(action: Action) -> Special | None:
 class Observation(BaseModel):
     """What the agent sees: OSWorld's observation, typed.
 
-    Built from the farm's wire observation (:class:`osfarm.desktop.models.Observation`, whose
+    Built from the farm's wire observation (:class:`osfarm.schema.observation.Observation`, whose
     screenshot is base64 text) with the image decoded to bytes. :meth:`as_dict` is the plain dict
     OSWorld agents take (``Agent.predict(instruction, obs)``).
     """

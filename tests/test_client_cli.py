@@ -33,9 +33,9 @@ from osfarm.client import (
     screenshot_bytes,
     screenshot_image,
 )
-from osfarm.desktop.actions import Click, ClickParams
-from osfarm.desktop.models import ObserveOptions
 from osfarm.farm.server import FarmServer
+from osfarm.schema.actions import Click, ClickParams
+from osfarm.schema.observation import ObserveOptions
 
 OSFARM = [sys.executable, "-m", "osfarm.cli"]
 

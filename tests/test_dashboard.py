@@ -301,7 +301,7 @@ def test_report_export_command(tmp_path: Path) -> None:
 
 def test_take_over_input_is_mouse_and_keyboard_only() -> None:
     from osfarm.dashboard.control import control_actions
-    from osfarm.desktop.actions import ActionError
+    from osfarm.schema.actions import ActionError
 
     ok = control_actions([{"action_type": "MOVE_TO", "parameters": {"x": 5, "y": 6}},
                           {"action_type": "TYPING", "parameters": {"text": "hi"}},
@@ -366,8 +366,8 @@ def test_a_take_over_is_in_the_episode_record(tmp_path: Path) -> None:
     """What TaskEnv read from the lease at release reaches the record and the results row."""
     from osfarm.runner.episode import EpisodeResult
     from osfarm.runner.results import write_task
+    from osfarm.schema.episode import check_record
     from osfarm.stream.blobs import LocalBlobStore
-    from osfarm.stream.record import check_record
     from osfarm.tasks.model import parse_task
 
     task = parse_task({"id": "t1", "instruction": "x", "config": [], "evaluator": {"func": "infeasible"}}, file="t")

@@ -24,10 +24,10 @@ from waiting import wait_until
 
 from osfarm.desktop import ewmh
 from osfarm.desktop import windows as win
-from osfarm.desktop.actions import ActionError, parse_action
 from osfarm.desktop.capture import ScreenCapture, encode_image
 from osfarm.desktop.coderunner import CodeRunner
 from osfarm.desktop.xinput import InputController
+from osfarm.schema.actions import ActionError, parse_action
 
 SYS_PYTHON = "/usr/bin/python3"
 W, H = 1280, 800

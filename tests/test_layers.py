@@ -4,17 +4,23 @@ documented direction, an import cycle, or a function-local import that is not on
 
 The layers, lowest first (a module may import its own layer and any lower one)::
 
-    desktop (runs inside the box) -> images -> providers -> tasks, evaluators -> farm -> client
-      -> env -> agents, policy, stream -> runner -> trainer -> dashboard -> osfarm.cli (the command)
+    schema (the wire models) -> desktop (runs inside the box) -> images -> providers
+      -> tasks, evaluators -> farm -> client -> env -> agents, policy, stream -> runner -> trainer
+      -> dashboard -> osfarm.cli (the command)
+
+``schema`` is the one typed wire layer: actions, observations, the guest's step models, leases,
+pool status, the farm's service answers and the ``osfarm.episode/1`` record. Everything that
+speaks to a desktop, a farm or a record store reads and writes these models, so it sits at the
+bottom and imports nothing of osfarm but the error base.
 
 ``images`` (how desktop images are built) sits under ``providers`` because the libvirt provider
 finds its disk with it. ``tasks``/``evaluators`` (the OSWorld task lifecycle, spoken to a guest
 server) sit under the farm because the farm's reset/evaluate routes run that same lifecycle;
 they know a desktop only by its guest endpoint. They are one layer with a direction inside it
 (``ACROSS``): the task lifecycle runs the evaluators, never the other way; what both need (the
-guest's error, confined host paths) is layer-neutral. The ``client`` sits on the farm because it
-speaks the farm's wire models (``farm.schemas``). ``stream`` (trajectory records and sinks)
-imports nothing of osfarm but the error base; it sits beside ``agents`` and ``policy``, where the
+guest's error, confined host paths) is layer-neutral. The ``client`` sits on the farm (it raises the
+farm's errors and speaks its routes; the models are ``schema``'s). ``stream`` (trajectory record sinks)
+imports nothing of osfarm but ``schema`` and the error base; it sits beside ``agents`` and ``policy``, where the
 runner and the trainer use it, and none of the three imports another. The ``dashboard`` (web UI) sits on top,
 under the command only: it reads the farm's pool and guest links (live view), the stream's records
 and the runner's results layout (run pages), so nothing below imports it; the farm serves it
@@ -63,6 +69,7 @@ TESTS = REPO / "tests"
 
 # Lowest first; one entry per layer, modules named by dotted prefix.
 LAYERS: list[tuple[str, ...]] = [
+    ("osfarm.schema",),
     ("osfarm.desktop",),
     ("osfarm.images",),
     ("osfarm.providers",),
@@ -92,7 +99,7 @@ NEUTRAL = {
 # Inside a layer of several packages: the imports allowed from one package to another (importer,
 # imported), each with its reason. Any other import between two packages of one layer is refused;
 # a new one is a decision about the design, made here. Today: tasks -> evaluators only; agents,
-# policy and stream import none of each other (stream imports nothing of osfarm but the error base).
+# policy and stream import none of each other (stream imports nothing of osfarm but schema and the error base).
 ACROSS: dict[tuple[str, str], str] = {
     ("osfarm.tasks", "osfarm.evaluators"): (
         "the task lifecycle runs the evaluators (tasks.lifecycle's evaluate; tasks.coverage lists the getters and "
@@ -466,6 +473,15 @@ def test_the_farm_imports_nothing_of_runner_agents_trainer(imports: tuple[dict[s
     assert not bad, "\n".join(bad)
 
 
+def test_the_wire_layer_imports_only_itself_and_the_error_base(imports: tuple[dict[str, Path], list[Import]]) -> None:
+    # Stricter than "points down": the neutral modules (settings, HTTP helpers) are no business of a
+    # wire model, which a client, a guest and a record reader all load.
+    modules, found = imports
+    bad = [f"{where(i, modules)}: {i.target}" for i in found if i.source.startswith("osfarm.schema")
+           and i.target.startswith("osfarm") and not i.target.startswith(("osfarm.schema", "osfarm.errors"))]
+    assert not bad, "\n".join(bad)
+
+
 def test_no_import_cycles(imports: tuple[dict[str, Path], list[Import]],
                           bench: tuple[dict[str, Path], list[Import]]) -> None:
     modules, found = imports
@@ -560,7 +576,7 @@ def test_the_checker_catches_an_import_against_a_layers_direction() -> None:
     modules = all_modules()
     back = Import("osfarm.evaluators.getters.env", "osfarm.tasks.controller", 28, False, True)
     forth = Import("osfarm.tasks.lifecycle", "osfarm.evaluators.scoring", 24, False, False)
-    sideways = Import("osfarm.stream.record", "osfarm.agents.base", 1, False, False)
+    sideways = Import("osfarm.stream.jsonl", "osfarm.agents.base", 1, False, False)
     neutral = Import("osfarm.evaluators.getters.env", "osfarm.host_paths", 28, False, False)
     bad = imports_across_a_layer(modules, [back, forth, sideways, neutral])
     assert len(bad) == 2, bad

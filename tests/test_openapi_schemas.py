@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from osfarm.desktop.actions import KEY_NAMES, CodeText, KeyName, MoveTo, parse_action, parse_actions
-from osfarm.desktop.models import StepRequest
 from osfarm.evaluators.getters import GETTERS
 from osfarm.evaluators.metrics import METRICS
 from osfarm.farm.errors import ApiError
 from osfarm.farm.task_routes import EvaluateRequest, ResetRequest, validate_task
 from osfarm.farm.task_schema import FarmTask, RelativePath, TaskId
+from osfarm.schema.actions import KEY_NAMES, CodeText, KeyName, MoveTo, parse_action, parse_actions
+from osfarm.schema.guest import StepRequest
 from osfarm.tasks.setup import SETUP_TYPES
 from osfarm.tasks.task_paths import plain_name_problem, relative_problem
 

@@ -12,9 +12,9 @@ from redis_server import RedisServer, redis_session_fixture  # noqa: F401 - prov
 from typer.testing import CliRunner
 
 from osfarm.cli import app
+from osfarm.schema.episode import SCHEMA, SchemaError, check_record
 from osfarm.stream.blobs import BlobMissing, LocalBlobStore
 from osfarm.stream.jsonl import JsonlSink, read_jsonl
-from osfarm.stream.record import SCHEMA, SchemaError, check_record
 from osfarm.stream.redis_stream import (
     RedisStreamSink,
     RedisStreamSource,

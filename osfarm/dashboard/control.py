@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from osfarm.desktop.actions import ActionError, CodeAction, Control, parse_actions
 from osfarm.errors import OsfarmError
 from osfarm.farm.pool import ControlSpan, Lease
+from osfarm.schema.actions import ActionError, CodeAction, Control, parse_actions
 
 MAX_ACTIONS = 200  # one message: a burst of typing or a fast drag
 ALLOWED = frozenset({

@@ -35,11 +35,11 @@ from osfarm.dashboard.access import (
 from osfarm.dashboard.context import Dashboard, error_page, page
 from osfarm.dashboard.control import ControlRefused, control_actions
 from osfarm.dashboard.live import DesktopGone, LiveHub, Target
-from osfarm.desktop.actions import ActionError
 from osfarm.farm.errors import ApiError
 from osfarm.farm.pool import DesktopView, LeasePool
 from osfarm.farm.state import FarmState
 from osfarm.http.principals import Principal
+from osfarm.schema.actions import ActionError
 
 log = logging.getLogger("osfarm.dashboard.farm_routes")
 

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from osfarm.dashboard.confined import ConfinedDir, Refused, clean_parts
 from osfarm.dashboard.stats import Rate
 from osfarm.runner.results import GROUPS
-from osfarm.stream.record import SchemaError, check_record
+from osfarm.schema.episode import SchemaError, check_record
 
 MAX_DEPTH = 4
 MAX_RESULTS_BYTES = 64 << 20

@@ -43,7 +43,7 @@ import weakref
 from typing import get_args
 
 from osfarm.desktop.agent_world import AgentWorld
-from osfarm.desktop.models import ActionTiming, CodeResult
+from osfarm.schema.guest import ActionTiming, CodeResult
 
 _STARTUP_TIMEOUT_S = 60.0
 _MAX_OUTPUT = 1 << 20  # keep the last 1 MiB of a run's output

@@ -9,7 +9,7 @@ Two sets of routes, all behind ``Authorization: Bearer <token>``:
   ``status: "error"`` and ``returncode: -1`` (OSWorld answers 500, and its client then re-runs
   the side effects three times); ``/setup/open_file`` cannot block forever.
 * Native ``/v1`` routes (:mod:`osfarm.desktop.native_routes`, wire models in
-  :mod:`osfarm.desktop.models`): structured actions through XTest in this process, pyautogui
+  :mod:`osfarm.schema.guest`): structured actions through XTest in this process, pyautogui
   code in a long-lived interpreter, one-call observations.
 
 Both are ``APIRouter`` modules; their shared state is the app's

@@ -22,11 +22,12 @@ from osfarm.desktop.agent_files import AGENT_PYTHON, AgentFileError, AgentFiles
 from osfarm.desktop.agent_world import AgentWorld
 from osfarm.desktop.capture import ScreenCapture
 from osfarm.desktop.coderunner import CodeRunner, run_fresh
-from osfarm.desktop.models import CodeResult, Window
 from osfarm.desktop.recording import Recorder
 from osfarm.desktop.settle import total_cpu_seconds
 from osfarm.desktop.windows import close_connections, list_windows
 from osfarm.desktop.xinput import InputController
+from osfarm.schema.guest import CodeResult
+from osfarm.schema.observation import Window
 
 # How long runner_pid waits for a background start (the interpreter's own start-up limit, and some).
 _RUNNER_SETTLE_S = 70.0

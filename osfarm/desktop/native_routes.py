@@ -1,4 +1,4 @@
-"""The guest's native ``/v1`` routes (documented in :mod:`osfarm.desktop.models`): actions
+"""The guest's native ``/v1`` routes (documented in :mod:`osfarm.schema.guest`): actions
 through XTest in this process, pyautogui code in a long-lived interpreter, one-call
 observations, readiness waits."""
 
@@ -18,29 +18,26 @@ from starlette.concurrency import run_in_threadpool
 
 from osfarm.desktop import warm
 from osfarm.desktop.a11y import accessibility_tree
-from osfarm.desktop.actions import Action, ActionError, CodeAction, is_terminal, parse_actions
 from osfarm.desktop.capture import encode_frame
 from osfarm.desktop.guest_state import Desktop, DesktopDep
-from osfarm.desktop.models import (
+from osfarm.desktop.request_fields import expand
+from osfarm.desktop.warm_reset_error import WarmResetError
+from osfarm.desktop.windows import wait_for_window as find_window_within
+from osfarm.http.principals import ADMIN_NAME, Principal
+from osfarm.schema.actions import Action, ActionError, CodeAction, is_terminal, parse_actions
+from osfarm.schema.guest import (
     ActionResult,
     ActionTiming,
     CodeRequest,
     CodeResult,
     Health,
-    ImageFormat,
-    Observation,
-    ObserveOptions,
-    ScreenSize,
     StepRequest,
     StepResult,
     WaitForFile,
     WaitForWindow,
     WaitResult,
 )
-from osfarm.desktop.request_fields import expand
-from osfarm.desktop.warm_reset_error import WarmResetError
-from osfarm.desktop.windows import wait_for_window as find_window_within
-from osfarm.http.principals import ADMIN_NAME, Principal
+from osfarm.schema.observation import ImageFormat, Observation, ObserveOptions, ScreenSize
 
 OSWORLD_PAUSE_S = 0.1  # pyautogui.PAUSE's default: OSWorld's pause after each pyautogui call
 MEDIA_TYPES: dict[ImageFormat, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}

@@ -27,7 +27,7 @@ from Xlib.protocol import event as xevent
 from osfarm.desktop.ewmh import atom as _atom
 from osfarm.desktop.ewmh import client_ids as _client_ids
 from osfarm.desktop.ewmh import window_title as _title
-from osfarm.desktop.models import Window
+from osfarm.schema.observation import Window
 
 T = TypeVar("T")
 

@@ -32,7 +32,7 @@ from Xlib.error import XError
 from Xlib.ext import xtest
 from Xlib.protocol import event as xevent
 
-from osfarm.desktop.actions import (
+from osfarm.schema.actions import (
     ActionError,
     Click,
     Control,

@@ -2,7 +2,7 @@
 
 The native calls go to the desktop's guest server over :class:`~osfarm.farm.guest_link.GuestLink`
 (see :meth:`FarmState.guest_call`); the guest already speaks the step/observation models of
-:mod:`osfarm.desktop.models`, so its JSON is passed through rather than re-encoded.
+:mod:`osfarm.schema.guest`, so its JSON is passed through rather than re-encoded.
 """
 
 from __future__ import annotations
@@ -13,27 +13,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Response
 
-from osfarm.desktop.actions import ActionError, parse_actions
-from osfarm.desktop.models import (
-    ImageFormat,
-    Observation,
-    ObserveOptions,
-    StepRequest,
-    StepResult,
-)
+from osfarm.farm.error_responses import DESKTOP_ERRORS
 from osfarm.farm.errors import ApiError
 from osfarm.farm.metrics import STEP_SECONDS
 from osfarm.farm.pool import Lease
-from osfarm.farm.schemas import (
-    DESKTOP_ERRORS,
-    ControlInfo,
-    ErrorBody,
-    HeartbeatRequest,
-    LeaseInfo,
-    LeaseRequest,
-)
 from osfarm.farm.state import LeaseOf, Leaser, Pool, State
 from osfarm.http.principals import Principal
+from osfarm.schema.actions import ActionError, parse_actions
+from osfarm.schema.guest import StepRequest, StepResult
+from osfarm.schema.lease import ControlInfo, HeartbeatRequest, LeaseInfo, LeaseRequest
+from osfarm.schema.observation import ImageFormat, Observation, ObserveOptions
+from osfarm.schema.service import ErrorBody
 
 router = APIRouter(tags=["desktops"])
 

@@ -14,8 +14,8 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from osfarm.farm.error_responses import DESKTOP_ERRORS
 from osfarm.farm.errors import ApiError, describe
-from osfarm.farm.schemas import DESKTOP_ERRORS
 from osfarm.farm.state import LeaseOf, State
 
 # Guest calls that may legitimately block for long (OSWorld's /setup/open_file waits up to 30

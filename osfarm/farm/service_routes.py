@@ -10,8 +10,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import osfarm
 from osfarm.farm.metrics import REGISTRY
-from osfarm.farm.schemas import ErrorBody, Healthz, PoolStatus, WhoAmI
 from osfarm.farm.state import CurrentPrincipal, Pool, State
+from osfarm.schema.pool import PoolStatus
+from osfarm.schema.service import ErrorBody, Healthz, WhoAmI
 
 router = APIRouter(tags=["farm"])
 

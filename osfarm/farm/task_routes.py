@@ -40,9 +40,9 @@ from pydantic_core import PydanticCustomError
 from osfarm.config import FarmSettings
 from osfarm.evaluators.errors import RuleError
 from osfarm.farm.errors import ApiError
-from osfarm.farm.schemas import ErrorBody
 from osfarm.farm.state import LeaseOf, State
 from osfarm.farm.task_schema import FarmTask, unknown_names
+from osfarm.schema.service import ErrorBody
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import URL_MAP_NAMES, AssetMissing, FileCache, load_url_map
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, run_postconfig, run_setup

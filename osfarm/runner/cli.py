@@ -11,7 +11,7 @@ from rich.console import Console
 from osfarm.runner.options import FarmTokenOpt, FarmUrlOpt
 
 if TYPE_CHECKING:
-    from osfarm.desktop.models import ActionTiming
+    from osfarm.schema.guest import ActionTiming
 
 
 def eval_command(

@@ -24,9 +24,9 @@ from typing import Any
 
 from osfarm.agents.base import Action, Agent
 from osfarm.client import AsyncFarm
-from osfarm.desktop.models import ActionTiming
 from osfarm.env import EpisodeTimeout, InfraError, TaskEnv
 from osfarm.http.retry import backoff_s
+from osfarm.schema.guest import ActionTiming
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.model import Task
 

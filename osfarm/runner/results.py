@@ -23,9 +23,9 @@ from rich.table import Table
 
 from osfarm.agents.prompts.messages import strip_images
 from osfarm.runner.episode import INFRA_ERROR, SUCCESS, TIMEOUT, EpisodeResult, episode_id
+from osfarm.schema.episode import SCHEMA, SchemaError, check_record
 from osfarm.stream.blobs import BlobStore
 from osfarm.stream.jsonl import JsonlSink
-from osfarm.stream.record import SCHEMA, SchemaError, check_record
 from osfarm.tasks.suite import RefusedTask
 
 RESULTS_SCHEMA = "osfarm.results/1"

@@ -33,7 +33,6 @@ from rich.progress import (
 
 from osfarm.agents import make_agent
 from osfarm.client import AsyncFarm
-from osfarm.desktop.models import ActionTiming
 from osfarm.errors import EpisodeTimeout
 from osfarm.farm.local import local_farm, local_farm_settings
 from osfarm.http.download import DownloadPolicy
@@ -54,6 +53,7 @@ from osfarm.runner.results import (
     write_task,
 )
 from osfarm.runner.scheduler import Done, RolloutScheduler
+from osfarm.schema.guest import ActionTiming
 from osfarm.stream.jsonl import JsonlSink
 from osfarm.tasks.filecache import FileCache, suite_cache
 from osfarm.tasks.suite import OSWORLD_INDEX, Suite, load_suite

@@ -69,7 +69,7 @@ def tail(
     as_json: Annotated[bool, typer.Option("--json", help="print whole records as JSON lines")] = False,
 ) -> None:
     """Show the last episodes (without consuming them: no consumer group is touched)."""
-    from osfarm.stream.record import SchemaError
+    from osfarm.schema.episode import SchemaError
 
     try:
         if file is not None:
@@ -85,7 +85,7 @@ def tail(
                 for rec in follow_jsonl(file):
                     _show(rec, None, as_json)
             return
-        from osfarm.stream.record import parse_record
+        from osfarm.schema.episode import parse_record
 
         r = _client(redis_url)
         last = r.xrevrange(stream, count=n) if n else []
@@ -141,7 +141,7 @@ def republish(
     ] = 10_000,
 ) -> None:
     """Publish spilled records again (once per episode id); what still does not fit stays in the file."""
-    from osfarm.stream.record import SchemaError
+    from osfarm.schema.episode import SchemaError
     from osfarm.stream.redis_stream import RedisStreamSink, republish_spill
 
     if not spill.is_file():

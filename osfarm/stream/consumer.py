@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from osfarm.schema.episode import SchemaError, check_record
 from osfarm.stream.jsonl import JsonlSink
-from osfarm.stream.record import SchemaError, check_record
 
 log = logging.getLogger("osfarm.stream.consumer")
 

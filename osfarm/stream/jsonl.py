@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from osfarm.stream.record import SchemaError, check_record
+from osfarm.schema.episode import SchemaError, check_record
 
 
 class JsonlSink:

@@ -37,8 +37,8 @@ from typing import Any
 import redis
 from redis.typing import EncodableT, FieldT, XReadGroupResponse
 
+from osfarm.schema.episode import SchemaError, check_record
 from osfarm.stream.jsonl import JsonlSink, read_jsonl
-from osfarm.stream.record import SchemaError, check_record
 
 log = logging.getLogger("osfarm.stream")
 

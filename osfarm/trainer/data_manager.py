@@ -33,8 +33,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from osfarm.schema.episode import SchemaError, check_record
 from osfarm.stream.consumer import CLAIM_IDLE_MS, GroupSource
-from osfarm.stream.record import SchemaError, check_record
 from osfarm.trainer.allocation import TaskStats
 from osfarm.trainer.data_config import DataConfig
 from osfarm.trainer.data_state import STATE_FILE, STATE_SCHEMA, atomic_write, read_state

@@ -83,7 +83,7 @@ from osfarm.trainer.seeding import TaskInfo, pick_exemplar
 from osfarm.trainer.update_row import Window, staleness_of, update_row
 from osfarm.trainer.weight_sync import SyncResult, WeightSync
 
-EpisodeRecord = dict[str, Any]  # an osfarm.episode/1 record (osfarm.stream.record checks it)
+EpisodeRecord = dict[str, Any]  # an osfarm.episode/1 record (osfarm.schema.episode checks it)
 
 CHECKPOINTS = "checkpoints"
 DM_STATE = "data_manager.json"

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from osfarm.schema.episode import SchemaError
 from osfarm.stream.blobs import BlobMissing, LocalBlobStore
-from osfarm.stream.record import SchemaError
 
 # the placeholder the agent itself puts where it leaves an old screenshot out
 OMITTED = "(screenshot omitted: an earlier step)"

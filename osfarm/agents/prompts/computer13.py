@@ -2,7 +2,7 @@
 
 ``{"action_type": "CLICK", "parameters": {"x": 10, "y": 20}}`` and the other 12 action types
 (plus WAIT/DONE/FAIL), in a ```json block, as one object or a list. Every action is checked
-against the computer_13 space the desktop accepts (:mod:`osfarm.desktop.actions`) and against the
+against the computer_13 space the desktop accepts (:mod:`osfarm.schema.actions`) and against the
 screen, so a wrong action is a parse error of this step, not a rejected step at the desktop.
 
 Tolerated, as models write them: a block without a language tag, a bare JSON reply without any
@@ -26,7 +26,7 @@ from osfarm.agents.prompts.base import (
     bare_special,
 )
 from osfarm.agents.prompts.pyautogui_code import ASK, SEES, fenced_blocks
-from osfarm.desktop.actions import ActionError, check_on_screen, parse_action
+from osfarm.schema.actions import ActionError, check_on_screen, parse_action
 
 JSON_TAGS = ("", "json", "json5", "javascript", "python")
 _TRAILING_COMMA = re.compile(r",(\s*[}\]])")

@@ -30,7 +30,7 @@ from osfarm.agents.prompts.geometry import (
     smart_resize,
     to_screen,
 )
-from osfarm.desktop.actions import KEY_NAMES
+from osfarm.schema.actions import KEY_NAMES
 
 Coordinates = Literal["absolute", "relative"]
 RELATIVE_GRID = 1000

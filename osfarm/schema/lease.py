@@ -1,14 +1,11 @@
-"""Wire models of the farm's REST API (the guest's step/observation models are reused as-is
-from :mod:`osfarm.desktop.models`, so a client sees one shape whether it talks to a guest or
-to the farm)."""
+"""Wire models of a lease on a farm desktop: asking for one, keeping it alive, and what the farm
+says about it (``POST /v1/desktops``, ``GET``/heartbeat ``/v1/desktops/{id}``)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
 from pydantic import BaseModel, ConfigDict, Field
 
-from osfarm.desktop.models import ScreenSize
+from osfarm.schema.observation import ScreenSize
 
 
 class _Strict(BaseModel):
@@ -85,61 +82,3 @@ class LeaseInfo(BaseModel):
         default=None, description="a cold reset where a warm one was meant: why (mismatch, error, timeout, every_n, "
         "dead)",
     )
-
-
-class DesktopStatus(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    id: str
-    state: str = Field(description="starting, ready, leased, resetting, failed or stopping")
-    lease_id: str | None = None
-    since: float = Field(description="unix time the desktop entered this state")
-
-
-class PoolStatus(BaseModel):
-    """What the pool reports (keys the pool adds later pass through unchanged)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    desktops: list[DesktopStatus] = Field(default_factory=list)
-    counts: dict[str, int] = Field(default_factory=dict, description="desktops per state")
-    pool_min: int | None = None
-    pool_max: int | None = None
-    leases: int | None = Field(default=None, description="live leases")
-    waiting: int | None = Field(default=None, description="lease requests waiting for a desktop")
-    start_failures: int | None = Field(default=None, description="desktop start/reset failures in a row")
-    last_error: str | None = None
-
-
-class WhoAmI(BaseModel):
-    """The caller, as its token names it (``GET /v1/whoami``)."""
-
-    name: str
-    role: Literal["admin", "client", "viewer"] = Field(description="admin: every lease and the whole pool; client: "
-                                                       "its own leases; viewer: read-only pool status")
-    max_leases: int | None = Field(default=None, description="most leases held at once; null: no quota")
-    max_ttl_s: float | None = Field(default=None, description="longest lease TTL it may ask for; null: no limit")
-    leases: int = Field(description="leases it holds now")
-
-
-class Healthz(BaseModel):
-    status: Literal["ok"] = "ok"
-    version: str
-    provider: str
-    uptime_s: float
-    ready: bool = Field(description="the pool has started")
-
-
-class ErrorBody(BaseModel):
-    detail: str = Field(description="what went wrong, naming the offending field where there is one")
-
-
-# Responses every desktop route can give; listed once so the OpenAPI page documents them.
-DESKTOP_ERRORS: dict[int | str, dict[str, Any]] = {
-    401: {"model": ErrorBody, "description": "missing or wrong token"},
-    403: {"model": ErrorBody, "description": "the lease belongs to another owner (X-Osfarm-Owner), or the "
-          "token is read-only (viewer)"},
-    404: {"model": ErrorBody, "description": "no such lease (another client's lease answers the same)"},
-    410: {"model": ErrorBody, "description": "the lease expired or was released, or its desktop crashed"},
-    422: {"model": ErrorBody, "description": "invalid input; the detail names the field"},
-}

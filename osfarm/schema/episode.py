@@ -1,4 +1,5 @@
-"""The ``osfarm.episode/1`` trajectory record: its pydantic model and the validator readers use.
+"""The ``osfarm.episode/1`` trajectory record: its pydantic model and the validator readers use
+(the stream's sinks write it, the runner, the trainer and the dashboard read it).
 
 One JSON object per finished episode (../DESIGN.md). Writers may add fields (a reader keeps
 them); a change that breaks readers bumps the major version, and a reader refuses a major
@@ -36,7 +37,9 @@ class BlobRef(_Open):
     size: int = Field(ge=0)
 
 
-class Observation(_Open):
+class ObservationBlobs(_Open):
+    """A step's observation as the record keeps it: its images and a11y tree as blobs."""
+
     screenshot: BlobRef | None = None
     a11y: BlobRef | None = None
 
@@ -51,7 +54,7 @@ class ModelCall(_Open):
 
 class Step(_Open):
     index: int = Field(ge=1)
-    observation: Observation
+    observation: ObservationBlobs
     model: ModelCall | None
     actions: list[Any]
     action_error: str | None
@@ -68,7 +71,7 @@ class Policy(_Open):
 class Desktop(_Open):
     provider: str | None = None
     image: str | None = None
-    session: str | None = None  # gnome or light (osfarm.desktop.gnome); absent in older records
+    session: str | None = None  # gnome or light (osfarm.desktop.session.gnome); absent in older records
 
 
 class EpisodeRecord(_Open):

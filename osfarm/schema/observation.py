@@ -1,0 +1,67 @@
+"""The observation: what a desktop shows, as the guest's and the farm's ``/observation`` and a
+step's answer carry it (the screenshot as base64 text), and the options that ask for it.
+
+The agent-facing form (the image decoded to bytes, OSWorld's observation dict) is
+:class:`osfarm.env.Observation`, built from this one.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from osfarm.schema.actions import JsonInt
+
+ImageFormat = Literal["png", "jpeg", "webp"]
+
+
+class ScreenSize(BaseModel):
+    width: int
+    height: int
+
+
+class ObserveOptions(BaseModel):
+    screenshot: bool = True
+    format: ImageFormat = "png"
+    scale: float = Field(default=1.0, gt=0.0, le=1.0, description="resize factor for the screenshot")
+    quality: JsonInt = Field(default=80, ge=1, le=100, description="JPEG/WebP quality")
+    a11y: bool = False
+    windows: bool = True
+    cursor: bool = True
+    settle_s: float = Field(
+        default=0.0, ge=0.0, le=10.0,
+        description="wait up to this long for the screen to stop changing and the desktop's apps "
+        "to go idle before capturing (apps handle input and repaint after it arrives; a busy one "
+        "can show a still but stale screen); 0 captures at once",
+    )
+
+
+class ObserveRequest(ObserveOptions):
+    """ObserveOptions in a JSON body, whose values are taken as the schema types them (``"80"`` is
+    no quality); in a query string they are text, read as ObserveOptions."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class Window(BaseModel):
+    id: int
+    title: str
+    wm_class: str
+    x: int
+    y: int
+    width: int
+    height: int
+    focused: bool = False
+
+
+class Observation(BaseModel):
+    screenshot: str | None = Field(default=None, description="base64 image bytes")
+    format: ImageFormat | None = None
+    width: int | None = Field(default=None, description="width of the image as encoded (after scale)")
+    height: int | None = None
+    screen: ScreenSize
+    cursor: tuple[int, int] | None = None
+    windows: list[Window] | None = None
+    a11y: str | None = Field(default=None, description="OSWorld-style accessibility tree XML")
+    t_ms: float = 0.0
