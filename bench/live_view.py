@@ -34,7 +34,7 @@ from websockets.asyncio.client import connect
 
 from osfarm.config import FarmSettings
 from osfarm.dashboard.app import mount
-from osfarm.dashboard.context import Dashboard
+from osfarm.dashboard.state import Dashboard
 from osfarm.farm.local import local_farm, local_farm_settings
 from osfarm.providers.sandbox import SANDBOX_ENV
 

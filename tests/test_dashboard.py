@@ -337,6 +337,48 @@ def test_websockets_need_a_token_too(ui: tuple[str, str, Path]) -> None:
     # (an accepted handshake with a token is covered on a real farm: test_dashboard_browser.py)
 
 
+def test_a_farm_serves_the_dashboard_through_its_dependencies(tmp_path: Path) -> None:
+    """The farm app with ``farm_ui``: the dashboard's routers find their state on ``app.state``
+    (pages, the token table of the login form, the farm's pool for the SSE stream and the live
+    view's WebSocket) and answer HTML error pages, not the farm's JSON. The app runs without its
+    lifespan: the farm is "starting" (no pool), and no desktop is started."""
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+
+    from osfarm.config import FarmSettings
+    from osfarm.dashboard.app import farm_ui
+    from osfarm.farm.api import create_app
+
+    token = "farm-ui-test-token-0123456789"
+    app = create_app(FarmSettings(token=token, state_dir=tmp_path / "state"), ui=farm_ui(None))
+    with _Server(app) as url:
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}) as c:
+            home = c.get("/ui/")
+            assert home.status_code == 200 and "script-src 'self'" in home.headers["content-security-policy"]
+            assert c.get("/ui/pool").status_code == 200
+            none = c.get("/ui/runs")  # a farm without ui_runs_dir has no run pages
+            assert none.status_code == 404 and "no runs root" in none.text
+            assert none.headers["content-type"].startswith("text/html") and none.headers["x-frame-options"] == "DENY"
+            gone = c.get("/ui/desktops/d1")
+            assert gone.status_code == 404 and "no desktop &#39;d1&#39; you may watch" in gone.text
+            with c.stream("GET", "/ui/pool/events") as events:  # the pool is not up: the stream says so and ends
+                assert events.headers["content-type"].startswith("text/event-stream")
+                assert "event: error" in events.read().decode()
+            assert not any(path.startswith("/ui") for path in c.get("/openapi.json").json()["paths"])
+        with httpx.Client(base_url=url) as c:  # the login form checks the farm's own token table
+            assert c.post("/ui/login", data={"token": "wrong"}).status_code == 401
+            assert c.post("/ui/login", data={"token": token}).status_code == 303
+
+    # The live view's WebSocket gets the farm's state through the same dependencies. Closed before
+    # it is accepted, over uvicorn it is a bare 403 (like a missing token), so the close code that
+    # says why is read in process, on the same app (no lifespan: still no pool).
+    with pytest.raises(WebSocketDisconnect) as closed:
+        with TestClient(app).websocket_connect("/ui/desktops/d1/live",
+                                               headers={"Authorization": f"Bearer {token}"}) as ws:
+            ws.receive()
+    assert closed.value.code == 4404 and "no desktop 'd1'" in closed.value.reason
+
+
 def test_control_is_of_one_lease() -> None:
     """Control taken over lease A ends with A: when the desktop serves lease B, nobody controls
     it, another admin may take it, and A's span is closed."""

@@ -25,19 +25,14 @@ from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
 from fastapi.responses import StreamingResponse
 
 from osfarm.dashboard import pages
-from osfarm.dashboard.access import (
-    csrf_ok,
-    may_watch,
-    principal_of,
-    same_origin,
-    uses_cookie,
-)
-from osfarm.dashboard.context import Dashboard, error_page, page
+from osfarm.dashboard.access import csrf_ok, may_watch, same_origin, uses_cookie
 from osfarm.dashboard.control import ControlRefused, control_actions
-from osfarm.dashboard.live import DesktopGone, LiveHub, Target
+from osfarm.dashboard.live import DesktopGone, LiveHub
+from osfarm.dashboard.responses import PageRoute, error_page, page
+from osfarm.dashboard.state import Caller, Dashboard, DashboardOf, Hub, PageFrame
 from osfarm.farm.errors import ApiError
 from osfarm.farm.pool import DesktopView, LeasePool
-from osfarm.farm.state import FarmState
+from osfarm.farm.state import FarmState, State
 from osfarm.http.principals import Principal
 from osfarm.schema.actions import ActionError
 
@@ -45,23 +40,6 @@ log = logging.getLogger("osfarm.dashboard.farm_routes")
 
 POOL_EVENT_INTERVAL_S = 1.0
 STEP_TIMEOUT_S = 30.0
-
-
-def _state(conn: Request | WebSocket) -> FarmState:
-    state: FarmState = conn.app.state.farm
-    return state
-
-
-def _hub(dash: Dashboard, state: FarmState) -> LiveHub:
-    if dash.hub is None:
-        def locate(desktop_id: str) -> Target | None:
-            view = state.pool.desktop(desktop_id) if state.pool is not None else None
-            if view is None or view.endpoint is None or view.screen is None or view.state in ("failed", "stopping"):
-                return None
-            return Target(view.endpoint, view.screen)
-
-        dash.hub = LiveHub(locate)
-    return dash.hub
 
 
 def _visible(p: Principal, v: DesktopView) -> bool:
@@ -79,42 +57,39 @@ def _desktop_json(dash: Dashboard, v: DesktopView, now: float) -> dict[str, Any]
     }  # fmt: skip
 
 
-def router(dash: Dashboard) -> APIRouter:
-    r = APIRouter(tags=["dashboard"], include_in_schema=False)
-
-    @r.get("/ui/pool")
-    async def pool_page(request: Request) -> Response:
-        return page(pages.render("pool.html", dash.frame(request)))
-
-    @r.get("/ui/pool/events")
-    async def pool_events(request: Request) -> Response:
-        who = principal_of(request)
-        state = _state(request)
-        if who is None:
-            return Response(status_code=401)
-        return StreamingResponse(_pool_stream(dash, state, who), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
-
-    @r.get("/ui/desktops/{desktop_id}")
-    async def desktop_page(request: Request, desktop_id: str) -> Response:
-        who = principal_of(request)
-        state = _state(request)
-        view = state.pool.desktop(desktop_id) if state.pool is not None else None
-        if who is None or view is None or not _visible(who, view):
-            return error_page(dash, request, 404, f"no desktop {desktop_id!r} you may watch")
-        return page(pages.render("desktop.html", dash.frame(request), desktop_id=desktop_id,
-                                 can_control=who.is_admin, fps=dash.live_fps))
-
-    @r.websocket("/ui/desktops/{desktop_id}/live")
-    async def live(ws: WebSocket, desktop_id: str) -> None:
-        await _live(dash, ws, desktop_id)
-
-    return r
+router = APIRouter(tags=["dashboard"], include_in_schema=False, route_class=PageRoute)
 
 
-async def _pool_stream(dash: Dashboard, state: FarmState, who: Principal) -> AsyncIterator[str]:
+@router.get("/ui/pool")
+async def pool_page(frame: PageFrame) -> Response:
+    return page(pages.render("pool.html", frame))
+
+
+@router.get("/ui/pool/events")
+async def pool_events(who: Caller, dash: DashboardOf, farm: State, hub: Hub) -> Response:
+    if who is None:
+        return Response(status_code=401)
+    return StreamingResponse(_pool_stream(dash, farm, hub, who), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+
+
+@router.get("/ui/desktops/{desktop_id}")
+async def desktop_page(request: Request, desktop_id: str, who: Caller, dash: DashboardOf, farm: State,
+                       frame: PageFrame) -> Response:
+    view = farm.pool.desktop(desktop_id) if farm.pool is not None else None
+    if who is None or view is None or not _visible(who, view):
+        return error_page(request, 404, f"no desktop {desktop_id!r} you may watch")
+    return page(pages.render("desktop.html", frame, desktop_id=desktop_id, can_control=who.is_admin,
+                             fps=dash.live_fps))
+
+
+@router.websocket("/ui/desktops/{desktop_id}/live")
+async def live(ws: WebSocket, desktop_id: str, who: Caller, dash: DashboardOf, farm: State, hub: Hub) -> None:
+    await _live(ws, desktop_id, who, dash, farm, hub)
+
+
+async def _pool_stream(dash: Dashboard, state: FarmState, hub: LiveHub, who: Principal) -> AsyncIterator[str]:
     """Pool snapshots every second and thumbnails as they come, while the page is open."""
-    hub = _hub(dash, state)
     thumbs: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=64)
     watching: dict[str, asyncio.Task[None]] = {}
 
@@ -158,9 +133,8 @@ async def _pool_stream(dash: Dashboard, state: FarmState, who: Principal) -> Asy
                 await t
 
 
-async def _live(dash: Dashboard, ws: WebSocket, desktop_id: str) -> None:
-    who = principal_of(ws)
-    state = _state(ws)
+async def _live(ws: WebSocket, desktop_id: str, who: Principal | None, dash: Dashboard, state: FarmState,
+                hub: LiveHub) -> None:
     if who is None:
         await ws.close(code=4401, reason="log in first")
         return
@@ -171,7 +145,6 @@ async def _live(dash: Dashboard, ws: WebSocket, desktop_id: str) -> None:
     if view is None or not _visible(who, view) or view.screen is None:
         await ws.close(code=4404, reason=f"no desktop {desktop_id!r} you may watch")
         return
-    hub = _hub(dash, state)
     await ws.accept()
     me = object()  # this connection's identity as a controller
     send_lock = asyncio.Lock()

@@ -4,7 +4,8 @@ those pages show (screenshots, a11y trees, recordings).
 Handlers are plain ``def``: they read files, so FastAPI runs them in its thread pool, off the
 event loop. Every run-dir path goes through :class:`~osfarm.dashboard.confined.ConfinedDir`; a
 file is served only with a media type from :data:`~osfarm.dashboard.links.MEDIA_TYPES` (images,
-video, text), never as HTML or SVG, and under a sandboxing CSP.
+video, text), never as HTML or SVG, and under a sandboxing CSP. A run the runs root refuses is a
+404 page (:class:`~osfarm.dashboard.responses.PageRoute`).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from fastapi.responses import RedirectResponse, StreamingResponse
 
 from osfarm.dashboard import pages
 from osfarm.dashboard.confined import Refused
-from osfarm.dashboard.context import Dashboard, error_page, page
 from osfarm.dashboard.links import MEDIA_TYPES
+from osfarm.dashboard.responses import PageRoute, page
 from osfarm.dashboard.runs import RunsRoot
+from osfarm.dashboard.state import DashboardOf, PageFrame, Runs
 
 FILE_HEADERS = {
     "X-Content-Type-Options": "nosniff",
@@ -36,84 +38,54 @@ CHUNK = 256 << 10
 Key = Annotated[str, Query(alias="r", max_length=1024, description="run, relative to the runs root")]
 
 
-def router(dash: Dashboard) -> APIRouter:
-    r = APIRouter(tags=["dashboard"], include_in_schema=False)
+router = APIRouter(tags=["dashboard"], include_in_schema=False, route_class=PageRoute)
 
-    def runs_or_404(request: Request) -> RunsRoot | Response:
-        if dash.runs is None:
-            return error_page(dash, request, 404, "this dashboard has no runs root (start it with --runs DIR)")
-        return dash.runs
 
-    @r.get("/ui/")
-    def home(request: Request) -> Response:
-        if dash.runs is not None and not dash.farm:
-            return RedirectResponse("/ui/runs", status_code=303)
-        return page(pages.render("home.html", dash.frame(request)))
+@router.get("/ui/")
+def home(dash: DashboardOf, frame: PageFrame) -> Response:
+    if dash.runs is not None and not dash.farm:
+        return RedirectResponse("/ui/runs", status_code=303)
+    return page(pages.render("home.html", frame))
 
-    @r.get("/ui")
-    def home_slash() -> Response:
-        return RedirectResponse("/ui/", status_code=308)
 
-    @r.get("/ui/runs")
-    def leaderboard(request: Request) -> Response:
-        root = runs_or_404(request)
-        if isinstance(root, Response):
-            return root
-        return page(pages.leaderboard(root, dash.frame(request)))
+@router.get("/ui")
+def home_slash() -> Response:
+    return RedirectResponse("/ui/", status_code=308)
 
-    @r.get("/ui/run")
-    def run(request: Request, key: Key) -> Response:
-        root = runs_or_404(request)
-        if isinstance(root, Response):
-            return root
-        try:
-            return page(pages.run_page(root, dash.frame(request), key))
-        except Refused as e:
-            return error_page(dash, request, 404, str(e))
 
-    @r.get("/ui/episode")
-    def episode(request: Request, key: Key, e: Annotated[str, Query(max_length=512)]) -> Response:
-        root = runs_or_404(request)
-        if isinstance(root, Response):
-            return root
-        try:
-            return page(pages.episode_page(root, dash.frame(request), key, e))
-        except Refused as err:
-            return error_page(dash, request, 404, str(err))
+@router.get("/ui/runs")
+def leaderboard(root: Runs, frame: PageFrame) -> Response:
+    return page(pages.leaderboard(root, frame))
 
-    @r.get("/ui/compare")
-    def compare(request: Request, a: Annotated[str, Query(max_length=1024)],
-                b: Annotated[str, Query(max_length=1024)]) -> Response:
-        root = runs_or_404(request)
-        if isinstance(root, Response):
-            return root
-        try:
-            return page(pages.compare_page(root, dash.frame(request), a, b))
-        except Refused as err:
-            return error_page(dash, request, 404, str(err))
 
-    @r.get("/ui/training")
-    def training(request: Request, key: Key) -> Response:
-        root = runs_or_404(request)
-        if isinstance(root, Response):
-            return root
-        try:
-            return page(pages.training_page(root, dash.frame(request), key))
-        except Refused as err:
-            return error_page(dash, request, 404, str(err))
+@router.get("/ui/run")
+def run(root: Runs, frame: PageFrame, key: Key) -> Response:
+    return page(pages.run_page(root, frame, key))
 
-    @r.get("/ui/file")
-    def run_file(request: Request, key: Key, p: Annotated[str, Query(max_length=2048)]) -> Response:
-        root = runs_or_404(request)
-        if isinstance(root, Response):
-            return root
-        try:
-            rel = root.run_file(key, p)
-        except Refused as err:
-            return Response(str(err), status_code=404, media_type="text/plain", headers=FILE_HEADERS)
-        return serve_file(root, rel, request.headers.get("range"))
 
-    return r
+@router.get("/ui/episode")
+def episode(root: Runs, frame: PageFrame, key: Key, e: Annotated[str, Query(max_length=512)]) -> Response:
+    return page(pages.episode_page(root, frame, key, e))
+
+
+@router.get("/ui/compare")
+def compare(root: Runs, frame: PageFrame, a: Annotated[str, Query(max_length=1024)],
+            b: Annotated[str, Query(max_length=1024)]) -> Response:
+    return page(pages.compare_page(root, frame, a, b))
+
+
+@router.get("/ui/training")
+def training(root: Runs, frame: PageFrame, key: Key) -> Response:
+    return page(pages.training_page(root, frame, key))
+
+
+@router.get("/ui/file")
+def run_file(request: Request, root: Runs, key: Key, p: Annotated[str, Query(max_length=2048)]) -> Response:
+    try:
+        rel = root.run_file(key, p)
+    except Refused as err:  # a file, not a page: its refusal is plain text too
+        return Response(str(err), status_code=404, media_type="text/plain", headers=FILE_HEADERS)
+    return serve_file(root, rel, request.headers.get("range"))
 
 
 def serve_file(root: RunsRoot, rel: str, range_header: str | None) -> Response:

@@ -50,10 +50,12 @@ class UiMount:
     """Pages the farm serves besides its API: the dashboard (``osfarm.dashboard``, which sits
     above the farm, so whoever builds the app hands it in: ``osfarm serve``). Its routers are
     included after the farm's own, behind the same auth middleware, which also takes the
-    dashboard's login cookie under ``browser.prefix``."""
+    dashboard's login cookie under ``browser.prefix``. ``state``: what those routers' dependencies
+    read from ``app.state.ui`` (the dashboard's own state; the farm does not look inside)."""
 
     routers: Sequence[APIRouter]
     browser: BrowserLogin
+    state: object = None
 
 
 def create_app(settings: FarmSettings, provider: Provider | None = None, ui: UiMount | None = None) -> FastAPI:
@@ -97,8 +99,10 @@ def create_app(settings: FarmSettings, provider: Provider | None = None, ui: UiM
     app.include_router(desktop_routes.router)
     app.include_router(task_routes.router)
     app.include_router(passthrough_routes.router)
-    for router in ui.routers if ui else ():
-        app.include_router(router)
+    if ui is not None:
+        app.state.ui = ui.state
+        for router in ui.routers:
+            app.include_router(router)
     return app
 
 

@@ -28,6 +28,7 @@ from typing import Annotated, Any
 
 import httpx
 from fastapi import Depends, Header, Request
+from starlette.requests import HTTPConnection
 
 from osfarm.config import FarmSettings
 from osfarm.farm.errors import ApiError, FarmError, describe
@@ -223,9 +224,9 @@ def guest_error(r: httpx.Response | GuestReply) -> ApiError:
 # -- dependencies ---------------------------------------------------------------------------------
 
 
-async def get_farm_state(request: Request) -> FarmState:
-    """The app's FarmState (set by ``create_app``)."""
-    state: FarmState = request.app.state.farm
+async def get_farm_state(conn: HTTPConnection) -> FarmState:
+    """The app's FarmState (set by ``create_app``); for HTTP routes and WebSockets alike."""
+    state: FarmState = conn.app.state.farm
     return state
 
 
