@@ -1,7 +1,7 @@
 """Frames of the desktops someone is watching, and nothing else.
 
 A :class:`LiveHub` runs one capture loop per watched (desktop, kind): ``live`` (the desktop page,
-10+ fps, scaled to the largest window watching) or ``thumb`` (the pool page, a small picture
+10+ fps, full size: the browser scales) or ``thumb`` (the pool page, a small picture
 every few seconds). A loop starts with its first watcher and stops with its last, so a desktop
 nobody watches is never captured. Frames come from the guest's own screenshot route (the
 capture path agents' observations use: X shared-memory grab + libjpeg-turbo), over the farm's
