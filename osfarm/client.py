@@ -27,6 +27,7 @@ import io
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
@@ -36,9 +37,12 @@ from pydantic import BaseModel
 from osfarm.errors import OsfarmError
 from osfarm.http.errors import error_detail
 from osfarm.http.retry import Deadline
+from osfarm.schema.actions import AgentAction, action_json
 from osfarm.schema.guest import ActionTiming, StepResult
 from osfarm.schema.lease import LeaseInfo
 from osfarm.schema.observation import Observation, ObserveOptions
+from osfarm.schema.pool import PoolStatus
+from osfarm.schema.service import Healthz, WhoAmI
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 OWNER_HEADER = "X-Osfarm-Owner"
@@ -170,17 +174,11 @@ def screenshot_image(obs: Observation) -> Image.Image:
     return img
 
 
-def _action_json(action: Any) -> Any:
-    if isinstance(action, BaseModel):
-        return action.model_dump(mode="json")
-    return action
-
-
-def _step_body(actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None, code_timeout: float,
-               timing: ActionTiming = "osworld") -> dict[str, Any]:
+def _step_body(actions: AgentAction | Sequence[AgentAction], observe: ObserveOptions | dict[str, Any] | bool | None,
+               code_timeout: float, timing: ActionTiming = "osworld") -> dict[str, Any]:
     # One action (dict, model or code string) or a list of them.
-    items = actions if isinstance(actions, (list, tuple)) else [actions]
-    body: dict[str, Any] = {"actions": [_action_json(a) for a in items], "code_timeout": code_timeout,
+    items = [actions] if isinstance(actions, (str, dict, BaseModel)) else actions
+    body: dict[str, Any] = {"actions": [action_json(a) for a in items], "code_timeout": code_timeout,
                             "timing": timing}
     if observe is True:
         observe = ObserveOptions()
@@ -247,7 +245,8 @@ class AsyncRemoteDesktop:
     def _path(self, suffix: str = "") -> str:
         return f"/v1/desktops/{self.info.id}{suffix}"
 
-    async def step(self, actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None = None,
+    async def step(self, actions: AgentAction | Sequence[AgentAction],
+                   observe: ObserveOptions | dict[str, Any] | bool | None = None,
                    code_timeout: float = 30.0, timing: ActionTiming = "osworld") -> StepResult:
         """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
         OSWorld paces them (``timing="osworld"``) or as fast as the desktop takes them (``"fast"``)."""
@@ -382,15 +381,16 @@ class AsyncFarm:
         headers = {OWNER_HEADER: owner} if owner else {}
         await self._request("DELETE", f"/v1/desktops/{lease_id}", headers=headers)
 
-    async def pool(self) -> dict[str, Any]:
-        return (await self._request("GET", "/v1/pool")).json()
+    async def pool(self) -> PoolStatus:
+        """The pool's desktops and their states, leases and waiters."""
+        return PoolStatus.model_validate_json((await self._request("GET", "/v1/pool")).content)
 
-    async def whoami(self) -> dict[str, Any]:
+    async def whoami(self) -> WhoAmI:
         """This token's principal: name, role, limits, leases held."""
-        return (await self._request("GET", "/v1/whoami")).json()
+        return WhoAmI.model_validate_json((await self._request("GET", "/v1/whoami")).content)
 
-    async def healthz(self) -> dict[str, Any]:
-        return (await self._request("GET", "/healthz")).json()
+    async def healthz(self) -> Healthz:
+        return Healthz.model_validate_json((await self._request("GET", "/healthz")).content)
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -431,7 +431,8 @@ class RemoteDesktop:
     def _path(self, suffix: str = "") -> str:
         return f"/v1/desktops/{self.info.id}{suffix}"
 
-    def step(self, actions: Any, observe: ObserveOptions | dict[str, Any] | bool | None = None,
+    def step(self, actions: AgentAction | Sequence[AgentAction],
+             observe: ObserveOptions | dict[str, Any] | bool | None = None,
              code_timeout: float = 30.0, timing: ActionTiming = "osworld") -> StepResult:
         """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
         OSWorld paces them (``timing="osworld"``) or as fast as the desktop takes them (``"fast"``)."""
@@ -556,15 +557,16 @@ class Farm:
         headers = {OWNER_HEADER: owner} if owner else {}
         self._request("DELETE", f"/v1/desktops/{lease_id}", headers=headers)
 
-    def pool(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/pool").json()
+    def pool(self) -> PoolStatus:
+        """The pool's desktops and their states, leases and waiters."""
+        return PoolStatus.model_validate_json(self._request("GET", "/v1/pool").content)
 
-    def whoami(self) -> dict[str, Any]:
+    def whoami(self) -> WhoAmI:
         """This token's principal: name, role, limits, leases held."""
-        return self._request("GET", "/v1/whoami").json()
+        return WhoAmI.model_validate_json(self._request("GET", "/v1/whoami").content)
 
-    def healthz(self) -> dict[str, Any]:
-        return self._request("GET", "/healthz").json()
+    def healthz(self) -> Healthz:
+        return Healthz.model_validate_json(self._request("GET", "/healthz").content)
 
     def close(self) -> None:
         self._http.close()

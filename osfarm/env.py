@@ -15,8 +15,9 @@ The lifecycle is lease → setup → step* → postconfig → evaluate:
 * :meth:`TaskEnv.reset` leases a fresh desktop (releasing the previous one, which the farm's pool
   resets in the background), runs the task's ``config`` steps and returns the first
   :class:`Observation`;
-* :meth:`TaskEnv.step` sends one step's actions (a list, or one action: pyautogui code strings or
-  computer_13 dicts; ``WAIT``/``DONE``/``FAIL`` as OSWorld) and returns
+* :meth:`TaskEnv.step` sends one step's actions (a list, or one action: typed
+  actions (:mod:`osfarm.schema.actions`), pyautogui code strings or computer_13 dicts;
+  ``WAIT``/``DONE``/``FAIL`` as OSWorld) and returns
   ``(observation, reward, terminated, truncated, info)``. The reward is 0.0 until the episode
   ends, then the task's score in [0, 1]. ``DONE`` or ``FAIL`` *terminates* the episode;
   ``max_steps`` steps *truncate* it; both run the evaluation (postconfig, getters, metric) before
@@ -55,6 +56,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from osfarm.client import AsyncFarm, AsyncRemoteDesktop, FarmAPIError
 from osfarm.errors import EpisodeTimeout, InfraError
+from osfarm.schema.actions import ENDINGS, AgentAction, action_json, special_action
 from osfarm.schema.guest import ActionResult, ActionTiming
 from osfarm.schema.observation import Observation as DesktopObservation
 from osfarm.schema.observation import ScreenSize
@@ -69,19 +71,8 @@ from osfarm.tasks.setup import SetupFailed, StepReport
 # fixed 2 s pause. Agents say how long they want (``Agent.settle_s``).
 SETTLE_S = 1.0
 
-# ---- the action vocabulary (OSWorld's) -------------------------------------------------------
-
-Action = str | dict[str, Any]
-Special = Literal["WAIT", "DONE", "FAIL"]
-SPECIAL_ACTIONS: tuple[Special, ...] = ("WAIT", "DONE", "FAIL")
-Ending = Literal["DONE", "FAIL"]
-ENDINGS: tuple[Ending, ...] = ("DONE", "FAIL")
-
-
-def special_action(action: Action) -> Special | None:
-    """``"DONE"`` for ``"DONE"`` or ``{"action_type": "DONE"}``; None for an ordinary action."""
-    kind = action.get("action_type") if isinstance(action, dict) else action
-    return kind if kind in SPECIAL_ACTIONS else None
+# The action vocabulary is osfarm.schema.actions': a step takes AgentActions (typed Actions, or
+# OSWorld's code strings and computer_13 dicts).
 
 
 # ---- errors ----------------------------------------------------------------------------------
@@ -129,7 +120,8 @@ class StepOutcome(BaseModel):
     """
 
     index: int = Field(description="1-based step number (OSWorld's step_num)")
-    actions: list[Any] = Field(description="what was sent (WAIT for an empty step)")
+    actions: list[str | dict[str, Any]] = Field(description="what was sent, as JSON carries it (WAIT for an "
+                                                "empty step)")
     results: list[ActionResult] = Field(default_factory=list)
     action_error: str | None = Field(default=None, description="the desktop rejected the actions (400/422) "
                                      "or one failed while running: the agent's fault")
@@ -138,6 +130,10 @@ class StepOutcome(BaseModel):
     observation: Observation | None = Field(default=None, description="the screen after the step (None if rejected)")
     t_env_ms: float | None = Field(default=None, description="the step's round trip (None if rejected)")
     time_limit: bool = False
+
+
+# (observation, reward, terminated, truncated, info), as Gymnasium's step answers
+StepAnswer = tuple[Observation, float, bool, bool, dict[str, Any]]
 
 
 # ---- the env ---------------------------------------------------------------------------------
@@ -270,7 +266,7 @@ class TaskEnv:
                                   "action_timing": self.action_timing,
                                   "setup": [dataclasses.asdict(r) for r in reports], "timings": dict(self.timings)}
 
-    async def step(self, actions: Action | Sequence[Action]) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+    async def step(self, actions: AgentAction | Sequence[AgentAction]) -> StepAnswer:
         """Run one step's actions in order; ``(observation, reward, terminated, truncated, info)``.
 
         ``info`` is :class:`StepOutcome` as a dict, plus ``score`` once the episode ended.
@@ -281,7 +277,7 @@ class TaskEnv:
             raise RuntimeError("call reset(task) before step()")
         if self._ended:
             raise RuntimeError("the episode has ended: call reset(task) to start another")
-        batch: list[Action] = [actions] if isinstance(actions, (str, dict)) else list(actions)
+        batch = [action_json(a) for a in ([actions] if isinstance(actions, (str, dict, BaseModel)) else actions)]
         self.steps += 1
         i = self.steps
         out = StepOutcome(index=i, actions=batch or ["WAIT"])
@@ -503,7 +499,7 @@ class SyncTaskEnv:
     def reset(self, task: Task | dict[str, Any]) -> tuple[Observation, dict[str, Any]]:
         return self._call(self.env.reset(task))
 
-    def step(self, actions: Action | Sequence[Action]) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+    def step(self, actions: AgentAction | Sequence[AgentAction]) -> StepAnswer:
         return self._call(self.env.step(actions))
 
     def evaluate(self) -> float:
@@ -536,6 +532,5 @@ class SyncTaskEnv:
 
 
 __all__ = [
-    "SETTLE_S", "SPECIAL_ACTIONS", "Action", "EpisodeTimeout", "InfraError", "Observation", "Special",
-    "StepOutcome", "SyncTaskEnv", "TaskEnv", "special_action",
+    "SETTLE_S", "EpisodeTimeout", "InfraError", "Observation", "StepAnswer", "StepOutcome", "SyncTaskEnv", "TaskEnv",
 ]  # fmt: skip

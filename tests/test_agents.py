@@ -10,8 +10,8 @@ from osfarm.agents import (
     NoopAgent,
     UnknownAgent,
     make_agent,
-    special_action,
 )
+from osfarm.schema.actions import Click, CodeAction, Done, action_json, is_terminal, parse_action, special_action
 
 OBS = {"screenshot": b"\x89PNG", "accessibility_tree": None, "terminal": None, "instruction": "x"}
 
@@ -39,6 +39,19 @@ def test_special_action_recognises_only_specials() -> None:
     assert special_action("WAIT") == "WAIT"
     assert special_action("import pyautogui; pyautogui.click(1, 2)") is None
     assert special_action({"action_type": "CLICK", "parameters": {"x": 1, "y": 2}}) is None
+
+
+def test_typed_actions_are_the_same_vocabulary_as_osworlds_forms() -> None:
+    # an agent may return typed actions: the specials, the JSON sent and the parse agree with the dict forms
+    assert special_action(Done(action_type="DONE")) == "DONE"
+    assert special_action(CodeAction(code=" FAIL\n")) == "FAIL"
+    assert special_action(CodeAction(code="pyautogui.click(1, 2)")) is None
+    click = parse_action({"action_type": "CLICK", "parameters": {"x": 1, "y": 2}})
+    assert isinstance(click, Click) and parse_action(click) is click
+    assert action_json(click) == {"action_type": "CLICK", "parameters": {"x": 1, "y": 2, "button": "left",
+                                                                         "num_clicks": 1}}
+    assert action_json("WAIT") == "WAIT"
+    assert is_terminal(click) is None and is_terminal(parse_action("DONE")) == "DONE"
 
 
 def test_unknown_action_space_is_rejected() -> None:

@@ -57,8 +57,8 @@ def osfarm(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.
 
 def test_sync_client_end_to_end(farm: FarmServer) -> None:
     with Farm(farm.url, farm.token) as f:
-        assert f.healthz()["status"] == "ok"
-        assert f.pool()["pool_max"] == farm.settings.pool_max
+        assert f.healthz().status == "ok"
+        assert f.pool().pool_max == farm.settings.pool_max
         with f.lease(owner="carol", ttl_s=60) as desk:
             assert desk.screen == (W, H)
             res = desk.step(Click(action_type="CLICK", parameters=ClickParams(x=200, y=150)),
@@ -120,7 +120,7 @@ def test_sync_background_heartbeat_keeps_lease(farm: FarmServer) -> None:
 
 async def test_async_client_end_to_end(farm: FarmServer) -> None:
     async with AsyncFarm(farm.url, farm.token) as f:
-        assert (await f.pool())["pool_min"] == farm.settings.pool_min
+        assert (await f.pool()).pool_min == farm.settings.pool_min
         async with await f.lease(ttl_s=1.0, heartbeat=0.2) as desk:
             res = await desk.step({"action_type": "MOVE_TO", "parameters": {"x": 300, "y": 301}}, observe=True)
             assert res.results[0].ok

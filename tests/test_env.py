@@ -89,7 +89,7 @@ def test_fail_terminates_and_scores_infeasible_tasks(farm: FarmServer, suite: An
                 assert env.desktop["lease_id"] != first and env.score is None and env.steps == 0
                 _, reward, terminated, _, _ = await env.step(["pyautogui.moveTo(5, 5)", "DONE"])
                 assert (reward, terminated) == (0.0, True)  # DONE is not the answer to an infeasible task
-            assert (await client.pool())["leases"] == 0
+            assert (await client.pool()).leases == 0
 
     asyncio.run(go())
 

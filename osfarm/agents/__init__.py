@@ -7,13 +7,10 @@ from typing import Any
 
 from osfarm.agents.base import (
     ACTION_SPACES,
-    SPECIAL_ACTIONS,
-    Action,
     ActionSpace,
     Agent,
     BaseAgent,
     special,
-    special_action,
 )
 from osfarm.agents.choice import ChoiceAgent
 from osfarm.agents.replay import ReplayAgent
@@ -48,8 +45,6 @@ def make_agent(name: str, **kw: Any) -> Agent:
 __all__ = [
     "ACTION_SPACES",
     "AGENTS",
-    "SPECIAL_ACTIONS",
-    "Action",
     "ActionSpace",
     "Agent",
     "BaseAgent",
@@ -61,5 +56,4 @@ __all__ = [
     "VLMAgent",
     "make_agent",
     "special",
-    "special_action",
 ]

@@ -2,10 +2,11 @@
 
 ``predict(instruction, obs)`` returns ``(response_text, actions)``. Actions are, for the
 ``pyautogui`` action space, Python code strings run in the desktop; for ``computer_13``, dicts
-``{"action_type": ..., "parameters": {...}}``. In both spaces ``WAIT``, ``DONE`` and ``FAIL`` are
-special: the plain string, or (computer_13) a dict whose ``action_type`` is that name — OSWorld
-accepts both forms, so :func:`special_action` recognises both. The vocabulary is the env's
-(:mod:`osfarm.env`); it is re-exported here for agents.
+``{"action_type": ..., "parameters": {...}}``, or typed actions (:data:`osfarm.schema.actions.Action`).
+In both spaces ``WAIT``, ``DONE`` and ``FAIL`` are special: the plain string, or (computer_13) a dict
+whose ``action_type`` is that name — OSWorld accepts both forms, so
+:func:`osfarm.schema.actions.special_action` recognises both. The vocabulary
+(:data:`~osfarm.schema.actions.AgentAction`) is the wire layer's.
 
 ``obs`` is ``{"screenshot": PNG bytes, "accessibility_tree": str | None, "terminal": str | None,
 "instruction": str}`` (:meth:`osfarm.env.Observation.as_dict`).
@@ -19,7 +20,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from osfarm.env import SETTLE_S, SPECIAL_ACTIONS, Action, Special, special_action
+from osfarm.env import SETTLE_S
+from osfarm.schema.actions import AgentAction, Special
 
 if TYPE_CHECKING:
     from osfarm.tasks.model import Task
@@ -42,11 +44,11 @@ class Agent(Protocol):
         """Forget the previous episode; ``task`` is the one about to run (agents may ignore it)."""
         ...
 
-    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         """One step: the model's response text and the actions to execute, in order."""
         ...
 
-    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         """``predict`` for the event loop (the runner awaits this). An :class:`osfarm.errors.InfraError`
         (e.g. a policy server that stays unreachable) is the harness's failure, not the agent's."""
         ...
@@ -69,24 +71,21 @@ class BaseAgent:
     def reset(self, task: Task | None = None) -> None:
         pass
 
-    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         raise NotImplementedError(f"{type(self).__name__} implements neither predict nor apredict")
 
-    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         return await asyncio.to_thread(self.predict, instruction, obs)
 
     async def aclose(self) -> None:
         pass
 
 
-def special(name: Special, action_space: ActionSpace) -> Action:
+def special(name: Special, action_space: ActionSpace) -> AgentAction:
     """The special action in the form native to ``action_space``."""
     if action_space not in ACTION_SPACES:
         raise ValueError(f"unknown action space {action_space!r}; expected one of {ACTION_SPACES}")
     return {"action_type": name} if action_space == "computer_13" else name
 
 
-__all__ = [
-    "ACTION_SPACES", "SPECIAL_ACTIONS", "Action", "ActionSpace", "Agent", "BaseAgent", "Special", "special",
-    "special_action",
-]  # fmt: skip
+__all__ = ["ACTION_SPACES", "ActionSpace", "Agent", "BaseAgent", "special"]

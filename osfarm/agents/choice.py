@@ -21,8 +21,9 @@ import asyncio
 import base64
 from typing import Any
 
-from osfarm.agents.base import Action, ActionSpace, BaseAgent
+from osfarm.agents.base import ActionSpace, BaseAgent
 from osfarm.agents.chat_client import ChatClient, ChatResult, PolicyBadResponse
+from osfarm.schema.actions import AgentAction
 
 SYSTEM_PROMPT = "You control a Linux desktop. Answer with the number of the action to take."
 
@@ -69,7 +70,7 @@ class ChoiceAgent(BaseAgent):
                           "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}})
         return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": parts}]
 
-    def _act(self, messages: list[dict[str, Any]], res: ChatResult) -> tuple[str, list[Action]]:
+    def _act(self, messages: list[dict[str, Any]], res: ChatResult) -> tuple[str, list[AgentAction]]:
         if not res.token_ids or res.logprobs is None:
             raise PolicyBadResponse("policy server sent no token ids / log-probs for the choice token")
         self.last_model_call = {"request": messages, "response_text": res.text, "response_token_ids": res.token_ids,
@@ -79,7 +80,7 @@ class ChoiceAgent(BaseAgent):
         action = self.choices[res.token_ids[0] % len(self.choices)]
         return res.text, [action, "DONE"] if self.taken >= self.steps else [action]
 
-    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         """One sampled token (through :class:`ChatClient`: transient failures retried, a server that
         stays unreachable is an infra error, not the agent's)."""
         messages = self.messages(instruction, obs)
@@ -87,7 +88,7 @@ class ChoiceAgent(BaseAgent):
         res = await self.client.complete(messages, temperature=self.temperature, max_tokens=1, logprobs=True, seed=seed)
         return self._act(messages, res)
 
-    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         return asyncio.run(self.apredict(instruction, obs))
 
     async def aclose(self) -> None:

@@ -15,8 +15,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from osfarm.agents.base import Action, ActionSpace, BaseAgent, special, special_action
+from osfarm.agents.base import ActionSpace, BaseAgent, special
 from osfarm.errors import OsfarmError
+from osfarm.schema.actions import AgentAction, special_action
 
 
 class ReplayError(OsfarmError, ValueError):
@@ -41,7 +42,7 @@ def solution_path(task: Any, solutions: Path | None = None) -> Path:
     return base / p
 
 
-def load_solution(path: Path) -> list[list[Action]]:
+def load_solution(path: Path) -> list[list[AgentAction]]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
@@ -50,7 +51,7 @@ def load_solution(path: Path) -> list[list[Action]]:
         raise ReplayError(f"{path}:{e.lineno}:{e.colno}: invalid JSON: {e.msg}") from None
     if not isinstance(data, list):
         raise ReplayError(f"{path}: a solution must be a JSON list of steps")
-    steps: list[list[Action]] = []
+    steps: list[list[AgentAction]] = []
     for i, step in enumerate(data):
         actions = step if isinstance(step, list) else [step]
         for a in actions:
@@ -72,14 +73,14 @@ class ReplayAgent(BaseAgent):
         self.solutions = Path(solutions) if solutions is not None else None
         if self.solutions is not None and not self.solutions.is_dir():
             raise ReplayError(f"solutions folder {self.solutions} does not exist")
-        self.steps: list[list[Action]] = []
+        self.steps: list[list[AgentAction]] = []
         self.cursor = 0
 
     def reset(self, task: Any = None) -> None:
         self.cursor = 0
         self.steps = [] if task is None else load_solution(solution_path(task, self.solutions))
 
-    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         if self.cursor >= len(self.steps):
             return "DONE", [special("DONE", self.action_space)]
         actions = self.steps[self.cursor]

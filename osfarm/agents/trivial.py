@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from osfarm.agents.base import Action, ActionSpace, BaseAgent, Special, special
+from osfarm.agents.base import ActionSpace, BaseAgent, special
+from osfarm.schema.actions import AgentAction, Special
 
 
 class _ImmediateAgent(BaseAgent):
@@ -22,7 +23,7 @@ class _ImmediateAgent(BaseAgent):
     def reset(self, task: Any = None) -> None:
         self.steps = 0
 
-    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         self.steps += 1
         return self.verdict, [special(self.verdict, self.action_space)]
 

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from osfarm.agents.base import Action, ActionSpace, BaseAgent
+from osfarm.agents.base import ActionSpace, BaseAgent
 from osfarm.agents.chat_client import ChatClient, PolicyError
 from osfarm.agents.prompts import Observation, ParseError, StepContext, make_format
 from osfarm.agents.prompts.a11y import linearize
@@ -36,6 +36,7 @@ from osfarm.agents.prompts.geometry import (
     png_size,
 )
 from osfarm.agents.prompts.messages import Turn, build_messages
+from osfarm.schema.actions import AgentAction
 
 DEFAULT_SCREEN = (1920, 1080)  # OSWorld's screen, for a11y-only observations without a screenshot
 
@@ -145,7 +146,7 @@ class VLMAgent(BaseAgent):
         except GeometryError as e:
             raise ValueError(str(e)) from None
 
-    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         o = self.options
         png = obs.get("screenshot") or None
         ctx = StepContext(screen=self._screen(png), action_space=self.action_space)
@@ -179,8 +180,8 @@ class VLMAgent(BaseAgent):
             return res.text, []
         return res.text, parsed.actions
 
-    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
-        async def once() -> tuple[str, list[Action]]:
+    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
+        async def once() -> tuple[str, list[AgentAction]]:
             try:
                 return await self.apredict(instruction, obs)
             finally:

@@ -94,7 +94,7 @@ def desktop_ls(url: UrlOpt = "http://127.0.0.1:8765", token: TokenOpt = "") -> N
     """Show the farm's pool: desktops and their states."""
     farm = _client(url, token)
     with farm, farm_errors():
-        status = farm.pool()
+        status = farm.pool().model_dump()
     summary = Table(title=f"pool at {url}", show_header=False)
     rows: list[dict[str, Any]] = []
     for key, value in status.items():

@@ -22,10 +22,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from osfarm.agents.base import Action, Agent
+from osfarm.agents.base import Agent
 from osfarm.client import AsyncFarm
 from osfarm.env import EpisodeTimeout, InfraError, TaskEnv
 from osfarm.http.retry import backoff_s
+from osfarm.schema.actions import AgentAction
 from osfarm.schema.guest import ActionTiming
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.model import Task
@@ -57,7 +58,7 @@ class StepRecord:
     screenshot: bytes  # the observation the agent acted on
     a11y: str | None
     response: str
-    actions: list[Action]
+    actions: list[AgentAction]
     action_error: str | None
     t_model_ms: float
     t_env_ms: float

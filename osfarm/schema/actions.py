@@ -260,7 +260,42 @@ class CodeAction(_Action):
 
 Action = Computer13Action | CodeAction
 
+# What an agent returns and TaskEnv.step takes: a typed Action, or the forms OSWorld's agents return
+# (a pyautogui code string or WAIT/DONE/FAIL; a computer_13 dict). The string and dict forms are
+# OSWorld's edge, kept as sent: the episode record stores them and OSWorld's evaluators read the last
+# one (``last_action == "FAIL"``); parse_action reads all three.
+AgentAction = Action | str | dict[str, Any]
+Special = Literal["WAIT", "DONE", "FAIL"]
+SPECIAL_ACTIONS: tuple[Special, ...] = ("WAIT", "DONE", "FAIL")
+Ending = Literal["DONE", "FAIL"]
+ENDINGS: tuple[Ending, ...] = ("DONE", "FAIL")
+
+
+def special_action(action: AgentAction) -> Special | None:
+    """``"DONE"`` for ``"DONE"``, ``{"action_type": "DONE"}``, ``Done()`` or ``CodeAction(code="DONE")``;
+    None for an ordinary action."""
+    kind: object
+    if isinstance(action, str):
+        kind = action
+    elif isinstance(action, dict):
+        kind = action.get("action_type")
+    elif isinstance(action, CodeAction):
+        kind = action.special
+    else:
+        kind = action.action_type
+    return next((s for s in SPECIAL_ACTIONS if s == kind), None)
+
+
+def action_json(action: AgentAction) -> str | dict[str, Any]:
+    """The action as JSON carries it (a request's ``actions`` item, a record's step): typed ones dumped."""
+    if isinstance(action, BaseModel):
+        return action.model_dump(mode="json")
+    return action
+
 _computer13 = TypeAdapter(Computer13Action)
+# Already an action: parse_action passes these through.
+_ACTION_MODELS = (MoveTo, Click, MouseDown, MouseUp, RightClick, DoubleClick, DragTo, Scroll, Typing, Press, KeyDown,
+                  KeyUp, Hotkey, Wait, Done, Fail, CodeAction)
 
 # What str.strip() removes (every str.isspace() character lies below U+3001), so that the pattern
 # of a code string says what parse_action's "empty code string" check refuses, in ECMA 262 and Python.
@@ -300,8 +335,8 @@ def parse_action(raw: Any, field: str = "action", strict: bool = False) -> Compu
         if not raw.strip():
             raise ActionError(field, "empty code string")
         return CodeAction(code=raw)
-    if isinstance(raw, BaseModel):
-        return raw  # type: ignore[return-value]
+    if isinstance(raw, _ACTION_MODELS):
+        return raw
     if not isinstance(raw, dict):
         raise ActionError(field, f"expected a computer_13 object or a code string, got {type(raw).__name__}")
     if "code" in raw and "action_type" not in raw:
@@ -349,10 +384,7 @@ def parse_actions(raws: Sequence[Any], width: int, height: int, field: str = "ac
     return actions
 
 
-def is_terminal(action: Computer13Action | CodeAction) -> str | None:
+def is_terminal(action: Action) -> Ending | None:
     """'DONE' or 'FAIL' if the action ends the episode, else None."""
-    if isinstance(action, CodeAction):
-        s = action.special
-        return s if s in ("DONE", "FAIL") else None
-    at = getattr(action, "action_type", None)
-    return at if at in ("DONE", "FAIL") else None
+    special = special_action(action)
+    return "DONE" if special == "DONE" else "FAIL" if special == "FAIL" else None

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from osfarm.agents import Agent
-from osfarm.agents.base import Action
+from osfarm.schema.actions import AgentAction
 
 Route = Callable[[], tuple[str, int | None]]  # -> (model name to request, the version it stands for)
 
@@ -48,7 +48,7 @@ class RoutedAgent:
     def reset(self, task: Any = None) -> None:
         self.agent.reset(task)
 
-    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         if self.interruptible:
             model, version = self.route()
             if model != self.model:
@@ -62,7 +62,7 @@ class RoutedAgent:
             self.step_versions.append(call.get("policy_version"))
         return out
 
-    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[Action]]:
+    def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         return self.agent.predict(instruction, obs)
 
     async def aclose(self) -> None:

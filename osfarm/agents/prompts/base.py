@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from osfarm.agents.base import Action, ActionSpace, Special
+from osfarm.agents.base import ActionSpace
 from osfarm.errors import OsfarmError
+from osfarm.schema.actions import AgentAction, Special
 
 Observation = Literal["screenshot", "a11y", "screenshot_a11y"]
 OBSERVATIONS: tuple[Observation, ...] = ("screenshot", "a11y", "screenshot_a11y")
@@ -30,7 +31,7 @@ class StepContext:
 
 @dataclass
 class Parsed:
-    actions: list[Action]
+    actions: list[AgentAction]
     thought: str | None = None
     notes: list[str] = field(default_factory=list)  # tolerated defects (e.g. an unclosed fence)
 

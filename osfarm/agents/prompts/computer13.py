@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from osfarm.agents.base import Action, ActionSpace, special
+from osfarm.agents.base import ActionSpace, special
 from osfarm.agents.prompts.base import (
     Observation,
     Parsed,
@@ -26,7 +26,7 @@ from osfarm.agents.prompts.base import (
     bare_special,
 )
 from osfarm.agents.prompts.pyautogui_code import ASK, SEES, fenced_blocks
-from osfarm.schema.actions import ActionError, check_on_screen, parse_action
+from osfarm.schema.actions import ActionError, AgentAction, check_on_screen, parse_action
 
 JSON_TAGS = ("", "json", "json5", "javascript", "python")
 _TRAILING_COMMA = re.compile(r",(\s*[}\]])")
@@ -109,11 +109,11 @@ def _candidates(text: str) -> list[tuple[str, str]]:
     return [("reply", span)] if span else []
 
 
-def to_actions(value: Any, ctx: StepContext, where: str) -> list[Action]:
+def to_actions(value: Any, ctx: StepContext, where: str) -> list[AgentAction]:
     items = value if isinstance(value, list) else [value]
     if not items:
         raise ParseError(f"{where}: an empty list of actions")
-    actions: list[Action] = []
+    actions: list[AgentAction] = []
     for n, raw in enumerate(items, 1):
         field = f"action {n}" if len(items) > 1 else "action"
         if isinstance(raw, str) and (word := bare_special(raw)):
@@ -140,7 +140,7 @@ def parse_json_reply(reply: str, ctx: StepContext) -> Parsed:
     word = bare_special(text)
     if word:
         return Parsed([special(word, "computer_13")])
-    actions: list[Action] = []
+    actions: list[AgentAction] = []
     for where, src in _candidates(text):
         word = bare_special(src)
         if word:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 
-from osfarm.agents.base import Action, ActionSpace
+from osfarm.agents.base import ActionSpace
 from osfarm.agents.prompts.base import (
     SPECIAL_WORDS,
     Observation,
@@ -24,6 +24,7 @@ from osfarm.agents.prompts.base import (
     StepContext,
     bare_special,
 )
+from osfarm.schema.actions import AgentAction
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n?")
 PYTHON_TAGS = ("", "python", "py", "python3", "pyautogui")
@@ -101,7 +102,7 @@ def parse_code_reply(reply: str) -> Parsed:
         raise ParseError("empty reply")
     if word := bare_special(text):
         return Parsed([word])
-    actions: list[Action] = []
+    actions: list[AgentAction] = []
     notes: list[str] = []
     skipped: list[str] = []
     for n, (tag, body, closed) in enumerate(fenced_blocks(text), 1):

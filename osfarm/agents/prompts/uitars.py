@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from osfarm.agents.base import Action, ActionSpace, special
+from osfarm.agents.base import ActionSpace, special
 from osfarm.agents.prompts.base import Observation, Parsed, ParseError, StepContext
 from osfarm.agents.prompts.geometry import (
     FACTOR,
@@ -30,7 +30,7 @@ from osfarm.agents.prompts.geometry import (
     smart_resize,
     to_screen,
 )
-from osfarm.schema.actions import KEY_NAMES
+from osfarm.schema.actions import KEY_NAMES, AgentAction
 
 Coordinates = Literal["absolute", "relative"]
 RELATIVE_GRID = 1000
@@ -167,7 +167,7 @@ class UITarsFormat:
         if not (reply or "").strip():
             raise ParseError("empty reply")
         thought, sources = split_reply(reply)
-        actions: list[Action] = []
+        actions: list[AgentAction] = []
         for src in sources:
             actions += self.convert(*parse_call(src), ctx)
         return Parsed(actions, thought=thought)
@@ -184,7 +184,7 @@ class UITarsFormat:
             raise ParseError(f"{name}(...) needs {keys[0]}=")
         return value
 
-    def convert(self, name: str, kwargs: dict[str, str], ctx: StepContext) -> list[Action]:
+    def convert(self, name: str, kwargs: dict[str, str], ctx: StepContext) -> list[AgentAction]:
         """One UI-TARS action -> actions of ``ctx.action_space``."""
         out = Emit(ctx.action_space)
         if name in CLICKS:
@@ -240,10 +240,10 @@ class Emit:
 
     space: ActionSpace
 
-    def _code(self, *lines: str) -> list[Action]:
+    def _code(self, *lines: str) -> list[AgentAction]:
         return ["import pyautogui\n" + "\n".join(lines)]
 
-    def click(self, x: int, y: int, button: str, clicks: int) -> list[Action]:
+    def click(self, x: int, y: int, button: str, clicks: int) -> list[AgentAction]:
         if self.space == "pyautogui":
             return self._code(f"pyautogui.click({x}, {y}, clicks={clicks}, button={button!r})")
         if button == "right":
@@ -252,41 +252,41 @@ class Emit:
             return [{"action_type": "DOUBLE_CLICK", "parameters": {"x": x, "y": y}}]
         return [{"action_type": "CLICK", "parameters": {"x": x, "y": y, "button": button, "num_clicks": clicks}}]
 
-    def move(self, x: int, y: int) -> list[Action]:
+    def move(self, x: int, y: int) -> list[AgentAction]:
         if self.space == "pyautogui":
             return self._code(f"pyautogui.moveTo({x}, {y})")
         return [{"action_type": "MOVE_TO", "parameters": {"x": x, "y": y}}]
 
-    def drag(self, x1: int, y1: int, x2: int, y2: int) -> list[Action]:
+    def drag(self, x1: int, y1: int, x2: int, y2: int) -> list[AgentAction]:
         if self.space == "pyautogui":
             return self._code(f"pyautogui.moveTo({x1}, {y1})",
                               f"pyautogui.dragTo({x2}, {y2}, duration=0.5, button='left')")
         return [{"action_type": "MOVE_TO", "parameters": {"x": x1, "y": y1}},
                 {"action_type": "DRAG_TO", "parameters": {"x": x2, "y": y2}}]
 
-    def hotkey(self, keys: list[str]) -> list[Action]:
+    def hotkey(self, keys: list[str]) -> list[AgentAction]:
         if self.space == "pyautogui":
             return self._code(f"pyautogui.hotkey({', '.join(repr(k) for k in keys)})")
         if len(keys) == 1:
             return [{"action_type": "PRESS", "parameters": {"key": keys[0]}}]
         return [{"action_type": "HOTKEY", "parameters": {"keys": keys}}]
 
-    def key(self, kind: str, key: str) -> list[Action]:
+    def key(self, kind: str, key: str) -> list[AgentAction]:
         fn, typ = {"press": ("press", "PRESS"), "keydown": ("keyDown", "KEY_DOWN"), "keyup": ("keyUp", "KEY_UP")}[kind]
         if self.space == "pyautogui":
             return self._code(f"pyautogui.{fn}({key!r})")
         return [{"action_type": typ, "parameters": {"key": key}}]
 
-    def type(self, content: str) -> list[Action]:
+    def type(self, content: str) -> list[AgentAction]:
         enter = content.endswith("\n")
         text = content[:-1] if enter else content
         if self.space == "pyautogui":
             lines = [f"pyautogui.write({text!r})"] if text else []
             return self._code(*lines, *(["pyautogui.press('enter')"] if enter else []))
-        acts: list[Action] = [{"action_type": "TYPING", "parameters": {"text": text}}] if text else []
+        acts: list[AgentAction] = [{"action_type": "TYPING", "parameters": {"text": text}}] if text else []
         return acts + ([{"action_type": "PRESS", "parameters": {"key": "enter"}}] if enter else [])
 
-    def scroll(self, at: tuple[int, int] | None, direction: str) -> list[Action]:
+    def scroll(self, at: tuple[int, int] | None, direction: str) -> list[AgentAction]:
         sign = 1 if direction in ("up", "right") else -1
         amount = sign * SCROLL_CLICKS
         vertical = direction in ("up", "down")
@@ -294,6 +294,6 @@ class Emit:
             fn = "scroll" if vertical else "hscroll"
             where = f", x={at[0]}, y={at[1]}" if at else ""
             return self._code(f"pyautogui.{fn}({amount}{where})")
-        acts: list[Action] = [{"action_type": "MOVE_TO", "parameters": {"x": at[0], "y": at[1]}}] if at else []
+        acts: list[AgentAction] = [{"action_type": "MOVE_TO", "parameters": {"x": at[0], "y": at[1]}}] if at else []
         params = {"dx": 0, "dy": amount} if vertical else {"dx": amount, "dy": 0}
         return acts + [{"action_type": "SCROLL", "parameters": params}]
