@@ -14,7 +14,7 @@ The lifecycle is lease → setup → step* → postconfig → evaluate:
 
 * :meth:`TaskEnv.reset` leases a fresh desktop (releasing the previous one, which the farm's pool
   resets in the background), runs the task's ``config`` steps and returns the first
-  :class:`Observation`;
+  :class:`~osfarm.schema.observation.AgentObservation`;
 * :meth:`TaskEnv.step` sends one step's actions (a list, or one action: typed
   actions (:mod:`osfarm.schema.actions`), pyautogui code strings or computer_13 dicts;
   ``WAIT``/``DONE``/``FAIL`` as OSWorld) and returns
@@ -41,7 +41,6 @@ so episodes on other desktops go on meanwhile.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import shutil
@@ -52,14 +51,13 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Literal, Self, TypeVar, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from osfarm.client import AsyncFarm, AsyncRemoteDesktop, FarmAPIError
 from osfarm.errors import EpisodeTimeout, InfraError
 from osfarm.schema.actions import ENDINGS, AgentAction, action_json, special_action
 from osfarm.schema.guest import ActionResult, ActionTiming
-from osfarm.schema.observation import Observation as DesktopObservation
-from osfarm.schema.observation import ScreenSize
+from osfarm.schema.observation import AgentObservation
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, evaluate, run_postconfig, run_setup
@@ -82,34 +80,7 @@ SETTLE_S = 1.0
 # are osfarm's, in osfarm.errors; exported here, where the env raises them.
 
 
-# ---- what the agent sees ---------------------------------------------------------------------
-
-
-class Observation(BaseModel):
-    """What the agent sees: OSWorld's observation, typed.
-
-    Built from the farm's wire observation (:class:`osfarm.schema.observation.Observation`, whose
-    screenshot is base64 text) with the image decoded to bytes. :meth:`as_dict` is the plain dict
-    OSWorld agents take (``Agent.predict(instruction, obs)``).
-    """
-
-    model_config = ConfigDict(frozen=True, ser_json_bytes="base64")
-
-    instruction: str
-    screenshot: bytes = Field(default=b"", description="PNG bytes of the screen (b'' when not captured)")
-    accessibility_tree: str | None = Field(default=None, description="OSWorld-style a11y tree XML, when asked for")
-    terminal: str | None = None
-    screen: ScreenSize
-
-    @classmethod
-    def from_desktop(cls, obs: DesktopObservation, instruction: str) -> Observation:
-        png = base64.b64decode(obs.screenshot) if obs.screenshot else b""
-        return cls(instruction=instruction, screenshot=png, accessibility_tree=obs.a11y, screen=obs.screen)
-
-    def as_dict(self) -> dict[str, Any]:
-        """``{"screenshot", "accessibility_tree", "terminal", "instruction"}``: OSWorld's obs dict."""
-        return {"screenshot": self.screenshot, "accessibility_tree": self.accessibility_tree,
-                "terminal": self.terminal, "instruction": self.instruction}
+# ---- what a step did -------------------------------------------------------------------------
 
 
 class StepOutcome(BaseModel):
@@ -127,13 +98,14 @@ class StepOutcome(BaseModel):
                                      "or one failed while running: the agent's fault")
     rejected: bool = Field(default=False, description="the desktop refused the request; nothing ran")
     done: Literal["DONE", "FAIL"] | None = None
-    observation: Observation | None = Field(default=None, description="the screen after the step (None if rejected)")
+    observation: AgentObservation | None = Field(default=None,
+                                                 description="the screen after the step (None if rejected)")
     t_env_ms: float | None = Field(default=None, description="the step's round trip (None if rejected)")
     time_limit: bool = False
 
 
 # (observation, reward, terminated, truncated, info), as Gymnasium's step answers
-StepAnswer = tuple[Observation, float, bool, bool, dict[str, Any]]
+StepAnswer = tuple[AgentObservation, float, bool, bool, dict[str, Any]]
 
 
 # ---- the env ---------------------------------------------------------------------------------
@@ -219,7 +191,7 @@ class TaskEnv:
         self._timed_out = False
         self.task: Task | None = None
         self.desktop: dict[str, Any] = {}
-        self.observation: Observation | None = None
+        self.observation: AgentObservation | None = None
         self.steps = 0
         self.last_action: Any = None
         self.last_step: StepOutcome | None = None
@@ -236,7 +208,7 @@ class TaskEnv:
 
     # -- gymnasium surface ---------------------------------------------------------------------
 
-    async def reset(self, task: Task | dict[str, Any]) -> tuple[Observation, dict[str, Any]]:
+    async def reset(self, task: Task | dict[str, Any]) -> tuple[AgentObservation, dict[str, Any]]:
         """Start ``task`` on a fresh desktop; the first observation and ``info``
         (``task_id``, ``desktop``, ``setup``: the setup steps' reports, ``timings``).
 
@@ -305,7 +277,7 @@ class TaskEnv:
         if bad:
             out.action_error = f"action {bad[0].index}: {bad[0].error}"
         if sr.observation is not None:
-            obs = self.observation = out.observation = Observation.from_desktop(sr.observation, obs.instruction)
+            obs = self.observation = out.observation = AgentObservation.from_wire(sr.observation, obs.instruction)
         if batch:
             self.last_action = batch[-1]
         # the guest stops at the first failing action, so a DONE after it is looked for here too
@@ -386,7 +358,7 @@ class TaskEnv:
             raw = await desk.observe(a11y=self.a11y, windows=False, cursor=False, settle_s=self.settle_s)
         except FarmAPIError as e:
             raise InfraError(f"observe: {e}", phase="observe") from e
-        self.observation = Observation.from_desktop(raw, task.instruction)
+        self.observation = AgentObservation.from_wire(raw, task.instruction)
         return reports
 
     async def _finish(self, out: StepOutcome | None) -> float:
@@ -425,13 +397,13 @@ class TaskEnv:
         except GuestError as e:
             raise InfraError(f"desktop unreachable: {e}", phase="evaluate") from e
 
-    def _out_of_time(self, out: StepOutcome) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+    def _out_of_time(self, out: StepOutcome) -> StepAnswer:
         self._ended = self._timed_out = out.time_limit = True
         assert self.observation is not None
         return self._answer(out, self.observation, 0.0, False, True)
 
-    def _answer(self, out: StepOutcome, obs: Observation, reward: float, terminated: bool,
-                truncated: bool) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+    def _answer(self, out: StepOutcome, obs: AgentObservation, reward: float, terminated: bool,
+                truncated: bool) -> StepAnswer:
         info = out.model_dump(exclude={"observation"})
         if self.score is not None:
             info["score"] = self.score
@@ -496,7 +468,7 @@ class SyncTaskEnv:
             raise RuntimeError("this SyncTaskEnv is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def reset(self, task: Task | dict[str, Any]) -> tuple[Observation, dict[str, Any]]:
+    def reset(self, task: Task | dict[str, Any]) -> tuple[AgentObservation, dict[str, Any]]:
         return self._call(self.env.reset(task))
 
     def step(self, actions: AgentAction | Sequence[AgentAction]) -> StepAnswer:
@@ -532,5 +504,5 @@ class SyncTaskEnv:
 
 
 __all__ = [
-    "SETTLE_S", "EpisodeTimeout", "InfraError", "Observation", "StepAnswer", "StepOutcome", "SyncTaskEnv", "TaskEnv",
+    "SETTLE_S", "EpisodeTimeout", "InfraError", "StepAnswer", "StepOutcome", "SyncTaskEnv", "TaskEnv",
 ]  # fmt: skip

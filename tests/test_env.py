@@ -18,9 +18,10 @@ import pytest
 from boxes import box_processes
 
 from osfarm.client import AsyncFarm
-from osfarm.env import EpisodeTimeout, InfraError, Observation, SyncTaskEnv, TaskEnv
+from osfarm.env import EpisodeTimeout, InfraError, SyncTaskEnv, TaskEnv
 from osfarm.farm.server import FarmServer
 from osfarm.providers.sandbox import SANDBOX_ENV
+from osfarm.schema.observation import AgentObservation
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
 
@@ -47,7 +48,7 @@ def test_episode_reward_only_at_the_end_and_done_terminates(farm: FarmServer, su
     async def go() -> None:
         async with TaskEnv(farm.url, farm.token, cache=cache, max_steps=5) as env:
             obs, info = await env.reset(task)
-            assert isinstance(obs, Observation) and obs.screenshot.startswith(PNG)
+            assert isinstance(obs, AgentObservation) and obs.screenshot.startswith(PNG)
             assert obs.instruction == task.instruction and (obs.screen.width, obs.screen.height) == (1024, 768)
             assert obs.as_dict().keys() == {"screenshot", "accessibility_tree", "terminal", "instruction"}
             assert info["task_id"] == HELLO and info["desktop"]["provider"] == "sandbox"

@@ -9,7 +9,7 @@ whose ``action_type`` is that name — OSWorld accepts both forms, so
 (:data:`~osfarm.schema.actions.AgentAction`) is the wire layer's.
 
 ``obs`` is ``{"screenshot": PNG bytes, "accessibility_tree": str | None, "terminal": str | None,
-"instruction": str}`` (:meth:`osfarm.env.Observation.as_dict`).
+"instruction": str}`` (:meth:`osfarm.schema.observation.AgentObservation.as_dict`).
 
 :class:`Agent` names every member the runner uses; :class:`BaseAgent` gives the optional ones
 their defaults, so an agent writes ``name``, ``reset`` and ``predict`` (or ``apredict``) only.

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from osfarm.agents.base import ActionSpace, BaseAgent
 from osfarm.agents.chat_client import ChatClient, PolicyError
-from osfarm.agents.prompts import Observation, ParseError, StepContext, make_format
+from osfarm.agents.prompts import ObservationKind, ParseError, StepContext, make_format
 from osfarm.agents.prompts.a11y import linearize
 from osfarm.agents.prompts.geometry import (
     MAX_PIXELS,
@@ -124,7 +124,7 @@ class VLMAgent(BaseAgent):
                              f"{', '.join(self.format.observations)}, not observation {o.observation!r}")
         self.options = o
         self.action_space: ActionSpace = space
-        self.observation: Observation = o.observation
+        self.observation: ObservationKind = o.observation
         self.wants_a11y = "a11y" in o.observation
         self.wants_screenshot = "screenshot" in o.observation
         self.client = ChatClient(o.base_url, o.model, api_key=o.api_key, timeout_s=o.timeout_s, retries=o.retries,

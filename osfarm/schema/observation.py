@@ -1,13 +1,15 @@
 """The observation: what a desktop shows, as the guest's and the farm's ``/observation`` and a
 step's answer carry it (the screenshot as base64 text), and the options that ask for it.
 
-The agent-facing form (the image decoded to bytes, OSWorld's observation dict) is
-:class:`osfarm.env.Observation`, built from this one.
+:class:`AgentObservation` is what an agent is handed (``TaskEnv``'s observation): this one with
+the image decoded to bytes and the task's instruction; its :meth:`~AgentObservation.as_dict` is
+OSWorld's observation dict, the edge OSWorld's agents take.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import base64
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -65,3 +67,30 @@ class Observation(BaseModel):
     windows: list[Window] | None = None
     a11y: str | None = Field(default=None, description="OSWorld-style accessibility tree XML")
     t_ms: float = 0.0
+
+
+class AgentObservation(BaseModel):
+    """What the agent sees: OSWorld's observation, typed.
+
+    Built from the wire :class:`Observation` (whose screenshot is base64 text) with the image
+    decoded to bytes. :meth:`as_dict` is the plain dict OSWorld agents take
+    (``Agent.predict(instruction, obs)``).
+    """
+
+    model_config = ConfigDict(frozen=True, ser_json_bytes="base64")
+
+    instruction: str
+    screenshot: bytes = Field(default=b"", description="PNG bytes of the screen (b'' when not captured)")
+    accessibility_tree: str | None = Field(default=None, description="OSWorld-style a11y tree XML, when asked for")
+    terminal: str | None = None
+    screen: ScreenSize
+
+    @classmethod
+    def from_wire(cls, obs: Observation, instruction: str) -> AgentObservation:
+        png = base64.b64decode(obs.screenshot) if obs.screenshot else b""
+        return cls(instruction=instruction, screenshot=png, accessibility_tree=obs.a11y, screen=obs.screen)
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"screenshot", "accessibility_tree", "terminal", "instruction"}``: OSWorld's obs dict."""
+        return {"screenshot": self.screenshot, "accessibility_tree": self.accessibility_tree,
+                "terminal": self.terminal, "instruction": self.instruction}

@@ -12,7 +12,7 @@ from typing import Any
 
 from osfarm.agents.prompts.base import (
     OBSERVATIONS,
-    Observation,
+    ObservationKind,
     Parsed,
     ParseError,
     PromptFormat,
@@ -33,5 +33,5 @@ def make_format(name: str, **options: Any) -> PromptFormat:
     return FORMATS[name](**options)
 
 
-__all__ = ["FORMATS", "OBSERVATIONS", "Computer13Format", "Observation", "ParseError", "Parsed", "PromptFormat",
+__all__ = ["FORMATS", "OBSERVATIONS", "Computer13Format", "ObservationKind", "ParseError", "Parsed", "PromptFormat",
            "PyAutoGUIFormat", "StepContext", "UITarsFormat", "make_format"]

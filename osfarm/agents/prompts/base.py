@@ -15,8 +15,8 @@ from osfarm.agents.base import ActionSpace
 from osfarm.errors import OsfarmError
 from osfarm.schema.actions import AgentAction, Special
 
-Observation = Literal["screenshot", "a11y", "screenshot_a11y"]
-OBSERVATIONS: tuple[Observation, ...] = ("screenshot", "a11y", "screenshot_a11y")
+ObservationKind = Literal["screenshot", "a11y", "screenshot_a11y"]
+OBSERVATIONS: tuple[ObservationKind, ...] = ("screenshot", "a11y", "screenshot_a11y")
 
 
 class ParseError(OsfarmError, ValueError):
@@ -38,14 +38,14 @@ class Parsed:
 
 class PromptFormat(Protocol):
     name: str
-    observations: tuple[Observation, ...]  # the observation kinds this format can show
+    observations: tuple[ObservationKind, ...]  # the observation kinds this format can show
     action_spaces: tuple[ActionSpace, ...]  # the action spaces its parser can produce
 
-    def head(self, instruction: str, observation: Observation, ctx: StepContext) -> list[dict]:
+    def head(self, instruction: str, observation: ObservationKind, ctx: StepContext) -> list[dict]:
         """The messages before the turns: system prompt and the task."""
         ...
 
-    def turn_text(self, a11y_table: str | None, observation: Observation) -> str:
+    def turn_text(self, a11y_table: str | None, observation: ObservationKind) -> str:
         """The text of a step's user turn (the screenshot, if any, is added by the history)."""
         ...
 

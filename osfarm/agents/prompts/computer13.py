@@ -19,7 +19,7 @@ from typing import Any
 
 from osfarm.agents.base import ActionSpace, special
 from osfarm.agents.prompts.base import (
-    Observation,
+    ObservationKind,
     Parsed,
     ParseError,
     StepContext,
@@ -157,15 +157,15 @@ def parse_json_reply(reply: str, ctx: StepContext) -> Parsed:
 
 class Computer13Format:
     name = "computer_13"
-    observations: tuple[Observation, ...] = ("screenshot", "a11y", "screenshot_a11y")
+    observations: tuple[ObservationKind, ...] = ("screenshot", "a11y", "screenshot_a11y")
     action_spaces: tuple[ActionSpace, ...] = ("computer_13",)
 
-    def head(self, instruction: str, observation: Observation, ctx: StepContext) -> list[dict]:
+    def head(self, instruction: str, observation: ObservationKind, ctx: StepContext) -> list[dict]:
         w, h = ctx.screen
         text = SYSTEM.format(width=w, height=h, sees=SEES[observation], instruction=instruction)
         return [{"role": "system", "content": text}]
 
-    def turn_text(self, a11y_table: str | None, observation: Observation) -> str:
+    def turn_text(self, a11y_table: str | None, observation: ObservationKind) -> str:
         return ASK[observation].format(tree=a11y_table or "(no accessibility tree)")
 
     def parse(self, reply: str, ctx: StepContext) -> Parsed:

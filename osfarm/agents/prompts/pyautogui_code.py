@@ -18,7 +18,7 @@ import re
 from osfarm.agents.base import ActionSpace
 from osfarm.agents.prompts.base import (
     SPECIAL_WORDS,
-    Observation,
+    ObservationKind,
     Parsed,
     ParseError,
     StepContext,
@@ -139,15 +139,15 @@ def parse_code_reply(reply: str) -> Parsed:
 
 class PyAutoGUIFormat:
     name = "pyautogui"
-    observations: tuple[Observation, ...] = ("screenshot", "a11y", "screenshot_a11y")
+    observations: tuple[ObservationKind, ...] = ("screenshot", "a11y", "screenshot_a11y")
     action_spaces: tuple[ActionSpace, ...] = ("pyautogui",)
 
-    def head(self, instruction: str, observation: Observation, ctx: StepContext) -> list[dict]:
+    def head(self, instruction: str, observation: ObservationKind, ctx: StepContext) -> list[dict]:
         w, h = ctx.screen
         text = SYSTEM.format(width=w, height=h, sees=SEES[observation], instruction=instruction)
         return [{"role": "system", "content": text}]
 
-    def turn_text(self, a11y_table: str | None, observation: Observation) -> str:
+    def turn_text(self, a11y_table: str | None, observation: ObservationKind) -> str:
         return ASK[observation].format(tree=a11y_table or "(no accessibility tree)")
 
     def parse(self, reply: str, ctx: StepContext) -> Parsed:

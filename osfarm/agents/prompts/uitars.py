@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from osfarm.agents.base import ActionSpace, special
-from osfarm.agents.prompts.base import Observation, Parsed, ParseError, StepContext
+from osfarm.agents.prompts.base import ObservationKind, Parsed, ParseError, StepContext
 from osfarm.agents.prompts.geometry import (
     FACTOR,
     MAX_PIXELS,
@@ -134,7 +134,7 @@ class UITarsFormat:
     max_pixels: int = MAX_PIXELS
     language: str = "English"
     name: str = "uitars"
-    observations: tuple[Observation, ...] = ("screenshot",)
+    observations: tuple[ObservationKind, ...] = ("screenshot",)
     action_spaces: tuple[ActionSpace, ...] = ("pyautogui", "computer_13")
 
     def model_size(self, screen: tuple[int, int]) -> tuple[int, int]:
@@ -143,12 +143,12 @@ class UITarsFormat:
             return RELATIVE_GRID, RELATIVE_GRID
         return smart_resize(*screen, factor=self.factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
 
-    def head(self, instruction: str, observation: Observation, ctx: StepContext) -> list[dict]:
+    def head(self, instruction: str, observation: ObservationKind, ctx: StepContext) -> list[dict]:
         text = PROMPT.format(language=self.language, instruction=instruction)
         return [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": [{"type": "text", "text": text}]}]
 
-    def turn_text(self, a11y_table: str | None, observation: Observation) -> str:
+    def turn_text(self, a11y_table: str | None, observation: ObservationKind) -> str:
         return ""  # the user turns carry only the screenshot
 
     def point(self, value: str, arg: str, ctx: StepContext) -> tuple[int, int]:
