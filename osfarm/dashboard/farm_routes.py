@@ -83,11 +83,6 @@ async def desktop_page(request: Request, desktop_id: str, who: Caller, dash: Das
                              fps=dash.live_fps))
 
 
-@router.websocket("/ui/desktops/{desktop_id}/live")
-async def live(ws: WebSocket, desktop_id: str, who: Caller, dash: DashboardOf, farm: State, hub: Hub) -> None:
-    await _live(ws, desktop_id, who, dash, farm, hub)
-
-
 async def _pool_stream(dash: Dashboard, state: FarmState, hub: LiveHub, who: Principal) -> AsyncIterator[str]:
     """Pool snapshots every second and thumbnails as they come, while the page is open."""
     thumbs: asyncio.Queue[tuple[str, bytes]] = asyncio.Queue(maxsize=64)
@@ -133,8 +128,9 @@ async def _pool_stream(dash: Dashboard, state: FarmState, hub: LiveHub, who: Pri
                 await t
 
 
-async def _live(ws: WebSocket, desktop_id: str, who: Principal | None, dash: Dashboard, state: FarmState,
-                hub: LiveHub) -> None:
+@router.websocket("/ui/desktops/{desktop_id}/live")
+async def live(ws: WebSocket, desktop_id: str, who: Caller, dash: DashboardOf, state: State, hub: Hub) -> None:
+    """A desktop's live view and take-over (the protocol is in the module's docstring)."""
     if who is None:
         await ws.close(code=4401, reason="log in first")
         return
