@@ -25,15 +25,15 @@ from typing import Any
 import httpx
 import pytest
 from dashboard_runs import XSS, make_run
-from farms import TOKEN, running_farm
 from rich.console import Console
 
 from osfarm.dashboard.app import mount
-from osfarm.dashboard.context import Dashboard
+from osfarm.dashboard.state import Dashboard
 from osfarm.env import SyncTaskEnv
 from osfarm.farm.server import FarmServer
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
+from osfarm.testing.farms import TOKEN, running_farm
 from osfarm.trainer.metrics import TrainMetrics
 
 playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (the dev extra)")
