@@ -2,7 +2,7 @@
 
 * reset-to-ready: ``provider.reset(handle)`` on a running desktop until the fresh box's guest
   answers /v1/health (sandbox: kill + new namespace box, or with ``sandbox-warm`` the warm reset
-  of osfarm/desktop/warm.py; docker: a new container from the image, started while the old one is
+  of osfarm/desktop/warm/warm.py; docker: a new container from the image, started while the old one is
   removed, or with ``docker-warm`` the same warm reset in the kept container). What the farm pays
   between two episodes. Before each reset the desktop is dirtied as a task would (files in the
   home and /tmp, a double-forked daemon, a clipboard owner, a held key; ``--clean`` skips it).
@@ -49,7 +49,7 @@ from osfarm.providers.base import DesktopHandle, DesktopSpec, SupportsCpuSeconds
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "sandbox": ("sandbox", {"reset_mode": "cold"}),
     "sandbox-warm": ("sandbox", {"reset_mode": "warm", "cold_every": 0}),
-    # the GNOME desktop (osfarm.desktop.gnome): the shell and its daemons start again in a warm reset
+    # the GNOME desktop (osfarm.desktop.session.gnome): the shell and its daemons start again in a warm reset
     "gnome": ("sandbox", {"reset_mode": "cold", "desktop": "gnome"}),
     "gnome-warm": ("sandbox", {"reset_mode": "warm", "cold_every": 0, "desktop": "gnome"}),
     # cold starts forked from the box template (sandbox_start fork); a warm reset does not start a box
@@ -174,8 +174,8 @@ async def resets(name: str, n: int, width: int, height: int, clean: bool = False
 
 
 # A sandbox cold start's parts: (name, in the chain the start waits on, what it is); each is its
-# ms since the reset (or start) began, from the box's init (osfarm.desktop.box_init), the
-# session's state file (osfarm.desktop.session; all on the monotonic clock) and the provider's
+# ms since the reset (or start) began, from the box's init (osfarm.desktop.box.box_init), the
+# session's state file (osfarm.desktop.session.session; all on the monotonic clock) and the provider's
 # handle. The launcher imports the server stack while Xvfb and the desktop's processes start (a
 # thread): those run alongside the chain.
 COLD_PARTS = [

@@ -86,8 +86,9 @@ class FarmSettings(BaseSettings):
     depth: Literal[16, 24] = 24
     desktop: Literal["gnome", "light"] | None = Field(
         default=None, description="the desktop session. gnome: OSWorld's Ubuntu 22.04 screen (GNOME Shell with "
-        "the top bar, the Ubuntu Dock on the left, Yaru, the Ubuntu font; osfarm/desktop/gnome.py). light: openbox "
-        "with a tint2 panel, the cheapest desktop. Every lease, results.json row and episode record says which ran. "
+        "the top bar, the Ubuntu Dock on the left, Yaru, the Ubuntu font; osfarm/desktop/session/gnome.py). "
+        "light: openbox with a tint2 panel, the cheapest desktop. "
+        "Every lease, results.json row and episode record says which ran. "
         "Default: gnome; light on the libvirt provider where its VMs run under TCG emulation (no usable KVM)",
     )
     desktop_timezone: str = Field(
@@ -116,11 +117,12 @@ class FarmSettings(BaseSettings):
     sandbox_start: Literal["exec", "fork"] = Field(
         default="exec", description="how a sandbox box starts. exec: a new interpreter per box (unshare + box init + "
         "launcher). fork: from a pre-initialised template process that has imported the guest's server stack once "
-        "(osfarm/desktop/box_zygote.py); boxes then share its address-space layout and hash seed (docs/security.md)",
+        "(osfarm/desktop/launch/box_zygote.py); boxes then share its address-space layout and hash seed "
+        "(docs/security.md)",
     )
     health_interval_s: float = Field(default=2.0, gt=0)
     start_timeout_s: float = Field(default=60.0, gt=0)
-    # --- reset (sandbox and docker desktops: osfarm/desktop/warm.py; libvirt resets by libvirt_reset) ---
+    # --- reset (sandbox and docker desktops: osfarm/desktop/warm/warm.py; libvirt resets by libvirt_reset) ---
     reset_mode: Literal["warm", "cold"] = Field(
         default="warm", description="warm: end the task's processes and put files and X state back, keeping the "
         "session, kept only where its fingerprint equals the cold start's (else, on an error, past "

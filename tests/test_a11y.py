@@ -1,4 +1,4 @@
-"""osfarm.desktop.a11y against real apps on a real Xvfb + D-Bus + AT-SPI session.
+"""osfarm.desktop.session.a11y against real apps on a real Xvfb + D-Bus + AT-SPI session.
 
 One session per module (starting LibreOffice and Chromium costs tens of seconds on a small box).
 Every process started here carries a marker in its environment, so teardown finds and kills
@@ -24,7 +24,7 @@ import psutil
 import pytest
 from waiting import wait_until
 
-from osfarm.desktop import a11y, a11y_bus
+from osfarm.desktop.session import a11y, a11y_bus
 
 # The a11y tree takes seconds to read: poll it less often than cheap conditions.
 wait_for = functools.partial(wait_until, interval=0.3)

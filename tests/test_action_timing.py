@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 from osfarm.client import Farm
-from osfarm.desktop.coderunner import CodeRunner
+from osfarm.desktop.box.coderunner import CodeRunner
 from osfarm.env import SyncTaskEnv
 from osfarm.farm.server import FarmServer
 from osfarm.runner.cli import eval_command

@@ -1,4 +1,4 @@
-"""``sandbox_start: fork``: sandbox boxes forked from the box template (osfarm/desktop/box_zygote.py,
+"""``sandbox_start: fork``: sandbox boxes forked from the box template (osfarm/desktop/launch/box_zygote.py,
 osfarm/providers/box_template.py), with real namespaces, cgroups, Xvfb and the launcher."""
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import pytest
 from test_sandbox import SPEC, _farm_then_kill9, dead, new_state_dir, sh, wait_no_box_processes
 
 from osfarm.config import FarmSettings
-from osfarm.desktop.box_init import PLAN_MAX_BYTES, read_plan
-from osfarm.desktop.fingerprint_diff import differences
-from osfarm.desktop.process_tree import children, descendants
+from osfarm.desktop.box.box_init import PLAN_MAX_BYTES, read_plan
+from osfarm.desktop.box.process_tree import children, descendants
+from osfarm.desktop.warm.fingerprint_diff import differences
 from osfarm.providers.base import DesktopHandle
 from osfarm.providers.box_template import TemplateError
 from osfarm.providers.sandbox import SandboxProvider
@@ -113,7 +113,7 @@ def test_random_is_reseeded_in_a_forked_template_child() -> None:
     so two boxes of one template draw different numbers, and not the template's next one."""
     code = textwrap.dedent("""
         import os, random, sys
-        import osfarm.desktop.box_zygote
+        import osfarm.desktop.launch.box_zygote
         outs = []
         for _ in range(2):
             r, w = os.pipe()

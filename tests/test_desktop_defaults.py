@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from osfarm.desktop.session import DEFAULT_APPS, TOTEM_VIDEO_TYPES
+from osfarm.desktop.session.session import DEFAULT_APPS, TOTEM_VIDEO_TYPES
 from osfarm.env import SyncTaskEnv
 from osfarm.evaluators.getters.vlc import _VIDEO_SUBTYPES
 from osfarm.farm.server import FarmServer

@@ -22,11 +22,11 @@ import pytest
 from PIL import Image
 from waiting import wait_until
 
-from osfarm.desktop import ewmh
-from osfarm.desktop import windows as win
-from osfarm.desktop.capture import ScreenCapture, encode_image
-from osfarm.desktop.coderunner import CodeRunner
-from osfarm.desktop.xinput import InputController
+from osfarm.desktop.box.coderunner import CodeRunner
+from osfarm.desktop.x11 import ewmh
+from osfarm.desktop.x11 import windows as win
+from osfarm.desktop.x11.capture import ScreenCapture, encode_image
+from osfarm.desktop.x11.xinput import InputController
 from osfarm.schema.actions import ActionError, parse_action
 
 SYS_PYTHON = "/usr/bin/python3"
@@ -235,7 +235,7 @@ def test_settle_finds_and_grabs_the_window_alone(xsession: dict[str, Any], cap: 
     window list reports it) and a grab of that rectangle, equal to the same crop of a full frame."""
     from Xlib import display as xdisplay
 
-    from osfarm.desktop.settle import wait_settled
+    from osfarm.desktop.x11.settle import wait_settled
 
     app: TkApp = xsession["app"]
     d = xdisplay.Display(xsession["display"])

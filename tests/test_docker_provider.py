@@ -161,7 +161,7 @@ async def test_warm_reset_keeps_the_container(state_dir: str) -> None:
     """reset_mode warm: a dirtied desktop (home file, daemon, clipboard) is put back in the same
     container with a new token and the cold start's fingerprint, also after a farm restart (adopt);
     a change made with sudo shows in the fingerprint and the container is replaced instead."""
-    from osfarm.desktop.fingerprint_diff import differences
+    from osfarm.desktop.warm.fingerprint_diff import differences
     from osfarm.providers.docker import DockerProvider
 
     ensure_images("desktop")

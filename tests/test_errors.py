@@ -18,13 +18,13 @@ from osfarm.runner.executors.celery_exec import RemoteEpisodeError, RemoteEpisod
 # Exceptions used as control flow inside one module (never raised to a caller), kept outside the
 # hierarchy on purpose, each with its reason.
 INTERNAL = {
-    "osfarm.desktop.xserver._DisplayBusy": "retry signal inside Xvfb's start loop",
+    "osfarm.desktop.x11.xserver._DisplayBusy": "retry signal inside Xvfb's start loop",
     "osfarm.tasks.setup._StepError": "wrapped into SetupFailed before it leaves the module",
     "osfarm.evaluators.metrics.slides._Mismatch": "early exit inside one comparison",
-    "osfarm.desktop.a11y_bus.AppGone": "an application left the bus mid-walk; the walk skips it",
+    "osfarm.desktop.session.a11y_bus.AppGone": "an application left the bus mid-walk; the walk skips it",
     "osfarm.http.body_limit.BodyTooLarge": "turned into a 413 by the middleware that raises it",
     "osfarm.trainer.loop.Aborted": "a rollout the controller aborted; never leaves the trainer",
-    "osfarm.desktop.launcher._Stop": "a BaseException the signal handler raises to unwind the launcher's start",
+    "osfarm.desktop.launch.launcher._Stop": "a BaseException the signal handler raises to unwind the launcher's start",
 }
 
 

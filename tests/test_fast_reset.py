@@ -23,7 +23,7 @@ import pytest
 import typer
 from farms import running_farm
 
-from osfarm.desktop.fingerprint_diff import differences
+from osfarm.desktop.warm.fingerprint_diff import differences
 from osfarm.farm import metrics
 from osfarm.farm.server import FarmServer
 

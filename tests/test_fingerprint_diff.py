@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from osfarm.desktop.fingerprint_diff import differences
+from osfarm.desktop.warm.fingerprint_diff import differences
 
 
 def test_equal_fingerprints_have_no_differences_whatever_their_digests() -> None:

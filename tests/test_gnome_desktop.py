@@ -25,9 +25,9 @@ from pydantic import ValidationError
 
 from osfarm.client import Farm, RemoteDesktop
 from osfarm.config import FarmSettings
-from osfarm.desktop.box_init import BoxInitError, write_etc
-from osfarm.desktop.fingerprint_diff import differences
-from osfarm.desktop.gnome import session_env, shell_respawn_wait_s, timezone_files
+from osfarm.desktop.box.box_init import BoxInitError, write_etc
+from osfarm.desktop.session.gnome import session_env, shell_respawn_wait_s, timezone_files
+from osfarm.desktop.warm.fingerprint_diff import differences
 from osfarm.farm.server import FarmServer
 from osfarm.host_kvm import vms_run_under_kvm
 from tests.farms import running_farm

@@ -1,10 +1,10 @@
-"""osfarm.desktop.gnome_wallpaper: the background key's value (the agent's) read as a local file."""
+"""osfarm.desktop.session.gnome_wallpaper: the background key's value (the agent's) read as a local file."""
 
 from __future__ import annotations
 
 import pytest
 
-from osfarm.desktop.gnome_wallpaper import file_uri, path_from_setting
+from osfarm.desktop.session.gnome_wallpaper import file_uri, path_from_setting
 
 
 @pytest.mark.parametrize(("value", "path"), [

@@ -20,7 +20,7 @@ from asset_server import HF, asset_server
 from PIL import Image
 from waiting import wait_until
 
-from osfarm.desktop.process_tree import descendants
+from osfarm.desktop.box.process_tree import descendants
 
 TOKEN = "test-token-guest"
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def guest():  # noqa: ANN201
     env = dict(os.environ, OSFARM_GUEST_TOKEN=TOKEN, OSFARM_DOWNLOAD_ALLOW_HOSTS="127.0.0.1")
     log = open(tmp / "session.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "osfarm.desktop.launcher", "--width", str(W), "--height", str(H),
+        [sys.executable, "-m", "osfarm.desktop.launch.launcher", "--width", str(W), "--height", str(H),
          "--socket", str(sock), "--state-file", str(state_file), "--home", str(home)],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )
@@ -404,7 +404,7 @@ def test_osfarm_settle_waits_for_a_painted_window_and_reports_a_missing_one(gues
 def test_painted_tells_a_blank_window_from_a_drawn_one() -> None:
     import numpy as np
 
-    from osfarm.desktop.settle import painted
+    from osfarm.desktop.x11.settle import painted
 
     blank = np.full((200, 300, 4), 240, dtype=np.uint8)
     assert not painted(blank)

@@ -18,7 +18,11 @@ finds its disk with it. ``tasks``/``evaluators`` (the OSWorld task lifecycle, sp
 server) sit under the farm because the farm's reset/evaluate routes run that same lifecycle;
 they know a desktop only by its guest endpoint. They are one layer with a direction inside it
 (``ACROSS``): the task lifecycle runs the evaluators, never the other way; what both need (the
-guest's error, confined host paths) is layer-neutral. The ``client`` sits on the farm (it raises the
+guest's error, confined host paths) is layer-neutral. ``desktop`` has a direction inside it too,
+one subpackage per concept: ``x11`` (the X display) and ``box`` (the box and the agent's world),
+which import none of each other, under ``session`` (the desktop session and the routes' shared
+Desktop), under ``warm`` (fingerprint, warm reset), under ``guest`` (the guest HTTP server),
+under ``launch`` (the launcher and the box template that start it all). The ``client`` sits on the farm (it raises the
 farm's errors and speaks its routes; the models are ``schema``'s). ``stream`` (trajectory record sinks)
 imports nothing of osfarm but ``schema`` and the error base; it sits beside ``agents`` and ``policy``, where the
 runner and the trainer use it, and none of the three imports another. The ``dashboard`` (web UI) sits on top,
@@ -70,7 +74,10 @@ TESTS = REPO / "tests"
 # Lowest first; one entry per layer, modules named by dotted prefix.
 LAYERS: list[tuple[str, ...]] = [
     ("osfarm.schema",),
-    ("osfarm.desktop",),
+    # desktop by concept, lowest first (ACROSS holds its direction); the package itself last, for
+    # the modules still at its top (request_fields, on its way to osfarm.schema).
+    ("osfarm.desktop.x11", "osfarm.desktop.box", "osfarm.desktop.session", "osfarm.desktop.warm",
+     "osfarm.desktop.guest", "osfarm.desktop.launch", "osfarm.desktop"),
     ("osfarm.images",),
     ("osfarm.providers",),
     ("osfarm.tasks", "osfarm.evaluators"),
@@ -98,12 +105,34 @@ NEUTRAL = {
 
 # Inside a layer of several packages: the imports allowed from one package to another (importer,
 # imported), each with its reason. Any other import between two packages of one layer is refused;
-# a new one is a decision about the design, made here. Today: tasks -> evaluators only; agents,
+# a new one is a decision about the design, made here, and ACROSS itself must have no cycle (it is a
+# direction). Today: tasks -> evaluators; desktop's subpackages one way (below); agents,
 # policy and stream import none of each other (stream imports nothing of osfarm but schema and the error base).
 ACROSS: dict[tuple[str, str], str] = {
     ("osfarm.tasks", "osfarm.evaluators"): (
         "the task lifecycle runs the evaluators (tasks.lifecycle's evaluate; tasks.coverage lists the getters and "
         "metrics a suite needs); the getters reach the desktop through the EvalEnv they are handed"),
+    # desktop: x11, box -> session -> warm -> guest -> launch (x11 and box import none of each other)
+    ("osfarm.desktop.session", "osfarm.desktop.x11"): (
+        "the session starts its Xvfb; the routes' Desktop (session.guest_state) holds the capture, input, windows "
+        "and recorder"),
+    ("osfarm.desktop.session", "osfarm.desktop.box"): (
+        "the session runs the agent's apps and buses in the agent's world and reaps its process tree; the Desktop "
+        "holds the agent's file and code helpers"),
+    ("osfarm.desktop.warm", "osfarm.desktop.x11"): "the fingerprint and the X reset read and put back the X state",
+    ("osfarm.desktop.warm", "osfarm.desktop.box"): "the kill rounds end the agent's processes in the process tree",
+    ("osfarm.desktop.warm", "osfarm.desktop.session"): (
+        "a warm reset works on the routes' Desktop; the fingerprint knows GNOME's on-demand processes"),
+    ("osfarm.desktop.guest", "osfarm.desktop.x11"): "the routes capture, record, list windows, set the wallpaper",
+    ("osfarm.desktop.guest", "osfarm.desktop.box"): "the routes' file and command work is done as the agent",
+    ("osfarm.desktop.guest", "osfarm.desktop.session"): "the routes share the session's Desktop and read its a11y tree",
+    ("osfarm.desktop.guest", "osfarm.desktop.warm"): "the baseline, fingerprint and warm reset routes",
+    ("osfarm.desktop.launch", "osfarm.desktop.x11"): "the launcher reports the X display's errors",
+    ("osfarm.desktop.launch", "osfarm.desktop.box"): "the box template runs the box init; the launcher is a subreaper",
+    ("osfarm.desktop.launch", "osfarm.desktop.session"): "the launcher starts the session",
+    ("osfarm.desktop.launch", "osfarm.desktop.guest"): "the launcher serves the guest app",
+    ("osfarm.desktop", "osfarm.desktop.box"): "request_fields reads a command as box.commands' Command",
+    ("osfarm.desktop.guest", "osfarm.desktop"): "the OSWorld routes read their loose bodies with request_fields",
 }
 
 # Test helpers (tests/**/*.py that are not tests) a bench script imports by name (bench puts tests/
@@ -154,7 +183,7 @@ LAZY_OSFARM: dict[str, str] = {
     "osfarm.runner.executors.celery_app": "imports celery",
     "osfarm.runner.executors.celery_exec": "imports celery and redis",
     "osfarm.runner.executors.worker_task": "imports celery and redis",
-    "osfarm.desktop.guest_server": "the session launcher imports the server stack (fastapi, uvicorn, numpy, "
+    "osfarm.desktop.guest.guest_server": "the session launcher imports the server stack (fastapi, uvicorn, numpy, "
     "PIL, Xlib: 0.2-0.3 s) while Xvfb starts (~0.15 s), not before: a reset is kill + start",
     "osfarm.http.download": ("the guest's /setup/download_file imports it on its first call: it imports httpx "
                              "(and httpx its command line's click, rich, pygments: ~70 ms of every cold start)"),
@@ -482,6 +511,13 @@ def test_the_wire_layer_imports_only_itself_and_the_error_base(imports: tuple[di
     assert not bad, "\n".join(bad)
 
 
+def test_across_is_one_way() -> None:
+    edges: dict[str, set[str]] = {}
+    for importer, imported in ACROSS:
+        edges.setdefault(importer, set()).add(imported)
+    assert _cycles({p for pair in ACROSS for p in pair}, edges) == []
+
+
 def test_no_import_cycles(imports: tuple[dict[str, Path], list[Import]],
                           bench: tuple[dict[str, Path], list[Import]]) -> None:
     modules, found = imports
@@ -583,6 +619,19 @@ def test_the_checker_catches_an_import_against_a_layers_direction() -> None:
     assert "osfarm.evaluators.getters.env imports osfarm.tasks.controller (this layer's direction is " \
            "osfarm.tasks -> osfarm.evaluators)" in bad[0]
     assert "osfarm.stream and osfarm.agents import none of each other" in bad[1]
+    # inside desktop (importer, imported, under TYPE_CHECKING): X reading the guest server, the
+    # session naming warm's types, box and x11 side by side; and the guest's routes running warm
+    desktop = [("x11.capture", "guest.guest", False), ("session.guest_state", "warm.warm", True),
+               ("box.commands", "x11.xserver", False), ("guest.native_routes", "warm.warm", False)]
+    bad = imports_across_a_layer(modules, [Import(f"osfarm.desktop.{a}", f"osfarm.desktop.{b}", 1, False, typed)
+                                           for a, b, typed in desktop])
+    assert len(bad) == 3, bad
+    assert "osfarm.desktop.x11.capture imports osfarm.desktop.guest.guest (this layer's direction is " \
+           "osfarm.desktop.guest -> osfarm.desktop.x11)" in bad[2]
+    assert "(TYPE_CHECKING): osfarm.desktop.session.guest_state imports osfarm.desktop.warm.warm" in bad[1]
+    assert "osfarm.desktop.box and osfarm.desktop.x11 import none of each other" in bad[0]
+    # and a two-way ACROSS is a cycle
+    assert _cycles({"a", "b"}, {"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
 
 
 def test_the_checker_reads_bench(tmp_path: Path) -> None:

@@ -87,7 +87,7 @@ def kill_main_process(provider: Any, handle: Any) -> int:
             cmd = " ".join(psutil.Process(pid).cmdline())
         except psutil.Error:
             continue
-        if "osfarm.desktop.launcher" in cmd or "desktop run" in cmd:
+        if "osfarm.desktop.launch.launcher" in cmd or "desktop run" in cmd:
             os.kill(pid, signal.SIGKILL)
             return pid
     raise AssertionError(f"no session launcher among the box's processes {provider.pids(handle)}")

@@ -16,7 +16,7 @@ import httpx
 import pytest
 from waiting import wait_until
 
-from osfarm.desktop.process_tree import descendants
+from osfarm.desktop.box.process_tree import descendants
 
 TOKEN = "test-token-session"
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def start(tmp: Path, *extra: str, socket: bool = True, wait: bool = True) -> Des
     sock = tmp / "g.sock" if socket else None
     state_file = tmp / "state.json"
     env = dict(os.environ, OSFARM_GUEST_TOKEN=TOKEN)
-    args = [sys.executable, "-m", "osfarm.desktop.launcher", "--width", "1280", "--height", "800",
+    args = [sys.executable, "-m", "osfarm.desktop.launch.launcher", "--width", "1280", "--height", "800",
             "--state-file", str(state_file), "--home", str(tmp), "--run-dir", str(tmp / "run"), *extra]
     args += ["--socket", str(sock)] if sock else ["--port", "0"]
     log = open(tmp / "session.log", "wb")
@@ -240,7 +240,7 @@ def test_tcp_loopback_port_and_sigint(tmp: Path) -> None:
 )
 def test_bad_arguments_are_refused(args: list[str], env_token: str, message: str) -> None:
     env = dict(os.environ, OSFARM_GUEST_TOKEN=env_token)
-    r = subprocess.run([sys.executable, "-m", "osfarm.desktop.launcher", *args], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "-m", "osfarm.desktop.launch.launcher", *args], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
     assert message in r.stderr
@@ -250,7 +250,7 @@ def test_token_file(tmp: Path) -> None:
     (tmp / "token").write_text(TOKEN + "\n")
     env = {k: v for k, v in os.environ.items() if k != "OSFARM_GUEST_TOKEN"}
     sock = tmp / "g.sock"
-    proc = subprocess.Popen([sys.executable, "-m", "osfarm.desktop.launcher", "--socket", str(sock),
+    proc = subprocess.Popen([sys.executable, "-m", "osfarm.desktop.launch.launcher", "--socket", str(sock),
                              "--token-file", str(tmp / "token"), "--no-wm", "--no-panel",
                              "--width", "800", "--height", "600", "--state-file", str(tmp / "s.json")],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -53,7 +53,8 @@ def test_the_rule_follows_helpers_and_reads_argvs() -> None:
 @pytest.mark.parametrize(("argv", "what"), [
     (["Xvfb", "-displayfd", "3"], "Xvfb"),
     (["/usr/bin/unshare", "--user", "true"], "unshare"),
-    ([sys.executable, "-m", "osfarm.desktop.launcher", "--width", "8"], "python -m osfarm.desktop.launcher"),
+    ([sys.executable, "-m", "osfarm.desktop.launch.launcher", "--width", "8"],
+     "python -m osfarm.desktop.launch.launcher"),
     ([sys.executable, "-m", "osfarm.cli", "policy", "serve"], "osfarm policy"),
     (["/venv/bin/osfarm", "eval", "--suite", "suites/mini"], "osfarm eval"),
     (["/venv/bin/osfarm", "eval", "--suite", "suites/mini", "--url", "http://127.0.0.1:1"], None),

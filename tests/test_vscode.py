@@ -77,7 +77,7 @@ def test_a_local_vsix_installs_offline_and_is_listed(tmp_path: Path) -> None:
     import subprocess
     import zipfile
 
-    from osfarm.desktop.session import ASSETS
+    from osfarm.desktop.session.session import ASSETS
 
     manifest = ('<?xml version="1.0" encoding="utf-8"?><PackageManifest Version="2.0.0" '
                 'xmlns="http://schemas.microsoft.com/developer/vsx-schema/2011"><Metadata><Identity Language="en-US" '

@@ -1,4 +1,4 @@
-"""osfarm.desktop.xsettings: the XSETTINGS property read as settings, serials left out."""
+"""osfarm.desktop.x11.xsettings: the XSETTINGS property read as settings, serials left out."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from osfarm.desktop.xsettings import XSettingsError, settings
+from osfarm.desktop.x11.xsettings import XSettingsError, settings
 
 
 def _blob(serial: int, entries: list[tuple[int, str, int, bytes]], order: str = "<") -> bytes:

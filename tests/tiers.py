@@ -54,7 +54,8 @@ PROGRAMS = frozenset({
     "virt-install", "redis-server", "celery", "chromium", "chromium-browser", "google-chrome", "soffice",
     "libreoffice", "code-server",
 })
-MODULES = frozenset({"osfarm.desktop.launcher", "osfarm.desktop.box_init", "osfarm.desktop.box_zygote",
+MODULES = frozenset({"osfarm.desktop.launch.launcher", "osfarm.desktop.box.box_init",
+                     "osfarm.desktop.launch.box_zygote",
                      "torch.distributed.run"})
 STARTED = PROGRAMS | MODULES
 # ``osfarm`` subcommands that start a farm, a desktop, workers, the policy server or a trainer

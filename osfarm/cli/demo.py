@@ -111,7 +111,7 @@ def demo(
                             raise FarmAPIError(504, f"the terminal window did not appear: {r.json().get('detail')}")
                         if not _wait_focused(desk, terminal):
                             raise FarmAPIError(504, "the terminal window did not take the keyboard focus in 30 s")
-                        # painted and idle (osfarm.desktop.settle): GNOME's compositor shows a new
+                        # painted and idle (osfarm.desktop.x11.settle): GNOME's compositor shows a new
                         # window a few frames after it is focused
                         desk.guest("POST", "/execute", json={"command": [
                             "osfarm-settle", "--window", "Terminal", "--timeout", "30", "--quiet", "0.3"]}, timeout=40)

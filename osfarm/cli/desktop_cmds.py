@@ -84,7 +84,7 @@ def desktop_run(ctx: typer.Context) -> None:
 
     Every argument goes to the launcher; see `osfarm desktop run --help`.
     """
-    from osfarm.desktop.launcher import main
+    from osfarm.desktop.launch.launcher import main
 
     raise typer.Exit(main(list(ctx.args)))
 
@@ -200,7 +200,7 @@ def desktop_fingerprint(
     """Print a leased desktop's fingerprint as JSON: processes by command line, hashes of the
     writable trees (home, /tmp, /var/tmp, /dev/shm), the agent's /etc and mounts, X state (root
     window properties, selections, pressed keys, pointer, keyboard mapping, windows) and its
-    ``digest``. A warm reset must give the cold start's digest (osfarm/desktop/fingerprint.py, warm.py).
+    ``digest``. A warm reset must give the cold start's digest (osfarm/desktop/warm/fingerprint.py, warm.py).
 
     Example: osfarm desktop fingerprint ID | jq .digest
     """

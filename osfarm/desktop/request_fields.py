@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import HTTPException, Request
 from starlette.datastructures import FormData, UploadFile
 
-from osfarm.desktop.commands import Command
+from osfarm.desktop.box.commands import Command
 
 
 def bad(field: str, message: str, status: int = 400) -> HTTPException:

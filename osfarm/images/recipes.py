@@ -138,7 +138,7 @@ def desktop_recipe(root: Path, base_id: str, runtime_recipe_hash: str) -> Recipe
 
 
 # Facts of vm_images/desktop/Dockerfile that the Docker and libvirt providers rely on (the VM's disk
-# is that image's): the guest's account, the agent's id range (osfarm.desktop.agent_world), the
+# is that image's): the guest's account, the agent's id range (osfarm.desktop.box.agent_world), the
 # template of the agent's home. tests/test_docker_provider.py checks them against the Dockerfile.
 DESKTOP_GUEST_UID = 0x6FF10000
 DESKTOP_AGENT_BASE = 0x6FF00000

@@ -28,7 +28,8 @@ class DesktopSpec:
     height: int = 1080
     depth: int = 24
     private_network: bool = True
-    desktop: str = "light"  # the session: gnome (OSWorld's Ubuntu GNOME) or light (openbox); osfarm.desktop.gnome
+    # the session: gnome (OSWorld's Ubuntu GNOME) or light (openbox); osfarm.desktop.session.gnome
+    desktop: str = "light"
     timezone: str = "America/Los_Angeles"  # the GNOME desktop's (the light one keeps the host's)
     extra_env: dict[str, str] = field(default_factory=dict)
 

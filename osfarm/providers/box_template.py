@@ -1,6 +1,6 @@
 """The host side of the sandbox's box template (``sandbox_start: fork``).
 
-:class:`BoxTemplate` starts :mod:`osfarm.desktop.box_zygote` (as root, in a mount namespace of
+:class:`BoxTemplate` starts :mod:`osfarm.desktop.launch.box_zygote` (as root, in a mount namespace of
 its own where ``/opt/osfarm`` is what a box sees; a parent-death signal ties it to the farm's
 thread), talks to it over one end of a socketpair that only it inherited, and asks it for one box
 per start. :class:`ForkedBox` is what the provider holds for a forked box: the surface of
@@ -118,8 +118,9 @@ class BoxTemplate:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         fd = theirs.fileno()
         spec = json.dumps({"binds": self.binds, "env": self.env})
-        argv = [sys.executable, "-m", "osfarm.desktop.box_zygote", "--mounts", spec, "--parent", str(os.getpid()),
-                "--tag", self.tag, "--", self.box_python, "-P", "-m", "osfarm.desktop.box_zygote", "--serve",
+        argv = [sys.executable, "-m", "osfarm.desktop.launch.box_zygote", "--mounts", spec,
+                "--parent", str(os.getpid()),
+                "--tag", self.tag, "--", self.box_python, "-P", "-m", "osfarm.desktop.launch.box_zygote", "--serve",
                 str(fd), "--tag", self.tag]
         host_env = {k: os.environ[k] for k in ("LANG", "LC_ALL", "TZ", "PATH", "PYTHONPATH") if k in os.environ}
         try:

@@ -2,8 +2,8 @@
 
 Each container starts as root with only the capabilities its init needs (``SETUID``, ``SETGID``,
 ``CHOWN``, ``FOWNER``; no others), under docker's init (``init: true``: tini reaps and forwards
-signals). Its init (:mod:`osfarm.desktop.box_init`) fills the agent's home (a size-capped tmpfs),
-makes the agent's world (:mod:`osfarm.desktop.agent_world`: ``user`` in a user namespace whose ids
+signals). Its init (:mod:`osfarm.desktop.box.box_init`) fills the agent's home (a size-capped tmpfs),
+makes the agent's world (:mod:`osfarm.desktop.box.agent_world`: ``user`` in a user namespace whose ids
 map to :data:`AGENT_BASE`..+65535, with ``sudo`` inside it) and runs the session launcher as the
 guest uid (:data:`GUEST_UID`, unmapped there), so the agent, its root included, cannot signal or
 replace the guest server. ``no-new-privileges`` is off, because OSWorld's ``sudo`` is a setuid
@@ -48,10 +48,10 @@ from typing import Any
 import psutil
 
 from osfarm.config import FarmSettings
-from osfarm.desktop import gnome
-from osfarm.desktop.agent_world import AgentWorldSpec
-from osfarm.desktop.box_init import PLAN_ENV, BoxPlan
-from osfarm.desktop.session import home_files
+from osfarm.desktop.box.agent_world import AgentWorldSpec
+from osfarm.desktop.box.box_init import PLAN_ENV, BoxPlan
+from osfarm.desktop.session import gnome
+from osfarm.desktop.session.session import home_files
 from osfarm.images.daemon import DockerUnavailable, docker_client
 from osfarm.images.recipes import (
     DESKTOP_AGENT_BASE,
@@ -214,7 +214,7 @@ class DockerProvider:
         agent = AgentWorldSpec(guest_uid=GUEST_UID, guest_gid=GUEST_UID, outside_base=AGENT_BASE,
                                password_hash="", hostname=hostname)
         return BoxPlan(
-            launcher=[BOX_PYTHON, "-m", "osfarm.desktop.launcher", *self._launcher_args(spec, port, display)],
+            launcher=[BOX_PYTHON, "-m", "osfarm.desktop.launch.launcher", *self._launcher_args(spec, port, display)],
             env=env, guest_uid=GUEST_UID, guest_gid=GUEST_UID, run_dir=BOX_RUN_DIR,
             home="/home/user", home_uid=AGENT_BASE + 1000, home_gid=AGENT_BASE + 1000,
             home_template=HOME_TEMPLATE, home_files=home_files(spec.desktop),
@@ -231,7 +231,7 @@ class DockerProvider:
                        display: int) -> Any:
         env = {PLAN_ENV: self._plan(desktop_id, spec, port, display).to_json()}
         kwargs: dict[str, Any] = dict(
-            command=[BOX_PYTHON, "-m", "osfarm.desktop.box_init", "--env", PLAN_ENV],
+            command=[BOX_PYTHON, "-m", "osfarm.desktop.box.box_init", "--env", PLAN_ENV],
             name=f"osfarm-{desktop_id}-{gen}",
             labels=self._labels(desktop_id),
             init=True,

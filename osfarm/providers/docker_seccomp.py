@@ -2,7 +2,7 @@
 
 Docker's default profile refuses ``unshare``, ``setns`` and ``mount`` to containers without
 ``CAP_SYS_ADMIN``, and the agent's world needs exactly those, inside the container's own user
-namespace (:mod:`osfarm.desktop.agent_world`): the guest makes the agent's user namespace, the
+namespace (:mod:`osfarm.desktop.box.agent_world`): the guest makes the agent's user namespace, the
 agent's root mounts its own /etc and /run there, the guest enters it to start the agent's
 processes. The kernel still checks each of them against the caller's capabilities *in its own
 namespace*, and the container holds none of ``CAP_SYS_ADMIN`` (its bounding set is SETUID, SETGID,

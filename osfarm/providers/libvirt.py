@@ -18,7 +18,7 @@ Reset (``libvirt_reset``):
   believes it is the time of the snapshot (:mod:`osfarm.providers.libvirt_snapshot`). The token
   stays the one the VM booted with.
 
-Secrets and ids: the guest's token and the box plan (:mod:`osfarm.desktop.box_init`: the agent
+Secrets and ids: the guest's token and the box plan (:mod:`osfarm.desktop.box.box_init`: the agent
 runs as ``user`` in its own user namespace inside the VM, apart from the guest, as in every box)
 reach the VM through fw_cfg files (``opt/org.osfarm/token``, ``opt/org.osfarm/plan``), which the
 VM's root reads from sysfs: never on the kernel command line, which every host user can read in

@@ -19,10 +19,10 @@ from string import Template
 from xml.sax.saxutils import escape
 
 from osfarm.config import FarmSettings
-from osfarm.desktop import gnome
-from osfarm.desktop.agent_world import AgentWorldSpec
-from osfarm.desktop.box_init import BoxPlan
-from osfarm.desktop.session import home_files
+from osfarm.desktop.box.agent_world import AgentWorldSpec
+from osfarm.desktop.box.box_init import BoxPlan
+from osfarm.desktop.session import gnome
+from osfarm.desktop.session.session import home_files
 from osfarm.images.recipes import (
     DESKTOP_AGENT_BASE,
     DESKTOP_GUEST_UID,
@@ -81,7 +81,7 @@ def vm_plan(spec: DesktopSpec) -> BoxPlan:
     agent = AgentWorldSpec(guest_uid=IMAGE_GUEST_UID, guest_gid=IMAGE_GUEST_UID, outside_base=IMAGE_AGENT_BASE,
                            password_hash="", hostname="osfarm-vm")
     return BoxPlan(
-        launcher=[VM_PYTHON, "-m", "osfarm.desktop.launcher", *args], env=env,
+        launcher=[VM_PYTHON, "-m", "osfarm.desktop.launch.launcher", *args], env=env,
         guest_uid=IMAGE_GUEST_UID, guest_gid=IMAGE_GUEST_UID, run_dir="/run/osfarm",
         home="/home/user", home_uid=IMAGE_AGENT_BASE + 1000, home_gid=IMAGE_AGENT_BASE + 1000,
         home_template=IMAGE_HOME_TEMPLATE, home_files=home_files(spec.desktop),

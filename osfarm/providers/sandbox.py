@@ -1,16 +1,16 @@
 """The embedded default provider: one sandbox box per desktop, made with Linux namespaces.
 
 A box is new mount, PID, IPC and UTS namespaces (and, by default, an empty network namespace)
-whose PID 1 is :mod:`osfarm.desktop.box_init`: it joins the desktop's cgroups, builds the box's
+whose PID 1 is :mod:`osfarm.desktop.box.box_init`: it joins the desktop's cgroups, builds the box's
 file system (:mod:`osfarm.providers.sandbox_layout`: only what a desktop needs, read-only, with
 size-capped tmpfs for the home and /tmp), makes the agent's world
-(:mod:`osfarm.desktop.agent_world`) and becomes the session launcher as the box's guest uid. The
+(:mod:`osfarm.desktop.box.agent_world`) and becomes the session launcher as the box's guest uid. The
 agent's processes run as ``user`` in their own user namespace, where ``sudo`` with OSWorld's
 password gives them a root that is not the host's.
 
 ``sandbox_start: fork`` (opt-in) starts the same box without a new interpreter: forked from a box
 template that imported the guest's server stack once (:mod:`osfarm.providers.box_template`,
-:mod:`osfarm.desktop.box_zygote`); the provider then holds a :class:`ForkedBox` in place of the
+:mod:`osfarm.desktop.launch.box_zygote`); the provider then holds a :class:`ForkedBox` in place of the
 ``unshare`` process.
 
 Host side, per desktop (``<state_dir>/sandbox/<id>/``, the farm's; none of it is in the box but
@@ -50,8 +50,8 @@ from pathlib import Path
 import psutil
 
 from osfarm.config import FarmSettings
-from osfarm.desktop.box_init import BoxPlan
-from osfarm.desktop.process_tree import children, descendants
+from osfarm.desktop.box.box_init import BoxPlan
+from osfarm.desktop.box.process_tree import children, descendants
 from osfarm.providers.base import (
     DesktopHandle,
     DesktopSpec,
@@ -147,7 +147,7 @@ class SandboxProvider:
         self.state_dir = Path(settings.state_dir).expanduser().absolute()
         self.root = self.state_dir / "sandbox"
         self.template = self.state_dir / "templates" / f"home-v{TEMPLATE_VERSION}"
-        self.launcher = launcher or [BOX_PYTHON, "-m", "osfarm.desktop.launcher"]
+        self.launcher = launcher or [BOX_PYTHON, "-m", "osfarm.desktop.launch.launcher"]
         longest = self.root / ("x" * 12) / "run" / "guest.sock"
         if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
             raise ProviderError(
@@ -293,7 +293,7 @@ class SandboxProvider:
                 "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child=SIGKILL"]
         if spec.private_network:
             argv.append("--net")
-        return [*argv, "--", sys.executable, "-m", "osfarm.desktop.box_init", str(plan_file)]
+        return [*argv, "--", sys.executable, "-m", "osfarm.desktop.box.box_init", str(plan_file)]
 
     def _plan(self, desktop_id: str, spec: DesktopSpec, slot: Slot, cgroup: DesktopCgroup) -> BoxPlan:
         ddir = self.desktop_dir(desktop_id)
@@ -325,7 +325,7 @@ class SandboxProvider:
         )  # fmt: skip
         if spec.private_network:
             plan = dataclasses.replace(plan, loopback_up=True)
-        if self.launcher[:3] != [BOX_PYTHON, "-m", "osfarm.desktop.launcher"]:
+        if self.launcher[:3] != [BOX_PYTHON, "-m", "osfarm.desktop.launch.launcher"]:
             plan = dataclasses.replace(plan, launcher=[*self.launcher, *args])
         return plan
 

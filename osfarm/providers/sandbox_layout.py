@@ -1,7 +1,7 @@
 """What a sandbox box contains: its file system, its ids, and the templates it is made from.
 
 The box's ``/`` is a read-only tmpfs holding only what a desktop needs (built by
-:mod:`osfarm.desktop.box_init`, as root, in the box's new mount namespace):
+:mod:`osfarm.desktop.box.box_init`, as root, in the box's new mount namespace):
 
 ==========================  ================================================================
 box path                    what it is
@@ -15,7 +15,7 @@ box path                    what it is
                             machine-id over the host's ``/etc`` with everything not on
                             :data:`ETC_ALLOW` whited out (no shadow, ssh keys, tokens, service
                             configs). The agent gets its own writable layer on top
-                            (:mod:`osfarm.desktop.agent_world`)
+                            (:mod:`osfarm.desktop.box.agent_world`)
 ``/opt/osfarm``             the guest's Python (``bin/python3``: osfarm's interpreter with
                             ``lib/osfarm`` and the farm's ``site/N`` packages): code only, no
                             checkout, no task data
@@ -56,10 +56,10 @@ import sys
 from pathlib import Path
 
 import osfarm
-from osfarm.desktop import gnome
-from osfarm.desktop.agent_world import AgentWorldSpec
-from osfarm.desktop.box_init import BoxPlan, Mount
-from osfarm.desktop.session import ASSETS, home_files
+from osfarm.desktop.box.agent_world import AgentWorldSpec
+from osfarm.desktop.box.box_init import BoxPlan, Mount
+from osfarm.desktop.session import gnome
+from osfarm.desktop.session.session import ASSETS, home_files
 from osfarm.providers.boxes import password_hash
 from osfarm.providers.slots import Slot
 
@@ -115,7 +115,7 @@ class Templates:
         self._gnome_db: Path | None = None
 
     def gnome_db(self) -> Path:
-        """The GNOME desktop's defaults as a dconf database (osfarm.desktop.gnome), compiled once
+        """The GNOME desktop's defaults as a dconf database (osfarm.desktop.session.gnome), compiled once
         per version of the settings file."""
         if self._gnome_db is None:
             text = b"".join(p.read_bytes() for p in sorted((gnome.GNOME / "dconf").iterdir()))
@@ -305,7 +305,7 @@ def box_plan(
     tmp_size: str,
     shm_size: str,
 ) -> BoxPlan:
-    """The plan :mod:`osfarm.desktop.box_init` carries out for one sandbox box."""
+    """The plan :mod:`osfarm.desktop.box.box_init` carries out for one sandbox box."""
     agent_root, user_id = slot.agent_id(0), slot.agent_id(AGENT_UID)
     m: list[Mount] = []
     for name in TOP_LINKS:
@@ -370,7 +370,7 @@ def box_plan(
                            password_hash=templates.password_hash, user_uid=AGENT_UID, user_gid=AGENT_UID,
                            home="/home/user", hostname=hostname)
     return BoxPlan(
-        launcher=[BOX_PYTHON, "-m", "osfarm.desktop.launcher", *launcher_args],
+        launcher=[BOX_PYTHON, "-m", "osfarm.desktop.launch.launcher", *launcher_args],
         env=env,
         guest_uid=slot.guest_uid,
         guest_gid=slot.guest_uid,

@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from osfarm.desktop.agent_world import ID_COUNT
+from osfarm.desktop.box.agent_world import ID_COUNT
 from osfarm.providers.base import ProviderError
 
 STRIDE = 2 * ID_COUNT

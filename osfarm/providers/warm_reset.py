@@ -2,7 +2,7 @@
 
 With ``reset_mode: warm`` a provider calls :meth:`WarmResets.after_cold_start` once a new box is
 ready (the guest records its baseline, ``/v1/session/baseline``) and :meth:`WarmResets.reset` to
-reset it: the guest puts the box back (``/v1/session/warm_reset``, :mod:`osfarm.desktop.warm`)
+reset it: the guest puts the box back (``/v1/session/warm_reset``, :mod:`osfarm.desktop.warm.warm`)
 with a new token, and the reset is kept only when the new fingerprint's digest equals the
 baseline's. Otherwise (a mismatch, an error, no answer within ``warm_reset_timeout_s``, every
 ``cold_every`` resets, or a box that is not alive) the provider's cold reset runs, and the new
@@ -23,7 +23,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from osfarm.config import FarmSettings
-from osfarm.desktop.fingerprint_diff import differences
+from osfarm.desktop.warm.fingerprint_diff import differences
 from osfarm.providers.base import DesktopHandle, GuestEndpoint, ProviderError
 from osfarm.providers.boxes import discarded_on_failure
 

@@ -357,8 +357,8 @@ async def _asgi_status(asgi: Any, method: str, path: str, headers: list[tuple[by
 def test_the_guest_server_limits_bodies_too(tmp_path: Path) -> None:
     import asyncio
 
-    from osfarm.desktop.guest import MAX_BODY_BYTES, MAX_UPLOAD_BYTES
-    from osfarm.desktop.guest import create_app as guest_app
+    from osfarm.desktop.guest.guest import MAX_BODY_BYTES, MAX_UPLOAD_BYTES
+    from osfarm.desktop.guest.guest import create_app as guest_app
 
     app = guest_app("guest-token-0123456789", ":0", home=str(tmp_path), work_dir=str(tmp_path / "w"),
                     warm_code_runner=False)

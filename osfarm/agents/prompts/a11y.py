@@ -1,6 +1,6 @@
 """The accessibility tree as text a model can read: one tab-separated line per visible node.
 
-The desktop sends AT-SPI as OSWorld's XML (``osfarm.desktop.a11y``); agents in OSWorld linearise
+The desktop sends AT-SPI as OSWorld's XML (``osfarm.desktop.session.a11y``); agents in OSWorld linearise
 it into a table ``tag, name, text, class, description, position (top-left x&y), size (w&h)``,
 keeping only nodes that are showing on screen and carry a name or text. This module does the
 same from our XML, and clips the result to a character budget (the tree of a busy app can be
