@@ -12,7 +12,7 @@ from redis_server import RedisServer, redis_session_fixture  # noqa: F401 - prov
 from typer.testing import CliRunner
 
 from osfarm.cli import app
-from osfarm.schema.episode import SCHEMA, SchemaError, check_record
+from osfarm.schema.episode import SCHEMA, SchemaError, check_record, read_record
 from osfarm.stream.blobs import BlobMissing, LocalBlobStore
 from osfarm.stream.jsonl import JsonlSink, read_jsonl
 from osfarm.stream.redis_stream import (
@@ -53,6 +53,15 @@ def test_a_valid_record_passes_unchanged_with_its_extra_fields() -> None:
     rec = record()
     assert check_record(rec) is rec and rec["timings"] == {"lease": 0.1}
     assert check_record({**record(), "schema": "osfarm.episode/1.3"})  # a newer minor version is readable
+
+
+def test_a_record_read_as_the_model_keeps_its_fields_and_extras() -> None:
+    r = read_record(record())
+    assert r.schema_ == SCHEMA and r.status == "success" and r.steps[0].model is not None
+    assert r.steps[0].observation.screenshot is not None and r.steps[0].model.policy_version == 3
+    assert r.model_extra == {"timings": {"lease": 0.1}}  # a newer writer's field, kept
+    with pytest.raises(SchemaError, match="field score"):
+        read_record({**record(), "score": "high"})
 
 
 @pytest.mark.parametrize(("change", "message"), [

@@ -108,8 +108,9 @@ def _where(loc: tuple[Any, ...]) -> str:
     return ".".join(str(x) for x in loc) or "(record)"
 
 
-def check_record(rec: Any) -> dict[str, Any]:
-    """Validate an episode record and return it unchanged (a dict); raises SchemaError naming the field."""
+def read_record(rec: Any) -> EpisodeRecord:
+    """Validate an episode record and return it as the model, for code that reads its fields
+    (fields a newer minor version adds are kept as extras); raises SchemaError naming the field."""
     if not isinstance(rec, dict):
         raise SchemaError(f"an episode record must be a JSON object, got {type(rec).__name__}")
     major = schema_major(rec.get("schema"))
@@ -117,7 +118,7 @@ def check_record(rec: Any) -> dict[str, Any]:
         raise SchemaError(f"unsupported episode schema {rec.get('schema')!r} (major version {major}); "
                           f"this reader knows {SCHEMA} — upgrade osfarm to read it")
     try:
-        EpisodeRecord.model_validate(rec)
+        return EpisodeRecord.model_validate(rec)
     except ValidationError as e:
         missing = [_where(x["loc"]) for x in e.errors() if x["type"] == "missing"]
         if missing:
@@ -126,6 +127,12 @@ def check_record(rec: Any) -> dict[str, Any]:
         loc = _where(first["loc"])
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         raise SchemaError(f"episode {rec.get('episode_id')!r}: field {loc}: {first['msg']}{more}") from None
+
+
+def check_record(rec: Any) -> dict[str, Any]:
+    """Validate an episode record and return it unchanged (the dict), for code that passes it on as
+    JSON (sinks, streams, files), which must write what it was given; raises SchemaError naming the field."""
+    read_record(rec)
     return rec
 
 

@@ -27,12 +27,12 @@ err = Console(stderr=True)
 
 
 def _line(rec: dict[str, Any], entry_id: str | None = None) -> str:
+    from osfarm.schema.episode import read_record
+
+    r = read_record(rec)
     head = f"{entry_id}  " if entry_id else ""
-    score = rec.get("score")
-    return (f"{head}{rec.get('finished_at', '?')}  {rec.get('status', '?'):<11} "
-            f"score={score if score is not None else '-'}"
-            f"  steps={len(rec.get('steps') or [])}  {rec.get('domain', '?')}/{rec.get('task_id', '?')}"
-            f"  attempt={rec.get('attempt')}  episode={rec.get('episode_id')}")
+    return (f"{head}{r.finished_at}  {r.status:<11} score={r.score}  steps={len(r.steps)}  {r.domain}/{r.task_id}"
+            f"  attempt={r.attempt}  episode={r.episode_id}")
 
 
 def _client(url: str) -> Any:
