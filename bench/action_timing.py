@@ -26,11 +26,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
+from percentiles import median_ms, p90_ms  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from osfarm.client import Farm, FarmUnreachableError, RemoteDesktop  # noqa: E402
+from osfarm.testing.farms import running_farm  # noqa: E402
 
 CLICK_DELAY_MS = 60
 STATE = "/home/user/race.json"
@@ -89,7 +90,8 @@ def reset(desk: RemoteDesktop) -> dict:
 
 def main(rounds: int = 10) -> None:
     console = Console()
-    with farm_process(pool_min=1, pool_max=1, width=1280, height=800) as (url, token):
+    with running_farm(process=True, pool_min=1, pool_max=1, width=1280, height=800, ready=1) as served:
+        url, token = served.url, served.token
         with Farm(url, token) as farm, farm.lease(ttl_s=1800, heartbeat=True) as desk:
             desk.guest("POST", "/setup/launch", json={"command": [sys.executable, "-c", DIALOG, STATE,
                                                                  str(CLICK_DELAY_MS)]})

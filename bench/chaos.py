@@ -29,10 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "chaos")]
-
-from cluster import (  # noqa: E402
+from osfarm.runner.executors.celery_app import hard_limit_s
+from osfarm.testing.chaos_cluster import (
     SUITE,
     Driver,
     Fault,
@@ -46,10 +44,10 @@ from cluster import (  # noqa: E402
     one_record_per_task,
     train_under_faults,
 )
-from farm_process import FarmProcess  # noqa: E402
-from redis_server import RedisServer  # noqa: E402
+from osfarm.testing.farm_process import FarmProcess
+from osfarm.testing.redis_server import RedisServer
 
-from osfarm.runner.executors.celery_app import hard_limit_s  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 TIME_LIMIT_S, RETRIES, STREAM = 60, 3, "chaos:episodes"
 

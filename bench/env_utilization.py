@@ -200,12 +200,13 @@ def main() -> None:
         ap.error("--policy vlm needs --model-url")
     console = Console(width=160)
 
-    from osfarm.farm.local import local_farm, local_farm_settings
+    from osfarm.farm.local import local_farm_settings
+    from osfarm.testing.farms import running_farm
 
     settings = local_farm_settings(args.envs, args.spares, width=args.width, height=args.height, lease_ttl_s=120)
     console.print(f"starting {args.envs + args.spares} desktops ...")
     rows = []
-    with local_farm(settings, extra_wait_s=60) as server:
+    with running_farm(settings=settings, start_timeout_s=settings.start_timeout_s + 60) as server:
         for mode in args.modes.split(","):
             console.print(f"[bold]{mode}[/]: {args.seconds:g} s window ...")
             rows.append(asyncio.run(run_mode(args, server.url, server.token, mode.strip() == "sync", console)))

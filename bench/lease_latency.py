@@ -20,18 +20,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
-from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
+from percentiles import median_ms, p90_ms  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from osfarm.config import FarmSettings  # noqa: E402
 from osfarm.providers import make_provider  # noqa: E402
 from osfarm.providers.base import DesktopSpec  # noqa: E402
+from osfarm.testing.farms import running_farm  # noqa: E402
 
 
 def warm_leases(n: int) -> list[float]:
     out: list[float] = []
-    with farm_process(pool_min=2, pool_max=3) as (url, token):
+    with running_farm(process=True, pool_min=2, pool_max=3, width=1920, height=1080, ready=2) as served:
+        url, token = served.url, served.token
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
             for _ in range(n):
                 _wait_ready(c, 1)

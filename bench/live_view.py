@@ -35,8 +35,9 @@ from websockets.asyncio.client import connect
 from osfarm.config import FarmSettings
 from osfarm.dashboard.app import mount
 from osfarm.dashboard.state import Dashboard
-from osfarm.farm.local import local_farm, local_farm_settings
+from osfarm.farm.local import local_farm_settings
 from osfarm.providers.sandbox import SANDBOX_ENV
+from osfarm.testing.farms import running_farm
 
 CLOCK = """
 import time, tkinter as tk
@@ -126,7 +127,7 @@ def main() -> None:
 
 def run_phases(args: argparse.Namespace, dash: Dashboard, settings: FarmSettings, state_dir: Path,
                rows: list[tuple]) -> None:
-    with local_farm(settings, ui=mount(dash)) as server:
+    with running_farm(settings=settings, ui=mount(dash), start_timeout_s=settings.start_timeout_s + 30) as server:
         api = httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}, timeout=60)
         lease = api.post("/v1/desktops", json={"ttl_s": 3600}).json()
         me = psutil.Process()

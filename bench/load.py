@@ -29,7 +29,6 @@ import json
 import multiprocessing as mp
 import random
 import ssl
-import sys
 import tempfile
 import threading
 import time
@@ -37,12 +36,10 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import httpx
 
-import httpx  # noqa: E402
-from farm_process import FarmProcess  # noqa: E402
-
-from osfarm.client import AsyncFarm, FarmAPIError  # noqa: E402
+from osfarm.client import AsyncFarm, FarmAPIError
+from osfarm.testing.farm_process import FarmProcess
 
 DOCUMENTED = {429, 503}  # every desktop leased / the farm cannot start desktops: retry after Retry-After
 

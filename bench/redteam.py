@@ -29,16 +29,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests" / "security"), str(ROOT / "tests")]
-
-from adversary import verdicts
-from farms import running_farm
-from probes import PROBES, PROVIDERS, box_probes
-from redteam_farm import bystander_ok, destructive_held, farm_options, redteam_farm, run_adversary
 from rich.console import Console
 from rich.table import Table
-from warm_probes import run_warm_probes
+
+from osfarm.testing.farms import running_farm
+from osfarm.testing.redteam.adversary import verdicts
+from osfarm.testing.redteam.farm import bystander_ok, destructive_held, farm_options, redteam_farm, run_adversary
+from osfarm.testing.redteam.probes import PROBES, PROVIDERS, box_probes
+from osfarm.testing.redteam.warm_probes import run_warm_probes
+
+ROOT = Path(__file__).resolve().parent.parent
 
 BOMB_LIMITS = {"fork_bomb": "process limit", "memory_bomb": "memory limit"}
 

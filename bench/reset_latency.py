@@ -36,13 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
-from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
+from percentiles import median_ms, p90_ms  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from osfarm.config import FarmSettings  # noqa: E402
 from osfarm.providers import make_provider  # noqa: E402
 from osfarm.providers.base import DesktopHandle, DesktopSpec, SupportsCpuSeconds, tree_cpu_seconds  # noqa: E402
+from osfarm.testing.farms import running_farm  # noqa: E402
 
 # name -> (provider, settings overrides); both reset modes named (cold is the farm's default), and
 # no periodic cold reset in the warm variants (cold_every 0): each column measures one mode
@@ -237,7 +238,9 @@ def warm_leases(name: str, n: int, width: int, height: int) -> list[float]:
         os.environ[f"OSFARM_{k.upper()}"] = str(v)
     out: list[float] = []
     try:
-        with farm_process(pool_min=2, pool_max=3, width=width, height=height, timeout=300) as (url, token):
+        with running_farm(process=True, pool_min=2, pool_max=3, width=width, height=height, start_timeout_s=300,
+                          ready=2) as served:
+            url, token = served.url, served.token
             with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120) as c:
                 for _ in range(n):
                     _wait_ready(c, 1)

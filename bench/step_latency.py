@@ -20,11 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from farmproc import farm_process, median_ms, p90_ms  # noqa: E402
+from percentiles import median_ms, p90_ms  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from osfarm.client import Farm  # noqa: E402
+from osfarm.testing.farms import running_farm  # noqa: E402
 
 # The desktop's python3 (the agent's, with pyautogui), as OSWorld's tasks run it: not this
 # interpreter, which is not in the box.
@@ -33,7 +34,8 @@ PYTHON = "python3"
 
 def main(n: int = 20) -> None:
     console = Console()
-    with farm_process(pool_min=1, pool_max=1, width=1920, height=1080) as (url, token):
+    with running_farm(process=True, pool_min=1, pool_max=1, width=1920, height=1080, ready=1) as served:
+        url, token = served.url, served.token
         with Farm(url, token) as farm, farm.lease(ttl_s=900) as desk:
             desk.guest("POST", "/setup/launch", json={"command": ["xfce4-terminal", "--disable-server"]})
             desk.step({"action_type": "WAIT"})

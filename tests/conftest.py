@@ -1,4 +1,5 @@
-"""Suite-wide fixtures and checks: the shared farm, and no process of ours left behind."""
+"""Suite-wide fixtures and checks: the shared farm, a shared Redis, and no process of ours left
+behind. The helpers themselves live in the ``osfarm.testing`` package (shared with bench/)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from farms import release_all_leases, running_farm
 
 from osfarm.farm.server import FarmServer
 from osfarm.providers.sandbox import SANDBOX_ENV
+from osfarm.testing.farms import release_all_leases, running_farm
+from osfarm.testing.redis_server import RedisServer
 
 # unit / desktop / acceptance: every test's tier, and the guard on the unit tier (tests/tiers.py)
 pytest_plugins = ["tiers"]
@@ -36,7 +38,7 @@ def session_farm() -> Iterator[FarmServer]:
 
 @pytest.fixture(scope="module")
 def farm(session_farm: FarmServer) -> Iterator[FarmServer]:
-    """The session's farm (settings: tests/farms.py). Leases a module leaves behind are released
+    """The session's farm (settings: osfarm.testing.farms.farm_settings). Leases a module leaves behind are released
     when it ends, so every module starts with all desktops free."""
     yield session_farm
     release_all_leases(session_farm)
@@ -47,6 +49,13 @@ def api(farm: FarmServer) -> Iterator[httpx.Client]:
     """A client of the farm's REST API with its token."""
     with httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {farm.token}"}, timeout=180) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def redis_session() -> Iterator[RedisServer]:
+    """One redis-server for the whole session, for the tests that need one (skipped without it)."""
+    with RedisServer() as server:
+        yield server
 
 
 # -- no process left behind -----------------------------------------------------------------------

@@ -22,9 +22,9 @@ from typing import Any
 
 import psutil
 import pytest
-from waiting import wait_until
 
 from osfarm.desktop.session import a11y, a11y_bus
+from osfarm.testing.waiting import wait_until
 
 # The a11y tree takes seconds to read: poll it less often than cheap conditions.
 wait_for = functools.partial(wait_until, interval=0.3)

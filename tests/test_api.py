@@ -14,12 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import box_processes
-from farms import H, W
 from PIL import Image, ImageChops
 
 from osfarm.farm.server import FarmServer
 from osfarm.providers.sandbox import SANDBOX_ENV
+from osfarm.testing.boxes import box_processes
+from osfarm.testing.farms import H, W
 
 
 @pytest.fixture

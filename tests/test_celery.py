@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 import redis
-from redis_server import RedisServer
-from waiting import wait_until
 
 from osfarm.farm.server import FarmServer
 from osfarm.stream.jsonl import read_jsonl
+from osfarm.testing.redis_server import RedisServer
+from osfarm.testing.waiting import wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "suites" / "mini"

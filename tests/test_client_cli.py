@@ -16,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from farms import H, W
 from PIL import Image
 from typer.testing import CliRunner
 
@@ -36,6 +35,7 @@ from osfarm.client import (
 from osfarm.farm.server import FarmServer
 from osfarm.schema.actions import Click, ClickParams
 from osfarm.schema.observation import ObserveOptions
+from osfarm.testing.farms import H, W
 
 OSFARM = [sys.executable, "-m", "osfarm.cli"]
 

@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from docker_env import containers, ensure_images
+
+from osfarm.testing.docker_env import containers, ensure_images
 
 ROOT = Path(__file__).resolve().parent.parent
 MINI = ROOT / "suites" / "mini" / "os"

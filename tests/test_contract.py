@@ -4,7 +4,7 @@ refused, 405 with the right ``Allow``, ...) against the farm, the policy server 
 guest server, with bounded examples and a fixed seed; 0 failures. Plus what the fuzzer may not hit
 on its own: the bounds in the schema, malformed JSON, 405 + Allow, guest sessions of ended leases.
 
-The farm here is a real farm process over tests/memory_provider.py boxes (the API, auth, pool,
+The farm here is a real farm process over osfarm/testing/memory_provider.py boxes (the API, auth, pool,
 leases, registry, guest links are all real; only the boxes are small in-process servers), so the
 fuzzer's hundreds of leases cost nothing. Settings per API: tests/contract/*.toml.
 """
@@ -20,12 +20,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from farm_process import ROOT, FarmProcess
-from memory_provider import MemoryProvider
 
 from osfarm.config import FarmSettings
 from osfarm.farm.server import FarmServer
+from osfarm.testing.farm_process import FarmProcess
+from osfarm.testing.farms import running_farm
+from osfarm.testing.memory_provider import MemoryProvider
 
+ROOT = Path(__file__).resolve().parents[1]
 SCHEMATHESIS = Path(os.environ.get("VIRTUAL_ENV") or ROOT / ".venv") / "bin" / "schemathesis"
 CONTRACT = Path(__file__).resolve().parent / "contract"
 SEED = os.environ.get("OSFARM_CONTRACT_SEED", "1")
@@ -54,10 +56,9 @@ def schemathesis(schema_url: str, config: Path | None, *extra: str, examples: in
 
 @pytest.fixture(scope="module")
 def memory_farm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FarmProcess]:
-    farm = FarmProcess(tmp_path_factory.mktemp("contract-farm"), provider="memory", pool_min=4, pool_max=60)
-    farm.start()
-    yield farm
-    farm.stop()
+    with running_farm(process=True, provider="memory", state_dir=tmp_path_factory.mktemp("contract-farm"),
+                      pool_min=4, pool_max=60) as farm:
+        yield farm
 
 
 @pytest.mark.timeout(600)

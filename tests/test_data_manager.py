@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from redis_server import RedisServer
 
 from osfarm.stream.blobs import LocalBlobStore
 from osfarm.stream.jsonl import JsonlSink, read_jsonl
+from osfarm.testing.redis_server import RedisServer
 from osfarm.trainer.data_manager import ACCEPTED, DataConfig, DataManager
 from osfarm.trainer.request_context import image_bytes, trim_context
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 from PIL import Image
-from waiting import wait_until
 
 from osfarm.desktop.box.coderunner import CodeRunner
 from osfarm.desktop.x11 import ewmh
@@ -28,6 +27,7 @@ from osfarm.desktop.x11 import windows as win
 from osfarm.desktop.x11.capture import ScreenCapture, encode_image
 from osfarm.desktop.x11.xinput import InputController
 from osfarm.schema.actions import ActionError, parse_action
+from osfarm.testing.waiting import wait_until
 
 SYS_PYTHON = "/usr/bin/python3"
 W, H = 1280, 800

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from docker_env import containers, docker_or_skip, ensure_images
 
 from osfarm.config import FarmSettings
 from osfarm.providers.base import DesktopSpec, ProviderError
+from osfarm.testing.docker_env import containers, docker_or_skip, ensure_images
 
 SPEC = DesktopSpec(width=800, height=600)
 # The first test to need the images builds them when missing (about 10-15 min on a fresh 2-core

@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from boxes import box_processes
 
 from osfarm.client import AsyncFarm
 from osfarm.env import EpisodeTimeout, InfraError, SyncTaskEnv, TaskEnv
@@ -24,6 +23,7 @@ from osfarm.providers.sandbox import SANDBOX_ENV
 from osfarm.schema.observation import AgentObservation
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
+from osfarm.testing.boxes import box_processes
 
 SUITE = Path(__file__).resolve().parent.parent / "suites" / "mini"
 HELLO, MKDIR, INFEASIBLE = (f"5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a0{i}" for i in (1, 2, 3))

@@ -22,14 +22,14 @@ from typing import Any
 
 import psutil
 import pytest
-from farm_process import FarmProcess
-from memory_provider import MemoryProvider
 
 from osfarm.client import AsyncFarm, Farm, FarmUnreachableError, LeaseGoneError
 from osfarm.config import FarmSettings
 from osfarm.farm.errors import LeaseGone, UnknownDesktop
 from osfarm.farm.pool import LeasePool
 from osfarm.farm.registry import FILE_NAME, FarmRegistry, RegistryError
+from osfarm.testing.farm_process import FarmProcess
+from osfarm.testing.memory_provider import MemoryProvider
 
 # -- the pool over the in-memory provider -------------------------------------------------------
 

@@ -21,11 +21,11 @@ import httpx
 import psutil
 import pytest
 import typer
-from farms import running_farm
 
 from osfarm.desktop.warm.fingerprint_diff import differences
 from osfarm.farm import metrics
 from osfarm.farm.server import FarmServer
+from osfarm.testing.farms import running_farm
 
 pytestmark = pytest.mark.timeout(600)
 

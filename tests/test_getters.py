@@ -10,11 +10,11 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
-from boxes import sandbox_guest
-from waiting import wait_until
 
 from osfarm.evaluators.getters import GETTERS, EvalEnv
 from osfarm.tasks.controller import GuestController
+from osfarm.testing.boxes import sandbox_guest
+from osfarm.testing.waiting import wait_until
 
 CHROME = "/home/user/.config/google-chrome"
 

@@ -18,14 +18,14 @@ from xml.sax.saxutils import escape
 
 import pptx
 import pytest
-from boxes import sandbox_guest
 from PIL import Image
 from pptx.util import Inches
-from waiting import wait_until
 
 from osfarm.evaluators.errors import RuleError, UnsupportedOption
 from osfarm.evaluators.getters import GETTERS, EvalEnv, vlc
 from osfarm.tasks.controller import GuestController
+from osfarm.testing.boxes import sandbox_guest
+from osfarm.testing.waiting import wait_until
 
 PREFS = "/home/user/.config/google-chrome/Default/Preferences"
 ST = "https://accessibility.ubuntu.example.org/ns/state"

@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-from docker_env import ensure_images
 from PIL import Image
 from pydantic import ValidationError
 
@@ -30,7 +29,8 @@ from osfarm.desktop.session.gnome import session_env, shell_respawn_wait_s, time
 from osfarm.desktop.warm.fingerprint_diff import differences
 from osfarm.farm.server import FarmServer
 from osfarm.host_kvm import vms_run_under_kvm
-from tests.farms import running_farm
+from osfarm.testing.docker_env import ensure_images
+from osfarm.testing.farms import running_farm
 
 pytestmark = pytest.mark.slow
 

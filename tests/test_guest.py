@@ -18,9 +18,9 @@ import httpx
 import pytest
 from asset_server import HF, asset_server
 from PIL import Image
-from waiting import wait_until
 
 from osfarm.desktop.box.process_tree import descendants
+from osfarm.testing.waiting import wait_until
 
 TOKEN = "test-token-guest"
 ROOT = Path(__file__).resolve().parent.parent

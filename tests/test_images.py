@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from docker_env import docker_or_skip, ensure_images
 
 from osfarm import __version__
 from osfarm.images import recipes
 from osfarm.images.recipes import Recipe
+from osfarm.testing.docker_env import docker_or_skip, ensure_images
 
 ROOT = Path(__file__).resolve().parent.parent
 OSFARM = [sys.executable, "-m", "osfarm.cli"]

@@ -6,7 +6,7 @@ The layers, lowest first (a module may import its own layer and any lower one)::
 
     schema (the wire models) -> desktop (runs inside the box) -> images -> providers
       -> tasks, evaluators -> farm -> client -> env -> agents, policy, stream -> runner -> trainer
-      -> dashboard -> osfarm.cli (the command)
+      -> dashboard -> testing -> osfarm.cli (the command)
 
 ``schema`` is the one typed wire layer: actions, observations, the guest's step models, leases,
 pool status, the farm's service answers and the ``osfarm.episode/1`` record. Everything that
@@ -32,9 +32,13 @@ because whoever builds the farm app hands its routers in (``farm.api.create_app(
 ui=dashboard.app.farm_ui(...))``: ``osfarm serve``). A subpackage's own ``cli.py`` belongs to its
 package's layer.
 
-``bench/`` sits above all of it: a bench script may import any of osfarm, the other bench scripts
-and the test helpers it borrows (``BENCH_FROM_TESTS``); nothing in osfarm imports a bench script
-or a test helper.
+``testing`` (``osfarm.testing``, installed like ``numpy.testing``: the helpers osfarm's tests,
+``bench/`` and users' tests share, the one way to start a farm among them) sits over everything
+it starts and drives, under the command; nothing else of osfarm imports it.
+
+``bench/`` sits above all of it: a bench script may import any of osfarm (its helpers come from
+``osfarm.testing``) and the other bench scripts, never a module of tests/; nothing in osfarm
+imports a bench script or a test helper.
 
 What counts:
 
@@ -88,6 +92,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("osfarm.runner",),
     ("osfarm.trainer",),
     ("osfarm.dashboard",),
+    ("osfarm.testing",),
     ("osfarm.cli",),
 ]
 
@@ -133,20 +138,6 @@ ACROSS: dict[tuple[str, str], str] = {
     ("osfarm.desktop.launch", "osfarm.desktop.guest"): "the launcher serves the guest app",
     ("osfarm.desktop", "osfarm.desktop.box"): "request_fields reads a command as box.commands' Command",
     ("osfarm.desktop.guest", "osfarm.desktop"): "the OSWorld routes read their loose bodies with request_fields",
-}
-
-# Test helpers (tests/**/*.py that are not tests) a bench script imports by name (bench puts tests/
-# on sys.path): the farms, boxes and probes the tests start, run at a bench's scale. Nothing else
-# of tests/; a helper moved into a testing package shared with bench/ leaves this list.
-BENCH_FROM_TESTS: dict[str, str] = {
-    "farm_process": "load.py, chaos.py: a farm in its own process, as the tests start one",
-    "cluster": "chaos.py: the chaos test's farm + workers + Redis cluster, run for longer",
-    "redis_server": "chaos.py: a throwaway Redis",
-    "adversary": "redteam.py: the red team's verdicts",
-    "farms": "redteam.py: a running farm per provider",
-    "probes": "redteam.py: the box probes of tests/security",
-    "redteam_farm": "redteam.py: the red team's farm and bystander",
-    "warm_probes": "redteam.py: the warm-reset probes of tests/security",
 }
 
 # Third-party packages a function may import lazily: heavy (seconds or hundreds of MB to load)
@@ -272,7 +263,7 @@ def helper_names(tests: Path = TESTS) -> set[str]:
 
 def bench_graph(bench: Path = BENCH, helpers: set[str] | None = None) -> tuple[dict[str, Path], list[Import]]:
     """The bench scripts (``bench.<script>``) and their imports. A script imports another by its
-    bare name (bench/ is on sys.path): ``farmproc`` is ``bench.farmproc``; a test helper's bare
+    bare name (bench/ is on sys.path): ``percentiles`` is ``bench.percentiles``; a test helper's bare
     name becomes ``tests:<name>``."""
     helpers = helper_names() if helpers is None else helpers
     modules = {f"bench.{p.stem}": p for p in sorted(bench.glob("*.py"))}
@@ -441,17 +432,17 @@ def unlisted_local_imports(modules: dict[str, Path], found: list[Import]) -> lis
 
 
 def bench_import_problems(bench: tuple[dict[str, Path], list[Import]], osfarm_modules: dict[str, Path]) -> list[str]:
-    """A bench script imports osfarm modules that exist, the other bench scripts, third-party
-    packages and the test helpers of BENCH_FROM_TESTS: nothing else of tests/."""
+    """A bench script imports osfarm modules that exist (its helpers from osfarm.testing), the
+    other bench scripts and third-party packages: nothing of tests/."""
     modules, found = bench
     bad = []
     for imp in found:
         if internal(imp):
             if owner(imp.target, osfarm_modules) != imp.target:
                 bad.append(f"{where(imp, modules)}: {imp.target} is no osfarm module")
-        elif imp.target.startswith("tests:") and imp.target.removeprefix("tests:") not in BENCH_FROM_TESTS:
-            bad.append(f"{where(imp, modules)}: test helper {imp.target.removeprefix('tests:')} is not in "
-                       "BENCH_FROM_TESTS")
+        elif imp.target.startswith("tests:"):
+            bad.append(f"{where(imp, modules)}: test helper {imp.target.removeprefix('tests:')} (a bench script "
+                       "imports no module of tests/: a shared helper belongs in osfarm.testing)")
         elif imp.target not in modules and imp.target.split(".")[0] in ("tests", "bench"):
             bad.append(f"{where(imp, modules)}: {imp.target} (a bench script imports a script by its bare name)")
     return sorted(set(bad))
@@ -546,12 +537,26 @@ def test_osfarm_imports_no_bench_script_or_test_helper(imports: tuple[dict[str, 
     assert not bad, "\n".join(bad)
 
 
+def imports_of_testing(modules: dict[str, Path], found: list[Import]) -> list[str]:
+    """osfarm modules outside osfarm.testing that import it (the layers allow only the command)."""
+    return sorted({f"{where(imp, modules)}: {imp.source} imports {target}"
+                   for imp, target in _osfarm_imports(modules, found)
+                   if target.startswith("osfarm.testing") and not imp.source.startswith("osfarm.testing")})
+
+
+def test_only_tests_and_bench_import_osfarm_testing(imports: tuple[dict[str, Path], list[Import]]) -> None:
+    bad = imports_of_testing(*imports)
+    assert not bad, "osfarm.testing is for tests and benches; osfarm itself imports none of it:\n" + "\n".join(bad)
+    modules, _ = imports
+    cli = Import("osfarm.cli.serve", "osfarm.testing.farms", 7, True, False)
+    assert len(imports_of_testing(modules, [cli])) == 1  # a command reaching for it is caught
+
+
 def test_the_allow_lists_name_real_modules(imports: tuple[dict[str, Path], list[Import]]) -> None:
     modules, _ = imports
     assert [m for m in LAZY_OSFARM if m not in modules] == []
     assert [m for m in NEUTRAL if m not in modules] == []
     assert [p for pair in ACROSS for p in pair if p not in modules] == []
-    assert sorted(set(BENCH_FROM_TESTS) - helper_names()) == []
 
 
 # -- the checker on made-up code: a silent checker cannot pass the tests above -----------------------
@@ -647,8 +652,9 @@ def test_the_checker_reads_bench(tmp_path: Path) -> None:
     assert {("bench.a", "bench.farmproc"), ("bench.a", "tests:farm_process"), ("bench.b", "bench.a"),
             ("bench.c", "bench.b")} <= targets
     bad = bench_import_problems((modules, found), all_modules())
-    assert len(bad) == 2, bad
-    assert "test helper boxes is not in BENCH_FROM_TESTS" in bad[0] and "osfarm.no_such is no osfarm module" in bad[1]
+    assert len(bad) == 3, bad
+    assert "test helper farm_process (a bench script imports no module of tests/" in bad[0]
+    assert "test helper boxes" in bad[1] and "osfarm.no_such is no osfarm module" in bad[2]
     # and an osfarm module importing a bench script or a test helper
     mine = {"osfarm.env": ROOT / "env.py"}
     sneaky = [Import("osfarm.env", "farmproc", 3, True, False), Import("osfarm.env", "tests.farms", 4, False, False),

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from farms import H, W
-
 from osfarm.env import SyncTaskEnv
 from osfarm.farm.server import FarmServer
 from osfarm.tasks.model import parse_task
+from osfarm.testing.farms import H, W
 
 ALL = "{SCREEN_WIDTH}x{SCREEN_HEIGHT} {SCREEN_WIDTH_HALF}x{SCREEN_HEIGHT_HALF} {CLIENT_PASSWORD}"
 

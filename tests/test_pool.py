@@ -17,10 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from boxes import box_processes
-from memory_provider import MemoryProvider
 from prometheus_client import generate_latest
-from waiting import async_wait_until as wait_until
 
 from osfarm.config import FarmSettings
 from osfarm.farm.errors import Busy, CapacityError, ForeignLease, LeaseGone, UnknownDesktop
@@ -28,6 +25,9 @@ from osfarm.farm.metrics import REGISTRY
 from osfarm.farm.pool import LeasePool, new_lease_id
 from osfarm.providers.sandbox import SANDBOX_ENV, SandboxProvider
 from osfarm.providers.sandbox_layout import BOX_PYTHON
+from osfarm.testing.boxes import box_processes
+from osfarm.testing.memory_provider import MemoryProvider
+from osfarm.testing.waiting import async_wait_until as wait_until
 
 
 def counts(pool: LeasePool) -> dict[str, int]:

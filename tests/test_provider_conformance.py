@@ -22,14 +22,15 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from docker_env import containers, ensure_images
-from farms import H, W, farm_settings, running_farm
 
 from osfarm.farm.server import FarmServer
-from osfarm.images.libvirt_disk import BASE_DISK, build_libvirt_disk, default_image_dir
+from osfarm.images.libvirt_disk import BASE_DISK
 from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopSpec
 from osfarm.providers.libvirt import kvm_usable
+from osfarm.testing.docker_env import containers
+from osfarm.testing.farms import H, W, farm_settings, running_farm
+from osfarm.testing.provider_options import VM_DISK_DIR, provider_options
 
 PROVIDERS = ["sandbox", "docker", "libvirt"]
 # Where KVM cannot boot our VMs (no /dev/kvm, or a nested PVM host), libvirt runs the same tests
@@ -48,23 +49,10 @@ def desktop_wait_s(name: str) -> float:
 ROOT = Path(__file__).resolve().parent.parent
 MINI = ROOT / "suites" / "mini" / "os"
 MKDIR_TASK = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a02"  # terminal: mkdir -p ~/projects/osfarm
-VM_DISK_DIR = Path(os.environ.get("OSFARM_LIBVIRT_IMAGE_DIR") or default_image_dir())
 IMAGES = {"sandbox": None, "docker": "osfarm/desktop:latest", "libvirt": str(VM_DISK_DIR / BASE_DISK)}
 # The first test to need the images builds them when missing (about 10-15 min on a fresh 2-core
 # machine; CI builds them before pytest with `osfarm image build`).
 pytestmark = pytest.mark.timeout(3600)
-
-
-def provider_options(name: str) -> dict[str, Any]:
-    """The settings of provider ``name`` here; its image or disk is built first when missing."""
-    if name == "docker":
-        ensure_images("desktop")
-        return {"provider": name, "docker_memory": "2g", "docker_cpus": 2.0}
-    if name == "libvirt":
-        ensure_images("desktop")
-        build_libvirt_disk(VM_DISK_DIR)  # once per machine: cached by the desktop recipe label
-        return {"provider": name, "libvirt_image_dir": VM_DISK_DIR, "libvirt_memory_mb": 2048}
-    return {"provider": name}
 
 
 def farm_options(name: str) -> dict[str, Any]:

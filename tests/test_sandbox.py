@@ -17,12 +17,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from boxes import box_processes
 
 from osfarm.config import FarmSettings
 from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopHandle, DesktopSpec, ProviderError
 from osfarm.providers.sandbox import SandboxProvider
+from osfarm.testing.boxes import box_processes
 
 # the shared-network path: X display numbers must not clash
 SPEC = DesktopSpec(width=1024, height=768, private_network=False)

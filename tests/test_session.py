@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from waiting import wait_until
 
 from osfarm.desktop.box.process_tree import descendants
+from osfarm.testing.waiting import wait_until
 
 TOKEN = "test-token-session"
 ROOT = Path(__file__).resolve().parent.parent

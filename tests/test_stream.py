@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import pytest
-from redis_server import RedisServer, redis_session_fixture  # noqa: F401 - provides the redis_session fixture
 from typer.testing import CliRunner
 
 from osfarm.cli import app
@@ -24,6 +23,7 @@ from osfarm.stream.redis_stream import (
     stream_stats,
     trim_consumed,
 )
+from osfarm.testing.redis_server import RedisServer
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"pixels"
 

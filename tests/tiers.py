@@ -13,7 +13,9 @@
 
 The rule reads code, not test names: a test is ``desktop`` when its body, the fixtures it uses
 (their whole closure: conftest's ``farm`` too) and the functions and classes of tests/ these
-reach name one of ``STARTERS``, hold one of ``STARTED`` as a constant (a program in an argv, a
+reach name one of ``STARTERS`` (the shared helpers of ``osfarm.testing`` count by their names
+there: ``running_farm`` starts a farm, unless the code hands it a ``MemoryProvider``, whose farm
+has no desktop and no process), hold one of ``STARTED`` as a constant (a program in an argv, a
 ``python -m`` module), or run osfarm's command line with a subcommand of ``CLI_STARTS`` or
 ``eval``. A tier marker on the test, its class or its module wins over the rule; a ``slow`` test
 (real apps) is never ``unit``. ``pytest --collect-only -q --tiers`` prints every test's tier and why.
@@ -38,13 +40,13 @@ TIERS = ("unit", "desktop", "acceptance")
 TESTS = Path(__file__).resolve().parent
 
 # Names whose use starts something real: osfarm's providers, local farm and policy process,
-# docker's client, a browser, and the tests' helpers that start a farm, a farm process, Redis, the
-# policy server, docker images or the red team's farm.
+# docker's client, a browser, and the helpers (osfarm.testing's, tests/') that start a farm, a farm
+# process, Redis, the policy server, docker images, containers or the red team's farm.
 STARTERS = frozenset({
     "SandboxProvider", "DockerProvider", "LibvirtProvider", "BoxTemplate", "local_farm", "PolicyProcess",
     "docker_client", "sync_playwright", "async_playwright",
     "running_farm", "sandbox_guest", "FarmProcess", "RedisServer", "policy_server", "ensure_images",
-    "docker_or_skip", "redteam_farm", "run_warm_probes",
+    "docker_or_skip", "redteam_farm", "run_warm_probes", "provider_options", "containers",
     # models: the trainer's Learner loads and trains the tiny policy model; OCR builds EasyOCR's reader
     "Learner", "image_texts", "compare_image_text",
 })
@@ -105,7 +107,10 @@ class Facts:
         self.cli |= other.cli
 
     def why(self) -> str | None:
-        if hit := self.names & STARTERS:
+        hit = self.names & STARTERS
+        if "MemoryProvider" in self.names:
+            hit -= {"running_farm"}  # running_farm(provider=MemoryProvider()): boxes in this process
+        if hit:
             return f"uses {sorted(hit)[0]}"
         if hit := self.strings & STARTED:
             return f"starts {sorted(hit)[0]}"

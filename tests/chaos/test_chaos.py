@@ -27,7 +27,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from cluster import (
+
+from osfarm.testing.chaos_cluster import (
+    ROOT,
     SUITE,
     Driver,
     Tracker,
@@ -40,8 +42,8 @@ from cluster import (
     one_record_per_task,
     train_under_faults,
 )
-from farm_process import ROOT, FarmProcess
-from redis_server import RedisServer
+from osfarm.testing.farm_process import FarmProcess
+from osfarm.testing.redis_server import RedisServer
 
 SEED = int(os.environ.get("OSFARM_CHAOS_SEED", "17"))
 # per episode attempt: a suites/mini replay takes a few seconds, but an attempt may wait for a farm

@@ -1,6 +1,6 @@
 """Hostile API clients (issue 13, red team): per-client tokens, someone else's lease, quotas, TTLs,
 huge bodies, host paths in requests. The farm is the real one (FastAPI app, auth, body limits,
-pool, uvicorn on 127.0.0.1) over tests/memory_provider.py boxes, so no desktop is needed; every
+pool, uvicorn on 127.0.0.1) over osfarm/testing/memory_provider.py boxes, so no desktop is needed; every
 probe must be refused with a clear status and message, and the farm must keep serving."""
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
-from memory_provider import MemoryProvider
 
 from osfarm.client import Farm, LeaseQuotaError, RequestTooLargeError
 from osfarm.config import ConfigError, FarmSettings
 from osfarm.farm.api import create_app
 from osfarm.farm.server import FarmServer
 from osfarm.http.principals import token_digest
+from osfarm.testing.farms import running_farm
+from osfarm.testing.memory_provider import MemoryProvider
 
 ADMIN = "admin-token-0123456789"
 ALICE = "alice-token-0123456789"
@@ -40,12 +41,8 @@ def farm() -> Iterator[FarmServer]:
             token=ADMIN, tokens=f"alice:client:{ALICE}:1:600,eve:viewer:sha256:{token_digest(EVE)}",
             tokens_file=tokens_file, state_dir=Path(d) / "state", pool_min=2, pool_max=4, width=1024, height=768,
             lease_ttl_s=120, max_body_bytes=MAX_BODY, max_upload_bytes=MAX_UPLOAD, port=0)
-        server = FarmServer(settings, MemoryProvider(), log_level="warning")
-        server.start(timeout=60)
-        try:
+        with running_farm(settings=settings, provider=MemoryProvider(), start_timeout_s=60) as server:
             yield server
-        finally:
-            server.stop()
 
 
 def api(farm: FarmServer, token: str) -> httpx.Client:

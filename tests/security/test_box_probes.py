@@ -1,4 +1,4 @@
-"""In-box red team (issue 13 item 7): an adversarial agent (adversary.py), run by the normal
+"""In-box red team (issue 13 item 7): an adversarial agent (osfarm/testing/redteam/adversary.py), run by the normal
 runner (``run_episode``) on a leased desktop of each provider, tries every box probe of
 probes.py: host secrets, the checkout, suite caches and the farm's state, another desktop's home,
 the guest's token and socket, killing or tracing the guest, the host's loopback services,
@@ -9,7 +9,7 @@ Each probe must be held: it reports HELD from inside the box; the farm keeps ser
 bystander desktop leased next to it is unaffected (its guest answers, its home is intact); the
 episode ends as the agent's failure or as an infra error naming the limit that stopped it, never
 as a success. The desktops run with small limits so that the bombs end quickly
-(redteam_farm.py; bench/redteam.py prints the same probes as a table).
+(osfarm/testing/redteam/farm.py; bench/redteam.py prints the same probes as a table).
 
 The sandbox and Docker run in ``make test``; libvirt (minutes per boot under TCG) only with
 OSFARM_REDTEAM_LIBVIRT=1, non-destructive probes only.
@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from adversary import verdicts
-from probes import box_probes
-from redteam_farm import bystander_ok, destructive_held, redteam_farm, run_adversary
+
+from osfarm.testing.redteam.adversary import verdicts
+from osfarm.testing.redteam.farm import bystander_ok, destructive_held, redteam_farm, run_adversary
+from osfarm.testing.redteam.probes import box_probes
 
 PROVIDERS = ["sandbox", "docker"] + (["libvirt"] if os.environ.get("OSFARM_REDTEAM_LIBVIRT") == "1" else [])
 BOMBS = {"fork_bomb": "process limit", "memory_bomb": "memory limit"}

@@ -1,12 +1,13 @@
-"""Warm-reset persistence (tests/security/warm_probes.py) on a sandbox farm with ``reset_mode:
+"""Warm-reset persistence (osfarm/testing/redteam/warm_probes.py) on a sandbox farm with ``reset_mode:
 warm``: nothing one lease's agent leaves behind reaches the next lease after a warm reset (it is
 undone, or the fingerprint sees it and the desktop is restarted cold)."""
 
 from __future__ import annotations
 
 import pytest
-from farms import running_farm
-from warm_probes import run_warm_probes
+
+from osfarm.testing.farms import running_farm
+from osfarm.testing.redteam.warm_probes import run_warm_probes
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(600)]
 

@@ -17,18 +17,20 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from adversary import AdversaryAgent
-from docker_env import ensure_images
-from farms import running_farm
-from probes import BoxContext
 
 from osfarm.client import AsyncFarm
 from osfarm.farm.server import FarmServer
 from osfarm.runner.episode import EpisodeConfig, EpisodeResult, run_episode
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.model import parse_task
+from osfarm.testing.docker_env import ensure_images
+from osfarm.testing.farms import running_farm
+from osfarm.testing.provider_options import provider_options
+from osfarm.testing.redteam.adversary import AdversaryAgent
+from osfarm.testing.redteam.probes import BoxContext
 
-ROOT = Path(__file__).resolve().parents[2]
+# The source checkout: the red team's task may name its folders (the task runs from it).
+ROOT = Path(__file__).resolve().parents[3]
 MEMORY, PIDS, HOME, TMP = "768m", 256, "128m", "64m"
 
 
@@ -40,10 +42,6 @@ def farm_options(name: str) -> dict[str, Any]:
     if name == "docker":
         ensure_images("desktop")
     if name == "libvirt":
-        from test_provider_conformance import (
-            provider_options,  # the VM disk, built when missing
-        )
-
         opts.update(provider_options("libvirt"), pool_min=1, pool_max=2)
     return opts
 

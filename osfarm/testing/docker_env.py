@@ -1,5 +1,6 @@
-"""Docker for tests: the daemon (skip or fail when missing) and osfarm's images, built once per
-test process (and once per machine: the builder keeps an image whose recipe label matches)."""
+"""Docker for tests: the daemon (skip or, in CI, fail when missing: osfarm.testing.unavailable)
+and osfarm's images, built once per process (and once per machine: the builder keeps an image
+whose recipe label matches)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import os
 import subprocess
 from typing import Any
 
-import pytest
-
+from osfarm.images.build import ImageBuilder
+from osfarm.images.cli import default_work_dir
 from osfarm.images.daemon import DockerUnavailable, docker_client
+from osfarm.testing.unavailable import unavailable
 
 
 def docker_or_skip() -> Any:
@@ -18,16 +20,11 @@ def docker_or_skip() -> Any:
     try:
         return docker_client(timeout=120)
     except DockerUnavailable as e:
-        if os.environ.get("CI"):
-            pytest.fail(f"docker is required in CI: {e}")
-        pytest.skip(f"docker not available: {e}")
+        unavailable(f"docker not available: {e}", required_in_ci=True)
 
 
 @functools.cache
 def _build(only: str) -> str:
-    from osfarm.images.build import ImageBuilder
-    from osfarm.images.cli import default_work_dir
-
     builder = ImageBuilder(docker_client(timeout=3600), work_dir=default_work_dir())
     results = builder.build(only=only)
     return "\n".join(f"{r.ref}: {r.status} {r.seconds:.0f}s" for r in results)
@@ -37,7 +34,7 @@ def ensure_images(only: str = "desktop") -> str:
     """Build (or find up to date) osfarm's images up to ``only``; returns a one-line-per-image summary."""
     docker_or_skip()
     if os.geteuid() != 0:
-        pytest.skip("building the debootstrap base image needs root")
+        unavailable("building the debootstrap base image needs root")
     return _build(only)
 
 

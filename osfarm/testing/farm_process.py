@@ -1,6 +1,8 @@
 """A farm in its own process, for tests and benches that kill it: ``osfarm serve`` on a fixed
 loopback port and state dir (so a restart comes back where clients look), or the same farm over
-``tests/memory_provider.py`` boxes (``provider="memory"``: thousands of leases without desktops).
+``osfarm.testing.memory_provider`` boxes (``provider="memory"``: thousands of leases without
+desktops). Started through ``running_farm(process=True, ...)`` (osfarm.testing.farms), or made
+here and started by a test that needs the handle before the farm is up.
 
 ``kill()`` is a crash (SIGKILL to the farm only: sandbox boxes die with it by design, docker
 containers and libvirt VMs stay), ``restart()`` a crash and a new farm on the same port and state
@@ -19,10 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from redis_server import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
-MEMORY_FARM = Path(__file__).resolve().parent / "memory_farm.py"
+from osfarm.testing.ports import free_port
 
 
 class FarmProcess:
@@ -51,7 +51,7 @@ class FarmProcess:
 
     def _argv(self) -> list[str]:
         if self.provider == "memory":
-            return [sys.executable, str(MEMORY_FARM), "--port", str(self.port), "--token", self.token,
+            return [sys.executable, "-m", "osfarm.testing.memory_farm", "--port", str(self.port), "--token", self.token,
                     "--state-dir", str(self.state_dir), "--pool-min", str(self.pool_min),
                     "--pool-max", str(self.pool_max)]
         return [sys.executable, "-m", "osfarm.cli", "serve", "--provider", self.provider, "--port", str(self.port),
@@ -59,18 +59,21 @@ class FarmProcess:
                 "--pool-max", str(self.pool_max), "--width", str(self.width), "--height", str(self.height),
                 "--log-level", "info"]
 
-    def start(self, timeout: float = 180.0, warm: bool = True) -> FarmProcess:
+    def start(self, timeout: float = 180.0, warm: bool = True, ready: int | None = None) -> FarmProcess:
+        """Start the farm and wait until it answers and (``warm``) ``ready`` desktops (default one)
+        are ready."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OSFARM_HEALTH_INTERVAL_S": "1", **self.extra_env}
         with self.log_path.open("ab") as log:
             log.write(f"\n---- start {self.starts + 1} ----\n".encode())
             log.flush()
-            self.proc = subprocess.Popen(self._argv(), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(self._argv(), env=env, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
         self.starts += 1
-        self.wait_up(timeout, warm)
+        self.wait_up(timeout, warm, ready)
         return self
 
-    def wait_up(self, timeout: float = 180.0, warm: bool = True) -> None:
+    def wait_up(self, timeout: float = 180.0, warm: bool = True, ready: int | None = None) -> None:
+        want = min(self.pool_min, 1) if ready is None else ready
         deadline = time.monotonic() + timeout
         while True:
             assert self.proc is not None
@@ -78,7 +81,7 @@ class FarmProcess:
                 raise RuntimeError(f"the farm exited with {self.proc.returncode}: {self.log_tail()}")
             try:
                 r = httpx.get(f"{self.url}/v1/pool", headers=self.headers, timeout=3)
-                if r.status_code == 200 and (not warm or r.json()["counts"].get("ready", 0) >= min(self.pool_min, 1)):
+                if r.status_code == 200 and (not warm or r.json()["counts"].get("ready", 0) >= want):
                     return
             except httpx.HTTPError:
                 pass

@@ -11,7 +11,7 @@ Three kinds of probe:
   checked by tests/security/test_box_probes.py.
 * ``pytest``: a test elsewhere in tests/security (hostile task files, hostile API calls) whose
   passing means the probe was held; ``node`` is its pytest node id.
-* ``warm``: warm-reset persistence, registered by tests/security/warm_probes.py (``meta``: the
+* ``warm``: warm-reset persistence, registered by osfarm/testing/redteam/warm_probes.py (``meta``: the
   agent code that leaves something behind, and the code that looks for it in the next lease).
 
 To add a row: append a :class:`Probe` to :data:`PROBES` (or call :func:`register`). Every box

@@ -1,25 +1,21 @@
-"""A farm process over ``tests/memory_provider.py`` boxes: the whole farm (API, auth, pool, leases,
+"""A farm process over ``osfarm.testing.memory_provider`` boxes: the whole farm (API, auth, pool, leases,
 registry, guest links) with boxes that are tiny in-process HTTP servers, so thousands of
 lease/observe/release cycles need no desktop. For load and leak measurements (bench/load.py,
 tests/chaos). Runs until SIGTERM/SIGINT::
 
-    python tests/memory_farm.py --port 8765 --token T --state-dir /tmp/x [--pool-min 4 --pool-max 600]
+    python -m osfarm.testing.memory_farm --port 8765 --token T --state-dir /tmp/x [--pool-min 4 --pool-max 600]
 """
 
 from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from memory_provider import MemoryProvider  # noqa: E402
-
-from osfarm.config import FarmSettings  # noqa: E402
-from osfarm.farm.server import FarmServer  # noqa: E402
+from osfarm.config import FarmSettings
+from osfarm.farm.server import FarmServer
+from osfarm.testing.memory_provider import MemoryProvider
 
 
 def main() -> None:

@@ -3,8 +3,8 @@
 ``RedisServer`` starts, stops (gracefully or with SIGKILL) and restarts the server on the same
 port and data dir; with ``aof=True`` every write is fsynced to the append-only file, so a
 restart (even after SIGKILL) loses nothing, as a production broker would be configured.
-``redis_session`` is a session-scoped pytest fixture (import ``redis_session_fixture`` into a test
-module to use it): one server for the tests that need one.
+(osfarm's tests share one through the ``redis_session`` fixture of tests/conftest.py.) Without
+``redis-server`` it skips the test (``osfarm.testing.unavailable``).
 """
 
 from __future__ import annotations
@@ -15,24 +15,18 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Self
 
-import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from osfarm.testing.ports import free_port
+from osfarm.testing.unavailable import unavailable
 
 
 class RedisServer:
     def __init__(self, aof: bool = False, port: int | None = None, data_dir: Path | None = None):
         exe = shutil.which("redis-server")
         if exe is None:
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
+            unavailable("redis-server is not installed (apt-get install redis-server)")
         self.exe = exe
         self.aof = aof
         self.port = port or free_port()
@@ -98,8 +92,3 @@ class RedisServer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-@pytest.fixture(scope="session", name="redis_session")
-def redis_session_fixture() -> Iterator[RedisServer]:
-    with RedisServer() as server:
-        yield server

@@ -23,15 +23,18 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import redis
-from farm_process import ROOT, FarmProcess
-from redis_server import RedisServer
 
 from osfarm.stream.jsonl import read_jsonl
+from osfarm.testing.farm_process import FarmProcess
+from osfarm.testing.redis_server import RedisServer
+from osfarm.trainer.loop import checkpoint_state
 
+# The source checkout: a chaos run replays its suites/mini and runs its processes from there.
+ROOT = Path(__file__).resolve().parents[2]
 SUITE = ROOT / "suites" / "mini"
 
 
@@ -203,7 +206,8 @@ def kill_a_desktop(farm: FarmProcess, rng: random.Random) -> str:
 
 def stream_records(broker_url: str, stream: str, run_id: str) -> list[dict[str, Any]]:
     r = redis.Redis.from_url(broker_url, decode_responses=True)
-    return [rec for _, f in r.xrange(stream) if (rec := json.loads(f["record"]))["run_id"] == run_id]
+    entries = cast("list[tuple[str, dict[str, str]]]", r.xrange(stream))  # decode_responses: str, not bytes
+    return [rec for _, f in entries if (rec := json.loads(f["record"]))["run_id"] == run_id]
 
 
 def essentials(results: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -294,23 +298,21 @@ class Training:
         return self.proc is not None and self.proc.poll() is None
 
     def pids(self) -> list[int]:
-        return [self.proc.pid] if self.alive() else []  # type: ignore[union-attr]
+        return [self.proc.pid] if self.proc is not None and self.proc.poll() is None else []
 
     def episodes(self) -> int:
         p = self.run / "episodes.jsonl"
         return sum(1 for line in p.read_bytes().splitlines() if line.strip()) if p.is_file() else 0
 
     def version(self) -> int:
-        from osfarm.trainer.loop import checkpoint_state
-
         state = checkpoint_state(self.run)
         return int(state.get("version", 0)) if state else 0
 
     def policy_server(self) -> psutil.Process | None:
-        if not self.alive():
+        if self.proc is None or self.proc.poll() is not None:
             return None
         with contextlib.suppress(psutil.Error):
-            for c in psutil.Process(self.proc.pid).children(recursive=True):  # type: ignore[union-attr]
+            for c in psutil.Process(self.proc.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):
                     if "policy" in c.cmdline() and "serve" in c.cmdline():
                         return c

@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
-from probes import Probe, register
 
 from osfarm.farm import metrics
+from osfarm.testing.redteam.probes import PROBES, Probe, register
 
 PRELUDE = r'''
 import ctypes, os, socket, subprocess, time
@@ -219,8 +219,6 @@ def _fallbacks() -> float:
 def run_warm_probes(url: str, token: str, names: list[str] | None = None) -> dict[str, str]:
     """probe name -> cell, on a farm (in this process: its fallback counter is read) of one
     desktop with ``reset_mode: warm``: ``held (undone)``, ``held (cold restart)`` or ``BREACH: ...``."""
-    from probes import PROBES
-
     cells: dict[str, str] = {}
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=180) as c:
 

@@ -23,8 +23,7 @@ VERDICT = re.compile(r"Exception: (HELD|BREACH): (.*)", re.DOTALL)
 class AdversaryAgent(BaseAgent):
     """Plays ``codes`` one per step, then ``DONE`` (so the task's evaluation runs)."""
 
-    name = "adversary"
-    action_space = "pyautogui"
+    name = "adversary"  # action_space: BaseAgent's pyautogui, the code it plays
 
     def __init__(self, codes: list[str]):
         self.codes = list(codes)
