@@ -57,6 +57,7 @@ from osfarm.client import AsyncFarm, AsyncRemoteDesktop, FarmAPIError
 from osfarm.errors import EpisodeTimeout, InfraError
 from osfarm.schema.actions import ENDINGS, AgentAction, action_json, special_action
 from osfarm.schema.guest import ActionResult, ActionTiming
+from osfarm.schema.lease import ControlInfo
 from osfarm.schema.observation import AgentObservation
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import FileCache
@@ -201,7 +202,7 @@ class TaskEnv:
         self.recording_error: str | None = None
         # people who took control of the desktop from the dashboard during this episode (the
         # lease's control spans, read when the desktop is released): the score had human help
-        self.controlled_by: list[dict[str, Any]] = []
+        self.controlled_by: list[ControlInfo] = []
         # what the episode's desktop cost (read when it is released): {"cpu_s": CPU-seconds,
         # "reset": how it was made ready (warm, cold, start), "reset_fallback": why cold, if meant warm}
         self.desktop_usage: dict[str, float | str] = {}
@@ -418,7 +419,7 @@ class TaskEnv:
         if desk is not None:
             with contextlib.suppress(FarmAPIError):
                 info = await desk.heartbeat()  # the lease's latest info: who took control, if anyone
-                self.controlled_by[:] = [c.model_dump() for c in info.control]
+                self.controlled_by[:] = info.control
                 if info.cpu_s is not None:
                     self.desktop_usage["cpu_s"] = info.cpu_s
                 if info.reset_mode is not None:

@@ -409,6 +409,7 @@ def test_a_take_over_is_in_the_episode_record(tmp_path: Path) -> None:
     from osfarm.runner.episode import EpisodeResult
     from osfarm.runner.results import write_task
     from osfarm.schema.episode import check_record
+    from osfarm.schema.lease import ControlInfo
     from osfarm.stream.blobs import LocalBlobStore
     from osfarm.tasks.model import parse_task
 
@@ -416,7 +417,7 @@ def test_a_take_over_is_in_the_episode_record(tmp_path: Path) -> None:
     spans = [{"by": "admin", "started_at": 10.0, "ended_at": 25.0}]
     res = EpisodeResult(task=task, status="success", score=1.0, error=None, episode_id="e1", attempt=1,
                         infra_retries=0, steps=[], started_at=1.0, finished_at=30.0, agent="replay",
-                        controlled_by=spans)
+                        controlled_by=[ControlInfo.model_validate(s) for s in spans])
     records: list[dict[str, Any]] = []
     row = write_task(tmp_path, res, "run", LocalBlobStore(tmp_path), emit=records.append)
     assert check_record(records[0])["controlled_by"] == spans and row["controlled_by"] == ["admin"]

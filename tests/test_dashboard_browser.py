@@ -196,8 +196,8 @@ def test_live_view_take_control_and_viewer(ui_farm: FarmServer, dash: Dashboard,
         page.wait_for_selector("#take-control:text('Take control')")
         wait_for(lambda: api.get(f"/v1/desktops/{lease}").json()["control"][0]["ended_at"], what="control handed back")
         assert env.evaluate() == 1.0
-    assert [c["by"] for c in env.controlled_by] == ["admin"]
-    assert env.controlled_by[0]["ended_at"] >= env.controlled_by[0]["started_at"]
+    assert [c.by for c in env.controlled_by] == ["admin"]
+    assert (env.controlled_by[0].ended_at or 0) >= env.controlled_by[0].started_at
     assert dash.hub is not None and dash.hub.capturing()  # the pool page is open: its thumbnails
     page.context.close()
     wait_for(lambda: not dash.hub.capturing(), what="capture to stop once nobody watches")

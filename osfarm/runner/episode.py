@@ -28,6 +28,7 @@ from osfarm.env import EpisodeTimeout, InfraError, TaskEnv
 from osfarm.http.retry import backoff_s
 from osfarm.schema.actions import AgentAction
 from osfarm.schema.guest import ActionTiming
+from osfarm.schema.lease import ControlInfo
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.model import Task
 
@@ -90,7 +91,7 @@ class EpisodeResult:
     timings: dict[str, float] = field(default_factory=dict)
     recording_error: str | None = None  # a failed recording is noted, never the episode's failure
     action_timing: ActionTiming = "osworld"  # how the actions were paced (EpisodeConfig.action_timing)
-    controlled_by: list[dict[str, Any]] = field(default_factory=list)  # dashboard take-overs (TaskEnv.controlled_by)
+    controlled_by: list[ControlInfo] = field(default_factory=list)  # dashboard take-overs (TaskEnv.controlled_by)
     desktop_usage: dict[str, float | str] = field(default_factory=dict)  # CPU-seconds, reset (TaskEnv.desktop_usage)
 
 

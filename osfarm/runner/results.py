@@ -107,7 +107,7 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "finished_at": _iso(res.finished_at),
         "steps": steps,
         # someone took control of the desktop from the dashboard: the outcome had human help
-        **({"controlled_by": res.controlled_by} if res.controlled_by else {}),
+        **({"controlled_by": [c.model_dump() for c in res.controlled_by]} if res.controlled_by else {}),
         # CPU-seconds the desktop used during the episode (its cgroup), where the farm tells
         **({"desktop_cpu_s": res.desktop_usage["cpu_s"]} if "cpu_s" in res.desktop_usage else {}),
         # how the desktop was made ready (warm, cold, start) and, for a cold one meant warm, why
@@ -161,7 +161,7 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
     if res.recording_error:
         row["recording_error"] = res.recording_error
     if res.controlled_by:
-        row["controlled_by"] = [c.get("by") for c in res.controlled_by]
+        row["controlled_by"] = [c.by for c in res.controlled_by]
     for k in ("cpu_s", "reset", "reset_fallback"):
         if k in res.desktop_usage:
             row[f"desktop_{k}"] = res.desktop_usage[k]
