@@ -24,6 +24,11 @@ def train_command(
     eta: Annotated[int | None, typer.Option("--eta", help="max staleness in versions (0 = synchronous)",
                                                show_default=False)] = None,
     envs: Annotated[int | None, typer.Option("--envs", help="episodes at once", show_default=False)] = None,
+    executor: Annotated[str | None, typer.Option("--executor", help="where rollouts run: inprocess (the trainer's "
+                                                   "farm) or celery (`osfarm worker`s on any host)",
+                                                   show_default=False)] = None,
+    broker: Annotated[str | None, typer.Option("--broker", envvar="OSFARM_BROKER", help="--executor celery: Redis URL "
+                                                 "of the queue and the record stream", show_default=False)] = None,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="ignore the run dir's checkpoints")] = False,
     nproc: Annotated[int | None, typer.Option("--nproc", min=1, help="learner ranks on this machine (torchrun: "
                                                "torch.distributed, FSDP2 on GPUs, data parallel on CPUs)",
@@ -34,13 +39,22 @@ def train_command(
     With no config: the tiny model, an in-process sandbox farm, one CPU policy server and the
     tiny choice suite. Re-running with the same --run-dir resumes from its latest checkpoint.
     """
-    from osfarm.trainer.config import TrainConfigError, load_train_config
+    from pydantic import ValidationError
+
+    from osfarm.config import validation_message
+    from osfarm.trainer.config import RolloutSection, TrainConfigError, load_train_config
     from osfarm.trainer.loop import TrainError, train
 
     try:
         cfg = load_train_config(config, run_dir=run_dir, updates=updates, nproc=nproc)
-        rollout = cfg.rollout.model_copy(update={k: v for k, v in {"eta": eta, "envs": envs}.items() if v is not None})
+        given = {"eta": eta, "envs": envs, "executor": executor, "broker": broker}
+        rollout = RolloutSection.model_validate({**cfg.rollout.model_dump(), **{k: v for k, v in given.items()
+                                                                                if v is not None}})
         cfg = cfg.model_copy(update={"rollout": rollout, "resume": cfg.resume and not no_resume})
+    except ValidationError as e:
+        err.print(f"[bold red]error:[/] {validation_message(e, None, '', 'train options')}", highlight=False,
+                  soft_wrap=True)
+        raise typer.Exit(2) from None
     except TrainConfigError as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None

@@ -78,6 +78,13 @@ class RolloutSection(_Strict):
     seed_fraction: float = Field(default=0.5, gt=0, le=1, description="seed_exemplars: share of the group seeded")
     options: dict[str, Any] = Field(default_factory=dict, description="rollout controller options: allocator "
                                     "(dart|fixed|xrpo), group_size, redundancy, max_retries, rollout_n, xrpo_*")
+    executor: Literal["inprocess", "celery"] = Field(
+        default="inprocess", description="inprocess: the trainer runs episodes on farm.url (or its own farm); "
+        "celery: each rollout is a job for `osfarm worker`s on any host, records come back on a Redis Stream")
+    broker: str | None = Field(default=None, description="executor celery: Redis URL of the broker, result backend "
+                               "and record stream (default OSFARM_BROKER)")
+    stream: str = Field(default="osfarm:train", min_length=1,
+                        description="executor celery: the Redis Stream the workers publish this run's records to")
 
 
 class DataSection(_Strict):

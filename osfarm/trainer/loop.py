@@ -39,6 +39,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import signal
 import time
 import uuid
@@ -58,7 +59,7 @@ from osfarm.stream.blobs import BlobStore, LocalBlobStore
 from osfarm.stream.jsonl import JsonlSink
 from osfarm.tasks.filecache import FileCache, suite_cache
 from osfarm.tasks.model import Task
-from osfarm.tasks.suite import Suite
+from osfarm.tasks.suite import OSWORLD_INDEX, Suite
 from osfarm.trainer.allocation import dart_max_steps
 from osfarm.trainer.checkpoint import latest_checkpoint, model_dir, prune_checkpoints, read_state, train_state_dir
 from osfarm.trainer.config import TrainConfig
@@ -67,6 +68,7 @@ from osfarm.trainer.distributed import DistContext
 from osfarm.trainer.evaluation import EvalTracker
 from osfarm.trainer.learner import Learner, UpdateStats
 from osfarm.trainer.metrics import TrainMetrics
+from osfarm.trainer.queued_rollouts import QueuedRollouts, open_queue
 from osfarm.trainer.rollout_controller import ABORTED, REJECTED, ControllerConfig, RolloutController
 from osfarm.trainer.routing import RoutedAgent
 from osfarm.trainer.run_wiring import (
@@ -77,6 +79,7 @@ from osfarm.trainer.run_wiring import (
     load_learner,
     load_tasks,
     rollout_agent,
+    rollout_agent_options,
 )
 from osfarm.trainer.run_wiring import learner_options as learner_options  # imported from here by its tests
 from osfarm.trainer.seeding import TaskInfo, pick_exemplar
@@ -138,6 +141,7 @@ class Trainer:
         self.metrics: TrainMetrics | None = None  # None: the run had nothing to do
         self.controller: RolloutController | None = None  # None until the rollouts can start
         self.draining = False  # the last update is done: only evaluation episodes still run
+        self.queue: QueuedRollouts[Rollout] | None = None  # rollout.executor celery: the jobs sent to workers
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -184,7 +188,8 @@ class Trainer:
         self.metrics = res.open_metrics()
         servers = await res.start_policy(model_dir(ckpt) if ckpt is not None else learner.model_path, learner.version)
         sync = await res.start_weight_sync(servers, ckpt, learner)
-        url, token = await res.start_farm()
+        queue = self.queue = self._open_queue()
+        url, token = await res.start_farm() if queue is None else ("", "")  # workers bring their own farms
 
         dcfg = self.data_config()
         ccfg = self.controller_config(dcfg)
@@ -223,8 +228,12 @@ class Trainer:
                 self.rollout_seq += 1
                 steps = (dart_max_steps(dm.task_stats.get(task_id), ro.max_steps, margin=ro.length_margin)
                          if ro.dynamic_length else ro.max_steps)
-                scheduler.submit(Rollout(task_id, self.rollout_seq, version, group_id, TRAIN, steps,
-                                         exemplar if i < seeded else None))
+                item = Rollout(task_id, self.rollout_seq, version, group_id, TRAIN, steps,
+                               exemplar if i < seeded else None)
+                if queue is not None:
+                    await self._send(queue, item, servers, sync)
+                else:
+                    scheduler.submit(item)
 
         def on_close(group_id: str) -> None:
             dm.close_group(group_id)
@@ -239,7 +248,10 @@ class Trainer:
         if self.eval.due(learner.version):
             self._start_eval(learner.version, scheduler)
 
-        consumer = asyncio.create_task(self._consume(scheduler, dm, controller))
+        if queue is not None:
+            consumer = asyncio.create_task(queue.consume(dm, self.run_dir, self._report))
+        else:
+            consumer = asyncio.create_task(self._consume(scheduler, dm, controller))
         filler = asyncio.create_task(controller.run(self.stop))
         res.stack.push_async_callback(self._stop_rollouts, scheduler, filler, consumer)
         await self._learn(learner, dm, controller, sync, scheduler, consumer)
@@ -253,6 +265,9 @@ class Trainer:
         self.stop.set()
         filler.cancel()
         self.cancel(lambda r: True)
+        if self.queue is not None:
+            await self.queue.aclose()  # queued jobs revoked: nothing will train on them
+            self.totals["queue"] = {**vars(self.queue.counts), "outstanding": self.queue.outstanding()}
         consumer.cancel()
         await scheduler.aclose()
         if self.episodes:  # cancelled episodes release their leases before the farm client closes
@@ -269,9 +284,48 @@ class Trainer:
         solved = {t: eps[-1].record for t, eps in dm.pool.items() if eps and t != task_id}
         return pick_exemplar(infos[task_id], infos, solved)
 
+    def _open_queue(self) -> QueuedRollouts[Rollout] | None:
+        """rollout.executor celery: the queue the rollouts go to (None: in process)."""
+        ro = self.cfg.rollout
+        if ro.executor != "celery":
+            return None
+        if self.cfg.eval_every is not None:
+            raise TrainError("eval_every with rollout.executor celery is not supported yet: evaluate the "
+                             "checkpoints with `osfarm eval --executor celery`")
+        if ro.interruptible:
+            raise TrainError("rollout.interruptible with rollout.executor celery is not supported yet")
+        queue: QueuedRollouts[Rollout] = open_queue(ro.broker or os.environ.get("OSFARM_BROKER"), ro.stream,
+                                                    self.run_id, ro.episode_time_limit_s, TrainError)
+        self.console.print(f"rollouts go to the Celery queue at {queue.broker}; records come back on stream "
+                           f"{queue.stream}", highlight=False)
+        return queue
+
+    async def _send(self, queue: QueuedRollouts[Rollout], item: Rollout, servers: list[PolicyServer],
+                    sync: WeightSync) -> None:
+        """One rollout as a worker's job: the policy server and model name (the adapter of the
+        version it stands for) it asks, its step limit, group and exemplar."""
+        cfg, ro = self.cfg, self.cfg.rollout
+        server = self._pick_server(servers, sync, item.seq)
+        model, version = sync.route(server)
+        suite = Path(cfg.suite).resolve()
+        job = {"suite": str(suite), "index": str(suite / OSWORLD_INDEX) if (suite / OSWORLD_INDEX).is_file() else None,
+               "agent": cfg.agent.kind,
+               "agent_options": rollout_agent_options(cfg.agent, server.url, model,
+                                                      request_seed(cfg.seed, self.start_version, item.seq)),
+               "episode": {"max_steps": item.max_steps or ro.max_steps, "time_limit_s": ro.episode_time_limit_s,
+                           "infra_retries": 0},
+               "out": str(self.run_dir), "cache": None, "offline": True, "policy_version": version,
+               "record_fields": {"group_id": item.group_id}, "instruction_suffix": item.exemplar}
+        await queue.submit(item, item.task_id, item.seq, job)
+
     def cancel(self, which: Callable[[Rollout], bool]) -> int:
-        """Cancel the running episodes ``which`` selects; they end as ``aborted``."""
+        """Cancel the running episodes ``which`` selects (queued jobs: revoke those not started);
+        they end as ``aborted``."""
         n = 0
+        if self.queue is not None:
+            revoking = asyncio.ensure_future(self.queue.revoke(which))
+            self.episodes.add(revoking)
+            revoking.add_done_callback(self.episodes.discard)
         for item, task in list(self.running.values()):
             # once only: a second cancel would cut the episode's own cleanup (its lease release) short
             if which(item) and not task.done() and not task.cancelling():
@@ -308,7 +362,8 @@ class Trainer:
             agent = RoutedAgent(rollout_agent(self.cfg.agent, server.url, self.cfg.policy.model_name,
                                               seed=request_seed(self.cfg.seed, self.start_version, item.seq)),
                                 functools.partial(sync.route, server),
-                                interruptible=self.cfg.rollout.interruptible)
+                                interruptible=self.cfg.rollout.interruptible,
+                                serving=functools.partial(sync.serving, server.url))
             if agent.version is not None:
                 self.in_flight_versions[key] = agent.version
             evaluating = item.kind == EVAL
@@ -373,23 +428,34 @@ class Trainer:
                 if row is not None:
                     self._open_metrics().log_eval(row)
                 continue
-            if rec is None:
-                aborted = isinstance(done.error, Aborted)
-                outcome = "aborted" if aborted else f"error: {type(done.error).__name__}: {done.error}"
-                if aborted:
-                    self.totals["aborted"] += 1
-                else:
-                    self.console.print(f"[yellow]rollout failed[/]: {outcome}", highlight=False)
-                controller.on_episode(item.group_id or "", ABORTED if aborted else REJECTED)
+            self._report(item, rec, dm.add(rec, self.run_dir) if rec is not None else done.error or Aborted(),
+                         done.started, done.finished)
+
+    def _report(self, item: Rollout | None, rec: EpisodeRecord | None, outcome: str | BaseException, started: float,
+                finished: float) -> None:
+        """A training rollout ended: ``rec`` with the data manager's ``outcome``, or no record and
+        the error (``Aborted``, a revoked job: the trainer cancelled it). None: a queued job of an
+        earlier process (the data manager took its record; the controller never counted it)."""
+        controller = self.controller
+        if item is None or controller is None:
+            return
+        if isinstance(outcome, BaseException):
+            aborted = isinstance(outcome, Aborted) or getattr(outcome, "state", None) == "REVOKED"
+            text = "aborted" if aborted else f"error: {type(outcome).__name__}: {outcome}"
+            if aborted:
+                self.totals["aborted"] += 1
             else:
-                outcome = dm.add(rec, self.run_dir)
-                controller.on_episode(item.group_id or "", outcome if outcome == ACCEPTED else REJECTED)
-            self.window.add(rec, outcome if rec is not None else outcome.partition(":")[0], done.started, done.finished)
-            self.totals["episodes"] += 1
-            self.totals["env_busy_s"] += done.finished - done.started
-            if self.cfg.max_episodes is not None and self.totals["episodes"] >= self.cfg.max_episodes:
-                self.console.print(f"episode budget reached ({self.cfg.max_episodes}): stopping", highlight=False)
-                self.stop.set()
+                self.console.print(f"[yellow]rollout failed[/]: {text}", highlight=False)
+            controller.on_episode(item.group_id or "", ABORTED if aborted else REJECTED)
+            outcome = text.partition(":")[0]
+        else:
+            controller.on_episode(item.group_id or "", outcome if outcome == ACCEPTED else REJECTED)
+        self.window.add(rec, outcome, started, finished)
+        self.totals["episodes"] += 1
+        self.totals["env_busy_s"] += finished - started
+        if self.cfg.max_episodes is not None and self.totals["episodes"] >= self.cfg.max_episodes:
+            self.console.print(f"episode budget reached ({self.cfg.max_episodes}): stopping", highlight=False)
+            self.stop.set()
 
     async def _learn(self, learner: Learner, dm: DataManager, controller: RolloutController, sync: WeightSync,
                      scheduler: RolloutScheduler[Rollout, EpisodeRecord], consumer: asyncio.Task[None]) -> None:
@@ -433,7 +499,9 @@ class Trainer:
                 dm.save_state(d, text)
 
             ckpt = await res.in_learner(learner.save, self.ckpt_root / f"v{version}",
-                                         {"run_dir": str(self.run_dir), "totals": dict(self.totals)}, write_states)
+                                         {"run_dir": str(self.run_dir), "totals": dict(self.totals)}, write_states,
+                                         full=version % cfg.checkpoint_every == 0 or version >= cfg.updates,
+                                         background=True)  # weights now; the training state off the critical path
             results = await res.sync_to(sync, ckpt, version)
             for err in await sync.prune(set(self.in_flight_versions.values())):
                 self.console.print(f"[yellow]adapter unload failed[/]: {err}", highlight=False)

@@ -114,15 +114,20 @@ def load_tasks(cfg: TrainConfig, suite_dir: Path | None = None,
     return suite, tasks
 
 
+def rollout_agent_options(a: AgentSection, base_url: str, name: str, seed: int | None = None) -> dict[str, Any]:
+    """The options (JSON: a queued rollout's job carries them) of one rollout's ``a.kind`` agent,
+    asking the policy server at ``base_url`` for model ``name``."""
+    if a.kind == "choice":
+        return {"base_url": base_url, "model": name, "choices": a.choices, "temperature": a.temperature,
+                "timeout_s": a.timeout_s, "screenshot": a.screenshot, "seed": seed}
+    return {"base_url": base_url, "model": name, "prompt_format": a.prompt_format, "observation": a.observation,
+            "history_turns": a.history_turns, "history_images": a.history_images, "temperature": a.temperature,
+            "max_tokens": a.max_tokens, "timeout_s": a.timeout_s, "capture_logprobs": True, "seed": seed}
+
+
 def rollout_agent(a: AgentSection, base_url: str, name: str, seed: int | None = None) -> Agent:
     """The agent of one rollout, asking the policy server at ``base_url`` for model ``name``."""
-    if a.kind == "choice":
-        return make_agent("choice", base_url=base_url, model=name, choices=a.choices, temperature=a.temperature,
-                          timeout_s=a.timeout_s, screenshot=a.screenshot, seed=seed)
-    return make_agent("vlm", base_url=base_url, model=name, prompt_format=a.prompt_format,
-                      observation=a.observation,
-                      history_turns=a.history_turns, history_images=a.history_images, temperature=a.temperature,
-                      max_tokens=a.max_tokens, timeout_s=a.timeout_s, capture_logprobs=True, seed=seed)
+    return make_agent(a.kind, **rollout_agent_options(a, base_url, name, seed))
 
 
 def data_config(cfg: TrainConfig, ctx: DistContext) -> DataConfig:

@@ -38,7 +38,7 @@ from osfarm.agents import make_agent
 from osfarm.client import AsyncFarm
 from osfarm.http.retry import backoff_s
 from osfarm.runner.episode import INFRA_ERROR, EpisodeConfig, EpisodeResult, episode_id, run_episode
-from osfarm.runner.results import BlobStore, write_task
+from osfarm.runner.results import BlobStore, episode_record, write_task
 from osfarm.stream.jsonl import JsonlSink
 from osfarm.stream.redis_stream import DEFAULT_STREAM, RedisStreamSink, connect, store_result
 from osfarm.tasks.filecache import suite_cache
@@ -54,6 +54,12 @@ _DEL_IF_MINE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call(
 
 def job_key(run_id: str, task_id: str) -> str:
     return f"osfarm:job:{run_id}:{task_id}"
+
+
+def rollout_name(job: dict[str, Any]) -> str:
+    """What names the job's one episode within its run: the task, or for a training rollout (the
+    trainer runs a task many times per run) the task and the rollout's number."""
+    return f"{job['task_id']}#{job['rollout']}" if job.get("rollout") is not None else job["task_id"]
 
 
 @lru_cache(maxsize=1)
@@ -124,7 +130,7 @@ class Claim:
 
 def run_job(job: dict[str, Any], worker_name: str) -> dict[str, Any]:
     r = _redis()
-    key = job_key(job["run_id"], job["task_id"])
+    key = job_key(job["run_id"], rollout_name(job))
     me = f"{worker_name}:{os.getpid()}:{time.time():.3f}"
     claim = Claim(r, key + ":claim", me)
     give_up = time.monotonic() + float(job.get("soft_limit_s", 3600))
@@ -150,12 +156,21 @@ def run_job(job: dict[str, Any], worker_name: str) -> dict[str, Any]:
             log.error("task %s (run %s): dead-lettered: %s", job["task_id"], job["run_id"], reason)
             _retrying(lambda: r.xadd(DEAD_JOBS, {"run_id": job["run_id"], "task_id": job["task_id"],
                                                  "reason": reason, "job": json.dumps(job)}), "dead-letter the job")
-            return _store(r, key, _dead_result(job, reason), _out_dir(job))
+            return _store(r, key, _with_origin(_dead_result(job, reason), job, worker_name), _out_dir(job), job)
         log.info("task %s (run %s): running the episode (start %d)", job["task_id"], job["run_id"], starts)
-        out = _run(job)
+        out = _with_origin(_run(job), job, worker_name)
         log.info("task %s (run %s): %s, score %s", job["task_id"], job["run_id"], out["row"]["status"],
                  out["row"]["score"])
-        return _store(r, key, out, _out_dir(job))
+        return _store(r, key, out, _out_dir(job), job)
+
+
+def _with_origin(out: dict[str, Any], job: dict[str, Any], worker_name: str) -> dict[str, Any]:
+    """The record names the worker and farm that ran it (a cluster's episodes come from many
+    hosts) and carries what the job asked to be added (a training rollout's group id)."""
+    rec = out["record"]
+    rec["worker"] = {"name": worker_name, "farm": os.environ.get("OSFARM_FARM_URL", "")}
+    rec.update(job.get("record_fields") or {})
+    return out
 
 
 def _count_start(r: redis.Redis, key: str) -> int:
@@ -165,11 +180,12 @@ def _count_start(r: redis.Redis, key: str) -> int:
     return int(pipe.execute()[0])
 
 
-def _store(r: redis.Redis, key: str, out: dict[str, Any], spill_dir: Path) -> dict[str, Any]:
+def _store(r: redis.Redis, key: str, out: dict[str, Any], spill_dir: Path, job: dict[str, Any]) -> dict[str, Any]:
     """Store the result and publish the record in one step (see the module doc); returns the result
-    Redis holds, which is an earlier run's when one got there first."""
+    Redis holds, which is an earlier run's when one got there first. The job may name the stream
+    (a trainer reads its own); else the worker's."""
     rec = out["record"]
-    stream = os.environ.get("OSFARM_STREAM", DEFAULT_STREAM)
+    stream = job["stream"] if job.get("stream") is not None else os.environ.get("OSFARM_STREAM", DEFAULT_STREAM)
     result = json.dumps(out, ensure_ascii=False)
     if stream:
         sink = RedisStreamSink(stream=stream, client=r)
@@ -195,7 +211,7 @@ def _dead_result(job: dict[str, Any], reason: str) -> dict[str, Any]:
     task = _task(job)
     now = time.time()
     res = EpisodeResult(task=task, status=INFRA_ERROR, score=0.0, error=reason,
-                        episode_id=episode_id(job["run_id"], task.id), attempt=1, infra_retries=0, steps=[],
+                        episode_id=episode_id(job["run_id"], rollout_name(job)), attempt=1, infra_retries=0, steps=[],
                         started_at=now, finished_at=now, agent=job["agent"],
                         action_timing=job.get("episode", {}).get("action_timing", "osworld"))
     records: list[dict[str, Any]] = []
@@ -234,6 +250,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
                         infra_retries=int(e["infra_retries"]), offline=bool(job.get("offline", True)),
                         work_dir=out / ".work", record=bool(e.get("record", False)),
                         action_timing=e.get("action_timing", "osworld"))
+    if job.get("instruction_suffix"):  # XRPO's exemplar, seeded by the trainer
+        task = task.model_copy(update={"instruction": task.instruction + job["instruction_suffix"]})
     agent = make_agent(job["agent"], **job.get("agent_options", {}))
 
     async def go() -> EpisodeResult:
@@ -241,6 +259,17 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
             return await run_episode(farm, task, agent, cache, cfg, job["run_id"])
 
     res = asyncio.run(go())
+    res.episode_id = episode_id(job["run_id"], rollout_name(job))  # a rollout of a task: its own episode
+    version = job.get("policy_version")
+    if version is not None:  # a server whose answers do not say which weights made them (vLLM)
+        for s in res.steps:
+            if s.model is not None and s.model.get("policy_version") is None:
+                s.model["policy_version"] = version
+    if job.get("rollout") is not None:  # a training rollout: the record is all (no per-task files,
+        # which the task's other rollouts, running at the same time, would overwrite)
+        rec = episode_record(res, job["run_id"], BlobStore(out))
+        return {"row": {"task_id": task.id, "status": res.status, "score": res.score, "episode_id": res.episode_id,
+                        "steps": len(res.steps)}, "record": rec}
     records: list[dict[str, Any]] = []
     row = write_task(out, res, job["run_id"], BlobStore(out), emit=records.append)
     return {"row": row, "record": records[0]}

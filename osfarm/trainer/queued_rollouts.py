@@ -1,0 +1,248 @@
+"""Training rollouts as Celery jobs (``rollout.executor: celery``): desktops on many hosts.
+
+The trainer sends each planned rollout as an ``osfarm.run_episode`` job (the queue of
+``osfarm eval --executor celery``, osfarm/runner/executors/); an ``osfarm worker`` on any host
+runs it on its own farm against the policy server the job names and publishes its
+``osfarm.episode/1`` record to the run's Redis Stream. The trainer needs no farm: it reads that
+stream through :meth:`DataManager.consume_redis` (journal, then ack; a record delivered twice is
+one episode id and trains once) and reports every job exactly once to the rollout controller:
+
+* a record on the stream: the data manager's outcome (accepted, or why not);
+* a job that failed on its worker (FAILURE) or was revoked before it ran (REVOKED): rejected or
+  aborted, seen by polling the result backend;
+* a job that finished but whose record never came (the stream was full and it was spilled): its
+  result's record, taken from the result backend after ``record_grace_s``;
+* a job gone for longer than any delivery of it could run (``lost_after_s``): rejected, so its
+  group is retried or closes and never waits forever.
+
+A worker killed mid-episode leaves its job unacknowledged: Redis hands it to another worker after
+the visibility timeout, which runs it again under the same episode id (worker_task.py). AReaL's
+capacity counts every job sent and not reported, queued or running alike (the controller's
+``running``). ROLL's abort revokes the selected jobs still queued; a job already running finishes
+and its record is judged by the data manager's version window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from osfarm.errors import InfraError
+from osfarm.runner.episode import episode_id
+from osfarm.runner.executors.celery_app import hard_limit_s, visibility_timeout_s
+from osfarm.runner.executors.celery_exec import CeleryExecutor, worker_failure
+from osfarm.runner.executors.worker_task import rollout_name as worker_rollout_name
+from osfarm.stream.redis_stream import RedisStreamSource
+from osfarm.trainer.data_manager import DataManager
+from osfarm.trainer.stream_intake import STREAM_JOURNAL
+
+log = logging.getLogger("osfarm.trainer.queued")
+
+T = TypeVar("T")
+# (item or None for a record of no job of this process, record or None, outcome or error, sent, finished)
+Report = Callable[[T | None, dict[str, Any] | None, str | BaseException, float, float], None]
+FAILED_STATES = ("FAILURE", "REVOKED")
+
+
+class JobLost(InfraError, RuntimeError):
+    """A job that neither finished nor failed within any delivery's time: its worker host is gone."""
+
+
+def rollout_name(task_id: str, seq: int) -> str:
+    """The name the worker gives rollout ``seq`` of ``task_id`` (a task runs many times per run)."""
+    return worker_rollout_name({"task_id": task_id, "rollout": seq})
+
+
+def rollout_episode_id(run_id: str, task_id: str, seq: int) -> str:
+    """The episode id the worker gives rollout ``seq`` of ``task_id`` (the same on every delivery)."""
+    return episode_id(run_id, rollout_name(task_id, seq))
+
+
+def job_task_id(run_id: str, task_id: str, seq: int) -> str:
+    """The Celery task id of a rollout's job (revoke and state polls use it)."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm-job:{run_id}:{rollout_name(task_id, seq)}"))
+
+
+@dataclass
+class Outstanding(Generic[T]):
+    item: T
+    task_id: str  # Celery's
+    episode_id: str
+    sent: float  # time.monotonic()
+    state: str = "PENDING"
+    succeeded_at: float | None = None  # when the backend said SUCCESS (the record should follow)
+
+
+@dataclass
+class QueueCounts:
+    sent: int = 0
+    records: int = 0
+    failed: int = 0
+    revoked: int = 0
+    lost: int = 0
+    from_backend: int = 0  # records taken from the result backend (never came on the stream)
+    foreign: int = 0  # records of jobs this process did not send (an earlier trainer process)
+    by_worker: dict[str, int] = field(default_factory=dict)
+
+
+class QueuedRollouts(Generic[T]):
+    """The trainer's side of the queue: send jobs, revoke queued ones, report each job once."""
+
+    def __init__(self, broker: str, stream: str, run_id: str, *, time_limit_s: float, poll_s: float = 1.0,
+                 record_grace_s: float = 15.0, lost_after_s: float | None = None):
+        CeleryExecutor.check_limits(time_limit_s, 0)
+        self.executor = CeleryExecutor(broker)
+        self.broker, self.stream, self.run_id = broker, stream, run_id
+        self.poll_s, self.record_grace_s = poll_s, record_grace_s
+        # the longest a job can take: queued behind a dead worker for a visibility timeout, then run in full
+        self.lost_after_s = lost_after_s if lost_after_s is not None else (
+            visibility_timeout_s() + hard_limit_s(time_limit_s, 0) + 60.0)
+        self.jobs: dict[str, Outstanding[T]] = {}  # by episode id
+        self.counts = QueueCounts()
+        self._stopped = False
+
+    def outstanding(self) -> int:
+        return len(self.jobs)
+
+    async def submit(self, item: T, task_id: str, seq: int, job: dict[str, Any]) -> None:
+        """Send one rollout's job (``job``: the worker's job fields, see worker_task.py)."""
+        full = {**job, "run_id": self.run_id, "task_id": task_id, "rollout": seq, "stream": self.stream}
+        j = self.track(item, task_id, seq)
+        try:
+            await self.executor._retry(lambda: self.executor._send(full, j.task_id))
+        except BaseException:
+            self.jobs.pop(j.episode_id, None)
+            raise
+        self.counts.sent += 1
+
+    def track(self, item: T, task_id: str, seq: int) -> Outstanding[T]:
+        """Expect rollout ``seq`` of ``task_id``'s one outcome (before its job is sent: a fast
+        worker's record must find it)."""
+        j = Outstanding(item, job_task_id(self.run_id, task_id, seq), rollout_episode_id(self.run_id, task_id, seq),
+                        time.monotonic())
+        self.jobs[j.episode_id] = j
+        return j
+
+    async def revoke(self, which: Callable[[T], bool]) -> int:
+        """Revoke the selected jobs not known to run yet (a running one finishes: its record is
+        judged like any other); they come back as REVOKED, i.e. aborted."""
+        ids = [j.task_id for j in self.jobs.values() if j.state == "PENDING" and which(j.item)]
+        if ids:
+            await asyncio.to_thread(self.executor.app.control.revoke, ids)
+        return len(ids)
+
+    # ---------------------------------------------------------------- reports
+
+    def take(self, rec: dict[str, Any], outcome: str, report: Report[T]) -> None:
+        """A record the data manager judged (``outcome``): its job's one report; a second delivery
+        of it, or a record of no job of ours, reports nothing."""
+        job = self.jobs.pop(rec.get("episode_id", ""), None)
+        worker = (rec.get("worker") or {}).get("name") or "?"
+        self.counts.by_worker[worker] = self.counts.by_worker.get(worker, 0) + 1
+        if job is None:  # a redelivered duplicate, or a job of an earlier trainer process
+            if outcome != "duplicate":
+                self.counts.foreign += 1
+            return
+        self.counts.records += 1
+        report(job.item, rec, outcome, job.sent, time.monotonic())
+
+    async def consume(self, dm: DataManager, run_dir: Path, report: Report[T]) -> None:
+        """Feed the data manager from the stream and report every job once, until :meth:`stop`."""
+        source = await asyncio.to_thread(RedisStreamSource, self.broker, self.stream, "trainer")
+        intake = asyncio.create_task(dm.consume_redis(
+            source, run_dir, journal=run_dir / STREAM_JOURNAL, stop=lambda: self._stopped,
+            on_added=lambda rec, outcome: self.take(rec, outcome, report)))
+        watch = asyncio.create_task(self._watch(dm, run_dir, report))
+        try:
+            done, _ = await asyncio.wait({intake, watch}, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # an intake or watcher that failed ends the consumer with its error
+        finally:
+            self._stopped = True
+            for t in (intake, watch):
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+
+    async def _watch(self, dm: DataManager, run_dir: Path, report: Report[T]) -> None:
+        while not self._stopped:
+            await asyncio.sleep(self.poll_s)
+            jobs = list(self.jobs.values())
+            if not jobs:
+                continue
+            states = await self.executor._retry(functools.partial(self._states, [j.task_id for j in jobs]))
+            lost = self.judge(list(zip(jobs, states, strict=True)), time.monotonic(), dm, run_dir, report)
+            if lost:
+                with contextlib.suppress(Exception):  # a lost job that comes back later finds itself revoked
+                    await asyncio.to_thread(self.executor.app.control.revoke, lost)
+
+    def judge(self, polled: list[tuple[Outstanding[T], tuple[str, Any]]], now: float, dm: DataManager, run_dir: Path,
+              report: Report[T]) -> list[str]:
+        """Act on the jobs' polled (state, result): report the failed and revoked ones, take the
+        record of one that finished but whose record never came, give up on lost ones (returned:
+        their Celery task ids, to revoke)."""
+        lost = []
+        for j, (state, result) in polled:
+            if self.jobs.get(j.episode_id) is not j:
+                continue  # its record came meanwhile
+            j.state = state
+            if state in FAILED_STATES:
+                self.jobs.pop(j.episode_id)
+                if state == "REVOKED":
+                    self.counts.revoked += 1
+                else:
+                    self.counts.failed += 1
+                report(j.item, None, worker_failure(state, result), j.sent, now)
+            elif state == "SUCCESS":
+                j.succeeded_at = j.succeeded_at or now
+                if now - j.succeeded_at > self.record_grace_s and isinstance(result, dict) and "record" in result:
+                    self.counts.from_backend += 1  # spilled, never on the stream: take it from the result
+                    self.take(result["record"], dm.add(result["record"], run_dir), report)
+            elif now - j.sent > self.lost_after_s:
+                self.jobs.pop(j.episode_id)
+                self.counts.lost += 1
+                lost.append(j.task_id)
+                report(j.item, None, JobLost(f"job {j.task_id} gave no result in {self.lost_after_s:.0f} s"), j.sent,
+                       now)
+        return lost
+
+    def _states(self, task_ids: list[str]) -> list[tuple[str, Any]]:
+        """Each job's Celery state and, once it ended, its result (blocking: run in a thread)."""
+        out = []
+        for tid in task_ids:
+            ar = self.executor.app.AsyncResult(tid)
+            state = ar.state
+            out.append((state, ar.result if state in (*FAILED_STATES, "SUCCESS") else None))
+        return out
+
+    def stop(self) -> None:
+        self._stopped = True
+
+    async def aclose(self) -> None:
+        """Stop reading; revoke what is still queued (the run is over: nothing will train on it)."""
+        self._stopped = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.revoke(lambda _item: True), 10)
+        self.executor.close()
+
+
+def open_queue(broker: str | None, stream: str, run_id: str, time_limit_s: float,
+               error: Callable[[str], Exception]) -> QueuedRollouts[Any]:
+    """The queue of a run, or ``error(message)`` naming the field that is wrong."""
+    if not broker:
+        raise error("rollout.executor celery needs rollout.broker (or OSFARM_BROKER): the Redis URL")
+    if not broker.startswith(("redis://", "rediss://", "unix://")):
+        raise error(f"rollout.broker must be a Redis URL (redis://host:port/db), got {broker!r}")
+    try:
+        return QueuedRollouts(broker, stream, run_id, time_limit_s=time_limit_s)
+    except ValueError as e:
+        raise error(f"rollout.episode_time_limit_s: {e}") from None
+

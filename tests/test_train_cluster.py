@@ -1,0 +1,201 @@
+"""``osfarm train --executor celery`` on a two-host cluster, on this machine (issue 29).
+
+Host A is the trainer on 127.0.0.1 with Redis (broker, result backend, record stream) and its
+spawned CPU policy server; hosts B and C are each a farm (``osfarm serve``, sandbox provider, the
+light desktop) bound to its own loopback address, 127.0.0.2 and 127.0.0.3, and an ``osfarm worker``
+running episodes on it. The trainer has no farm: every rollout is a Celery job, every record comes
+back on the stream. Worker C is SIGKILLed (its whole process group: a lost machine) after the first
+update; its unacknowledged job goes to worker B after the visibility timeout, under the same
+episode id, and the run still reaches its last version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import redis
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from osfarm.testing.farm_process import FarmProcess  # noqa: E402
+from osfarm.testing.redis_server import RedisServer  # noqa: E402
+from osfarm.testing.waiting import wait_until  # noqa: E402
+from osfarm.trainer.learner import latest_checkpoint, read_state  # noqa: E402
+
+pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parent.parent
+UPDATES = 3
+ETA = 1
+BATCH = 4
+STREAM = "osfarm:train:test"
+TIME_LIMIT_S = 20  # per episode: a job's hard limit is 50 s, so the visibility timeout can be 55 s
+VISIBILITY_S = 55
+CONFIG = """\
+run_dir: {run}
+updates: {updates}
+max_episodes: 120
+rollout:
+  envs: 2
+  eta: {eta}
+  batch_size: {batch}
+  max_steps: 1
+  episode_time_limit_s: {limit}
+  stream: "{stream}"
+  options: {{allocator: fixed, group_size: 2}}
+data:
+  options:
+    drop_no_signal: false
+"""
+
+
+class HostFarm(FarmProcess):
+    """A farm bound to one loopback address of its own (a "host" of the cluster)."""
+
+    def __init__(self, host: str, state_dir: Path):
+        super().__init__(state_dir, pool_min=1, pool_max=2, width=800, height=600)
+        self.host = host
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _argv(self) -> list[str]:
+        return [*super()._argv(), "--host", self.host]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OSFARM_CELERY_VISIBILITY_S": str(VISIBILITY_S), "OSFARM_CELERY_RESTORE_S": "1",
+            "OSFARM_CLAIM_TTL_S": "5", "PYTHONUNBUFFERED": "1"}
+
+
+def _start_worker(name: str, farm: HostFarm, broker: RedisServer, log: Path) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "osfarm.cli", "worker", "--farm", farm.url, "--token", farm.token, "--broker",
+         broker.url, "--concurrency", "1", "--name", f"{name}@test"],
+        cwd=ROOT, env=_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    wait_until(lambda: b" ready." in log.read_bytes() or proc.poll() is not None, 120, f"worker {name} ready")
+    assert proc.poll() is None, log.read_text()[-3000:]
+    return proc
+
+
+def _stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _rows(run: Path) -> list[dict[str, Any]]:
+    p = run / "metrics.jsonl"
+    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.is_file() else []
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    base = tmp_path_factory.mktemp("cluster")
+    run_dir = base / "run"
+    cfg = base / "train.yaml"
+    cfg.write_text(CONFIG.format(run=run_dir, updates=UPDATES, eta=ETA, batch=BATCH, limit=TIME_LIMIT_S,
+                                 stream=STREAM))
+    farms = {"b": HostFarm("127.0.0.2", base / "farm-b"), "c": HostFarm("127.0.0.3", base / "farm-c")}
+    workers: dict[str, subprocess.Popen[bytes]] = {}
+    trainer: subprocess.Popen[bytes] | None = None
+    log = base / "train.log"
+    with RedisServer() as broker:
+        try:
+            for f in farms.values():
+                f.start()
+            for name, f in farms.items():
+                workers[name] = _start_worker(name, f, broker, base / f"worker-{name}.log")
+            trainer = subprocess.Popen(
+                [sys.executable, "-m", "osfarm.cli", "train", "--config", str(cfg), "--executor", "celery",
+                 "--broker", broker.url], cwd=ROOT, env=_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 300
+            while not _rows(run_dir):  # the first update: both workers have run episodes by now
+                if trainer.poll() is not None:
+                    pytest.fail(f"osfarm train exited {trainer.returncode} early:\n{log.read_text()[-3000:]}")
+                if time.monotonic() > deadline:
+                    pytest.fail(f"no update in 300 s:\n{log.read_text()[-3000:]}")
+                time.sleep(0.5)
+            _stop_group(workers["c"], signal.SIGKILL)  # host C is lost, mid-run
+            rc = trainer.wait(420)
+            assert rc == 0, log.read_text()[-4000:]
+            # what the trainer took from the stream, in its journal (acked entries are trimmed from the stream)
+            records = [json.loads(x) for x in (run_dir / "stream-journal.jsonl").read_text().splitlines() if x.strip()]
+            r = redis.Redis.from_url(broker.url, decode_responses=True)
+            pending = [g["pending"] for g in r.xinfo_groups(STREAM)]
+            _stop_group(workers["b"])  # a warm shutdown: the episode it may still run ends, its lease too
+            with farms["b"].client() as c:
+                pool_b = c.get("/v1/pool").json()["counts"]
+        finally:
+            if trainer is not None and trainer.poll() is None:
+                trainer.kill()
+                trainer.wait(30)
+            for w in workers.values():
+                _stop_group(w)
+            for f in farms.values():
+                f.stop()
+    left = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if str(base) in " ".join(p.info["cmdline"] or [])]
+    yield {"dir": run_dir, "farms": farms, "records": records, "rows": _rows(run_dir), "pending": pending,
+           "summary": json.loads((run_dir / "summary.json").read_text()), "log": log.read_text(), "workers": workers,
+           "pool_b": pool_b, "left": left}
+
+
+def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any]) -> None:
+    assert read_state(latest_checkpoint(cluster["dir"] / "checkpoints"))["version"] == UPDATES
+    assert sorted({r["version"] for r in cluster["rows"]}) == list(range(1, UPDATES + 1))
+    assert "rollouts go to the Celery queue" in cluster["log"]
+    assert cluster["summary"]["totals"]["queue"]["sent"] >= UPDATES * BATCH
+
+
+def test_desktops_of_both_hosts_were_used(cluster: dict[str, Any]) -> None:
+    farms = Counter(rec["worker"]["farm"] for rec in cluster["records"])
+    assert set(farms) == {f.url for f in cluster["farms"].values()}, farms
+    assert {u.split("//")[1].split(":")[0] for u in farms} == {"127.0.0.2", "127.0.0.3"}
+    by_worker = cluster["summary"]["totals"]["queue"]["by_worker"]
+    assert {w.split("@")[0] for w in by_worker} == {"b", "c"}, by_worker
+
+
+def test_every_episode_is_trained_at_most_once(cluster: dict[str, Any]) -> None:
+    ids = Counter(rec["episode_id"] for rec in cluster["records"])
+    assert ids and max(ids.values()) == 1, [i for i, n in ids.items() if n > 1]
+    dm = json.loads((latest_checkpoint(cluster["dir"] / "checkpoints") / "state" / "data_manager.json").read_text())
+    assert dm["counters"].get("duplicate", 0) == 0 or set(dm["seen"]) <= set(ids)
+    assert set(dm["seen"]) <= set(ids)  # nothing trained that did not come through the stream
+    # every record carries the group its rollout was planned in: each is one of the trainer's rollouts
+    assert all("#g" in rec["group_id"] for rec in cluster["records"])
+
+
+def test_the_staleness_bound_held(cluster: dict[str, Any]) -> None:
+    for r in cluster["rows"]:
+        assert r["staleness_max"] <= ETA, r
+        assert all((r["version"] - 1) - v <= ETA for v in r["sample_versions"]), r
+    rc = json.loads((latest_checkpoint(cluster["dir"] / "checkpoints") / "state" / "rollout_controller.json")
+                    .read_text())
+    assert rc["gate"]["accepted"] - rc["gate"]["consumed"] <= (ETA + 1) * BATCH + 1
+
+
+def test_nothing_is_left_running(cluster: dict[str, Any]) -> None:
+    assert cluster["workers"]["c"].returncode == -signal.SIGKILL
+    assert cluster["workers"]["b"].returncode == 0
+    assert cluster["pool_b"].get("leased", 0) == 0, cluster["pool_b"]  # the live host's desktops all came back
+    assert cluster["pending"] == [0]  # every record the trainer read was acknowledged
+    assert cluster["left"] == []  # no farm, desktop or worker process of the cluster survives it
+    for f in cluster["farms"].values():
+        assert f.proc is not None and f.proc.returncode is not None
