@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request, Response, WebSocket, WebSocketDisconnect
@@ -27,7 +27,7 @@ from fastapi.responses import StreamingResponse
 from osfarm.dashboard import pages
 from osfarm.dashboard.access import csrf_ok, may_watch, same_origin, uses_cookie
 from osfarm.dashboard.control import ControlRefused, control_actions
-from osfarm.dashboard.live import DesktopGone, LiveHub
+from osfarm.dashboard.live import DesktopGone, LiveHub, Watcher
 from osfarm.dashboard.responses import PageRoute, error_page, page
 from osfarm.dashboard.state import Caller, Dashboard, DashboardOf, Hub, PageFrame
 from osfarm.farm.errors import ApiError
@@ -201,7 +201,8 @@ async def live(ws: WebSocket, desktop_id: str, who: Caller, dash: DashboardOf, s
 
 
 async def _on_message(dash: Dashboard, ws: WebSocket, state: FarmState, desktop_id: str, who: Principal,
-                      me: object, watcher: Any, msg: dict[str, Any], send_json: Any) -> None:
+                      me: object, watcher: Watcher, msg: dict[str, Any],
+                      send_json: Callable[[dict[str, Any]], Awaitable[None]]) -> None:
     kind = msg.get("type")
     if kind == "view":
         w, h = msg.get("width"), msg.get("height")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from jinja2 import Environment, PackageLoader, StrictUndefined
@@ -17,8 +17,10 @@ from markupsafe import Markup
 
 from osfarm.dashboard.compare import compare
 from osfarm.dashboard.confined import Refused
+from osfarm.dashboard.links import ServerLinks, SiteLinks
 from osfarm.dashboard.marks import Mark, marks_of
 from osfarm.dashboard.runs import EvalRun, RunsRoot
+from osfarm.http.principals import Principal
 from osfarm.runner.results import GROUPS
 
 # The dashboard's own pages load scripts, styles and images from the dashboard only; nothing
@@ -65,13 +67,12 @@ _env.globals.update(fnum=fnum)
 class Frame:
     """What every page gets: how to link, who is looking, what this dashboard has."""
 
-    links: Any
-    principal: Any = None
+    links: ServerLinks | SiteLinks
+    principal: Principal | None = None
     csrf: str = ""
     has_runs: bool = False
     has_farm: bool = False
     runs_root: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def render(name: str, frame: Frame, **ctx: Any) -> str:
@@ -79,7 +80,7 @@ def render(name: str, frame: Frame, **ctx: Any) -> str:
         L=frame.links, principal=frame.principal, csrf=frame.csrf, has_runs=frame.has_runs,
         has_farm=frame.has_farm, runs_root=frame.runs_root, static_site=frame.links.static_site,
         csp_meta=CSP.replace(" frame-ancestors 'none';", ""),
-        **frame.extra, **ctx,
+        **ctx,
     )
 
 
