@@ -237,11 +237,24 @@ def test_lora_checkpoint(model_dir: Path, tmp_path: Path) -> None:
     lrn.update([s])
     assert sum(lrn.score(s)) > before
     ckpt = lrn.save(tmp_path / "v2")
-    assert (ckpt / "adapter" / "adapter_config.json").is_file() and (ckpt / "model" / "model.safetensors").is_file()
+    # adapters only (what vLLM hot-loads): no 15 GB merged model per version unless asked for
+    assert (ckpt / "adapter" / "adapter_config.json").is_file() and not (ckpt / "model").exists()
     assert json.loads((ckpt / STATE_FILE).read_text())["lora"] is True
     back, _ = Learner.resume(ckpt, opts)
     assert back.version == 2
     assert back.score(s) == pytest.approx(lrn.score(s), abs=1e-4)
+    # save_merged: the base with the adapter folded in, which the CPU policy server loads
+    from osfarm.policy.engine import PolicyEngine
+
+    lrn.opts.lora = LoraOptions(r=4, alpha=8, save_merged=True)
+    merged = lrn.save(tmp_path / "v2m")
+    engine = PolicyEngine(model_dir, served_name="tiny").reload(merged / "model", 2)
+    enc = lrn.encode(s)
+    with torch.no_grad():
+        out = engine.model(**enc.inputs, use_cache=False).logits
+    lp = torch.log_softmax(out[0, enc.prompt_len - 1:-1].float(), -1).gather(-1, enc.response_ids[:, None])[:, 0]
+    assert lp.tolist() == pytest.approx(lrn.score(s), abs=1e-4)
+    assert sum(lp.tolist()) != pytest.approx(before, abs=1e-3)  # the adapter is in it, not the bare base
 
 
 def test_pool_sample_without_ids_or_logprobs(learner: Learner) -> None:
@@ -464,3 +477,73 @@ def test_a_broad_group_trains_in_bounded_micro_batches(model_dir: Path) -> None:
     assert max(widths) == 8 and len(widths) == 2 * 64 // 8  # proximal pass + training pass
     b = Learner(model_dir, LearnerOptions(lr=1e-3, micro_batch_size=64)).update(samples)
     assert a.loss == pytest.approx(b.loss, abs=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
+
+
+def test_an_update_holds_one_micro_batch_encoded_at_a_time(model_dir: Path) -> None:
+    """Samples are encoded when their micro-batch runs (in both passes) and dropped after it: at
+    every forward pass of an update no more encoded samples are alive than one micro-batch holds,
+    however large the batch (the host memory of a 1080p screenshot's pixel_values is ~50 MB)."""
+    import gc
+
+    from osfarm.trainer.batching import Encoded, MicroBatch
+
+    lrn = Learner(model_dir, LearnerOptions(lr=1e-3, micro_batch_size=2))
+    samples = [make_sample(MESSAGES if i % 2 else TEXT_ONLY, [101 + i, 102 + i], None,
+                           advantage=1.0 if i % 3 else -1.0) for i in range(8)]
+    alive: list[tuple[int, int]] = []
+
+    def count(*_: Any) -> None:
+        objs = gc.get_objects()
+        alive.append((sum(isinstance(o, Encoded) for o in objs), sum(isinstance(o, MicroBatch) for o in objs)))
+
+    hook = lrn.model.register_forward_pre_hook(count)
+    try:
+        lrn.update(samples)
+    finally:
+        hook.remove()
+    assert len(alive) == 2 * 8 // 2  # the proximal pass and the training pass, 4 micro-batches each
+    assert max(e for e, _ in alive) <= 2 and max(m for _, m in alive) <= 1, alive
+
+
+def test_a_trajectory_sample_has_its_last_reply_once(learner: Learner) -> None:
+    """A trajectory sample (data granularity ``trajectory``) carries its last reply in messages as
+    well as in its response ids; the learner encodes the reply once, after the earlier turns."""
+    history = [*TEXT_ONLY, {"role": "assistant", "content": "pyautogui.click(10, 10)"},
+               {"role": "user", "content": "Now the terminal."}]
+    ids = [171, 172, 173]
+    reply = learner.processor.tokenizer.decode(ids)
+    s = make_sample([*history, {"role": "assistant", "content": reply}], ids, None, advantage=1.0)
+    s.turns = [{"message_index": 2, "step_index": 1, "token_ids": [160], "logprobs": None, "policy_version": 0},
+               {"message_index": 4, "step_index": 2, "token_ids": ids, "logprobs": None, "policy_version": 0}]
+    got = learner.encode(s)
+    want = encode_sample(learner.processor, history, ids)
+    assert got.inputs["input_ids"].tolist() == want.inputs["input_ids"].tolist()
+    assert got.prompt_len == want.prompt_len
+    stats = learner.update([s])  # trains on the well-formed sequence
+    assert stats.tokens == len(ids)
+    s.turns[-1]["message_index"] = 3  # a user message: the sample is malformed, and said so
+    with pytest.raises(ValueError, match="message_index 3"):
+        learner.encode(s)
+
+
+def test_the_entropy_term_builds_no_graph_when_its_coefficient_is_0(model_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entropy over [B, T, V] logits is only reported without a bonus: no autograd graph for it."""
+    import osfarm.trainer.learner as learner_module
+
+    grads: list[bool] = []
+    real = learner_module.token_entropy
+
+    def spy(logits: torch.Tensor, **kw: Any) -> torch.Tensor:
+        out = real(logits, **kw)
+        grads.append(out.requires_grad)
+        return out
+
+    monkeypatch.setattr(learner_module, "token_entropy", spy)
+    s = make_sample(TEXT_ONLY, [101, 102], None, advantage=1.0)
+    off = Learner(model_dir, LearnerOptions(lr=1e-3))
+    a = off.update([s])
+    assert grads == [False] and a.entropy > 0  # still reported
+    on = Learner(model_dir, LearnerOptions(lr=1e-3, loss=LossOptions(entropy_coef=0.01)))
+    b = on.update([s])
+    assert grads == [False, True] and b.entropy == pytest.approx(a.entropy, rel=1e-5)

@@ -12,8 +12,8 @@
 * ``command``: a restart script that stops the server and starts it on the new checkpoint (the
   vLLM restart path), followed by the health check.
 * failures: a server that does not answer, a command that fails or hangs, a junk checkpoint —
-  each is reported for its server and the sync goes on with the next; servers are synced one at
-  a time.
+  each is reported for its server and the sync goes on with the next; servers are synced in
+  parallel waves, and no call reaches a server while it swaps.
 """
 
 from __future__ import annotations
@@ -234,15 +234,59 @@ def test_failures_are_reported_per_server_and_the_sync_goes_on(lora_server: Poli
     assert httpx.get(f"{lora_server.url}/health", timeout=10).json()["policy_version"] == 0  # kept its weights
 
 
-def test_servers_are_synced_one_at_a_time(health_urls: list[str], tmp_path: Path) -> None:
+def test_servers_are_synced_in_parallel_waves(health_urls: list[str], tmp_path: Path) -> None:
+    """Default waves are half the servers (rounded up): the first two reload together, the third
+    after them (while a wave reloads, the others serve); ``wave: 1`` is one at a time."""
     log = tmp_path / "order.log"
-    cmd = f"echo start {{url}} >> {log}; sleep 0.3; echo end {{url}} >> {log}"
+    cmd = f"echo start {{url}} >> {log}; sleep 0.5; echo end {{url}} >> {log}"
     servers = [PolicyServer(url=u, kind="command", command=cmd) for u in health_urls]
-    results = asyncio.run(WeightSync(servers).sync(tmp_path, 1))
-    assert all(r.ok for r in results), [r.error for r in results]
+    sync = WeightSync(servers)
+    assert sync.wave == 2
+    results = asyncio.run(sync.sync(tmp_path, 1))
+    assert [r.url for r in results] == health_urls and all(r.ok for r in results), [r.error for r in results]
+    words = log.read_text().split()
+    assert words[0::2] == ["start", "start", "end", "end", "start", "end"], words
+    assert set(words[1:4:2]) == set(health_urls[:2]) and words[9] == words[11] == health_urls[2]
+    log.unlink()
+    asyncio.run(WeightSync(servers, wave=1).sync(tmp_path, 2))
     words = log.read_text().split()
     assert words[0::2] == ["start", "end"] * 3  # never two at once
     assert words[1::4] == words[3::4] == health_urls
+    with pytest.raises(ValueError, match="wave"):
+        WeightSync(servers, wave=0)
+
+
+def test_no_call_reaches_a_server_while_it_swaps(health_urls: list[str], tmp_path: Path) -> None:
+    """A reload starts once the calls already sent to that server are back; calls that arrive
+    during the reload wait for it; the other servers' calls go on meanwhile."""
+    log = tmp_path / "order.log"
+    cmd = f"echo reload-start >> {log}; sleep 0.5; echo reload-end >> {log}"
+    server, other = PolicyServer(url=health_urls[0], kind="command", command=cmd), health_urls[1]
+    sync = WeightSync([server, PolicyServer(url=other, kind="command", command="true")], wave=1)
+
+    async def call(url: str, name: str, delay: float, hold: float) -> None:
+        await asyncio.sleep(delay)
+        async with sync.serving(url):
+            with log.open("a") as f:
+                f.write(f"{name}-start\n")
+            await asyncio.sleep(hold)
+            with log.open("a") as f:
+                f.write(f"{name}-end\n")
+
+    async def main() -> None:
+        async def swap() -> None:
+            await asyncio.sleep(0.1)
+            await sync.sync(tmp_path, 1)
+
+        await asyncio.gather(call(server.url, "early", 0, 0.4), swap(), call(server.url, "late", 0.3, 0),
+                             call(other, "other", 0.3, 0))
+
+    asyncio.run(main())
+    lines = log.read_text().split()
+    assert lines.index("early-end") < lines.index("reload-start")  # the call in flight came back first
+    assert lines.index("reload-end") < lines.index("late-start")  # the new call waited for the swap
+    assert lines.index("other-end") < lines.index("reload-end")  # another server's calls went on
+    assert sync.versions[server.url] == 1 and not sync.swapping(server.url)
 
 
 # ---- a short training run on the vllm_lora path --------------------------------------------------

@@ -5,7 +5,7 @@
                               is not a checkpoint)
         model/                Hugging Face model dir, safetensors in the serving dtype + config +
                               processor files: what a policy server loads (``/v1/weights/reload``,
-                              a vLLM restart); with LoRA the merged model (``export_merged``)
+                              a vLLM restart); with LoRA the merged model (``save_merged``)
         adapter/              with LoRA: the PEFT adapter (vLLM's LoRA hot-load)
         state/                what only the trainer needs to resume: ``optimizer.pt`` (fp32 moments),
                               ``schedule.json`` (LR schedule position), ``master.safetensors`` (the
@@ -13,7 +13,10 @@
                               and rollout controller's JSON
 
 A checkpoint dir is written under a temporary name and renamed into place, so a crash never
-leaves half a checkpoint; the last ``keep`` are kept. Checkpoints of the first layout (model files
+leaves half a checkpoint; the last ``keep`` are kept. Versions between full checkpoints
+(``checkpoint_every``) get the served weights only (no ``state/``, no ``trainer_state.json``: never
+resumed from); ``state/`` and ``trainer_state.json`` may be written after the rename, in the
+background (``learner_saving.py``), the state file last. Checkpoints of the first layout (model files
 at the top of ``v<N>/``, schema ``osfarm.trainer_state/1``) still resume.
 """
 
@@ -93,10 +96,16 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
 
 
 def prune_checkpoints(ckpt_root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` checkpoints (and leftovers of interrupted writes); returns what went."""
+    """Delete all but the newest ``keep`` checkpoints, the weights-only dirs of versions before the
+    newest (the servers loaded them already; the newest may still be getting its training state
+    written) and leftovers of interrupted writes; returns what went."""
     gone = [d for _, d in checkpoint_dirs(ckpt_root)[:-keep]] if keep > 0 else []
     root = Path(ckpt_root)
     if root.is_dir():
+        versions = {int(d.name[1:]): d for d in root.iterdir()
+                    if d.is_dir() and d.name.startswith("v") and d.name[1:].isdigit()}
+        newest = max(versions, default=None)
+        gone += [d for v, d in versions.items() if v != newest and not (d / STATE_FILE).is_file()]
         gone += [d for d in root.iterdir() if d.is_dir() and ".tmp" in d.name]
     for d in gone:
         shutil.rmtree(d, ignore_errors=True)

@@ -126,6 +126,9 @@ class TrainConfig(_Strict):
     suite: Path = Field(default=DEFAULT_SUITE)
     tasks: list[str] = Field(default_factory=list, description="task ids (default: all of the suite)")
     keep_checkpoints: int = Field(default=3, ge=1)
+    checkpoint_every: int = Field(default=1, ge=1, description="a full checkpoint (optimizer, master weights, data "
+                                  "state; written in the background) every this many versions, and at the last; "
+                                  "the served weights the policy servers sync to are written every version")
     seed: int = 0
     learner_cpus: list[int] | None = Field(
         default=None, min_length=1,
@@ -159,6 +162,13 @@ class TrainConfig(_Strict):
                              f"({self.agent.temperature}): the behaviour log-probs are of the tempered distribution")
         if self.learner.lora is None and any(s.kind == "vllm_lora" for s in self.policy.servers):
             raise ValueError("policy.servers: kind vllm_lora loads LoRA adapters; set learner.lora")
+        if self.learner.lora is not None:  # a server other than vLLM's LoRA route reloads whole (merged) weights
+            whole = not self.policy.servers or any(s.kind != "vllm_lora" for s in self.policy.servers)
+            if self.learner.lora.save_merged is None:
+                self.learner.lora.save_merged = whole
+            elif whole and not self.learner.lora.save_merged:
+                raise ValueError("learner.lora.save_merged: false, but a policy server (spawned, or kind osfarm or "
+                                 "command) reloads the merged model; set it true or use vllm_lora servers only")
         for s in self.policy.servers:
             if s.kind == "vllm_lora" and not s.lora_versioned and s.lora_name == self.policy.model_name:
                 raise ValueError(f"policy.servers: {s.url}: lora_name {s.lora_name!r} is the base model's name "

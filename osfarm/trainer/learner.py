@@ -2,8 +2,12 @@
 
 One update = one batch of :class:`Sample` s (the data manager's):
 
-1. every sample is encoded exactly as the policy server encoded its prompt (``batching.py``), the
-   response token ids the server returned appended; the loss covers those tokens only;
+1. a sample is encoded exactly as the policy server encoded its prompt (``batching.py``), the
+   response token ids the server returned appended; the loss covers those tokens only. Samples
+   are encoded when their micro-batch runs, in each pass, and dropped after it: one 1080p
+   screenshot's ``pixel_values`` are ~50 MB, so an update holding its whole batch encoded would
+   need host memory in proportion to the batch (64 episodes × 15 steps: ~19 GB); encoding twice
+   costs CPU time instead, which the data loading of a real run overlaps anyway;
 2. proximal log-probs are computed with the weights *before* this update (no grad);
 3. ``minibatches`` optimizer steps follow, each over its share of the batch, in micro-batches of
    ``micro_batch_size`` samples (one forward pass each, left-padded) with gradient accumulation:
@@ -24,28 +28,22 @@ the compute dtype and only the adapter in fp32. The served weights are written i
 Several ranks (``distributed.py``): rank 0 sends each update's batch to the others; every rank
 computes its share; gradients are summed (data parallel on CPUs, FSDP2 ``fully_shard`` on GPUs).
 
-Checkpoints (``checkpoint.py``): ``model/`` (HF safetensors the policy servers load), ``adapter/``
-with LoRA, ``state/`` (optimizer, schedule, fp32 master weights when served in bf16, and the data
-manager's and rollout controller's state), ``trainer_state.json``.
+Saving (``learner_saving.py``, layout in ``checkpoint.py``): the served weights every update (what
+the weight sync loads), the training state of a full checkpoint snapshotted and written in the
+background; the options and the update's report are in ``learner_options.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import json
 import logging
 import math
-import os
-import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, Field
 
 from osfarm.policy.processing import load_processor
 from osfarm.policy.progress import hf_progress_bars_off
@@ -53,12 +51,8 @@ from osfarm.trainer.batching import Encoded, MicroBatch, collate, encode_sample,
 from osfarm.trainer.checkpoint import (
     ADAPTER_DIR,
     MASTER_FILE,
-    MODEL_DIR,
     OPTIMIZER_FILE,
     STATE_FILE,
-    STATE_SCHEMA,
-    TRAIN_STATE_DIR,
-    copy_processor_files,
     latest_checkpoint,
     model_dir,
     read_state,
@@ -73,7 +67,16 @@ from osfarm.trainer.distributed import (
     leave_process_groups,
     shard,
 )
-from osfarm.trainer.losses import Aggregation, KLKind, decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
+from osfarm.trainer.learner_options import (
+    LearnerOptions,
+    LoraOptions,
+    LossOptions,
+    UpdateStats,
+    pick_device,
+    pick_dtype,
+)
+from osfarm.trainer.learner_saving import CheckpointWriter, gather
+from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
 from osfarm.trainer.samples import Sample
 from osfarm.trainer.schedule import lr_factor
 
@@ -81,80 +84,6 @@ __all__ = ["Encoded", "Learner", "LearnerOptions", "LoraOptions", "LossOptions",
            "latest_checkpoint", "read_state", "response_mask", "STATE_FILE"]
 
 log = logging.getLogger("osfarm.trainer.learner")
-
-
-class LoraOptions(BaseModel):
-    r: int = Field(default=16, ge=1)
-    alpha: int = Field(default=32, ge=1)
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    export_merged: bool = Field(default=True, description="also write the merged full model (CPU server reload)")
-
-
-class LossOptions(BaseModel):
-    """Knobs of ``decoupled_ppo_loss`` (reference/rl.md)."""
-
-    clip_low: float = Field(default=0.2, gt=0)
-    clip_high: float = Field(default=0.28, gt=0)
-    behav_cap: float | None = Field(default=1.0, gt=0, description="DART: truncate π_prox/π_b at C")
-    behav_reject: float | None = Field(default=None, gt=0, description="AReaL: drop tokens with π_prox/π_b above this")
-    dual_clip: float | None = Field(default=None, gt=1)
-    aggregation: Aggregation = "token_mean"
-    entropy_coef: float = Field(default=0.0, ge=0.0, description="entropy bonus (0: off)")
-    kl_coef: float = Field(default=0.0, ge=0.0,
-                           description="weight of KL(π_θ ‖ π_ref) in the loss (0: off, no reference kept)")
-    kl_kind: KLKind = Field(default="k3", description="KL estimator (Schulman's k1/k2/k3)")
-
-
-class LearnerOptions(BaseModel):
-    lr: float = Field(default=1e-5, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = Field(default=1.0, gt=0)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(default=0, ge=0, description="optimizer steps of linear warmup from 0 to lr")
-    total_steps: int | None = Field(default=None, ge=1, description="steps the decay runs over (default: the "
-                                    "run's updates × minibatches)")
-    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0, description="linear/cosine: lr at the end, as a fraction")
-    minibatches: int = Field(default=1, ge=1,
-                             description="optimizer steps per update (proximal ≠ current after the first)")
-    micro_batch_size: int = Field(default=1, ge=1, description="samples per forward pass (gradient accumulation "
-                                  "over the rest of a minibatch bounds memory)")
-    dtype: str = Field(default="auto", pattern="^(auto|float32|bfloat16|float16)$",
-                       description="compute dtype (auto: bfloat16 on GPUs, float32 on CPUs)")
-    master_dtype: str = Field(default="float32", pattern="^(float32|same)$",
-                              description="trained parameters and optimizer state (same: the compute dtype)")
-    device: str = Field(default="auto", description="auto: cuda (this rank's GPU) when available, else cpu")
-    fsdp: Literal["auto", "on", "off"] = Field(default="auto", description="shard with FSDP2 over the ranks "
-                                               "(auto: on GPUs with several ranks)")
-    lora: LoraOptions | None = None
-    loss: LossOptions = Field(default_factory=LossOptions)
-    gradient_checkpointing: bool = False
-    temperature: float = Field(default=1.0, gt=0, description="the rollouts' sampling temperature: the learner's "
-                               "log-probs are of softmax(logits / T), as the server's processed log-probs are")
-    full_logits: bool = Field(default=False, description="compute logits over the whole sequence (tests; costs memory)")
-    reference: Path | None = Field(default=None, description="model dir of the KL reference policy (default: the "
-                                   "model the run started from; with LoRA: the base without adapters)")
-    reference_device: str | None = Field(default=None,
-                                         description="device of the KL reference (default: the learner's)")
-    seed: int = 0
-
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def pick_device(name: str, ctx: DistContext | None = None) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", (ctx.local_rank if ctx else 0) % torch.cuda.device_count())
-        return torch.device("cpu")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[name]
 
 
 def load_model(path: Path, dtype: torch.dtype) -> Any:
@@ -166,31 +95,6 @@ def load_model(path: Path, dtype: torch.dtype) -> Any:
 
 def load_model_and_processor(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
     return load_model(path, dtype).to(device), load_processor(path)
-
-
-@dataclass
-class UpdateStats:
-    version: int
-    samples: int
-    tokens: int
-    loss: float
-    entropy: float
-    kl_prox_behav: float  # mean (log π_b − log π_prox) over response tokens: the staleness drift
-    grad_norm: float
-    seconds: float
-    skipped_steps: int = 0  # optimizer steps skipped for a non-finite gradient
-    lr: float = 0.0  # the learning rate of the last step taken
-    extra: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def skipped(self) -> bool:
-        """No step was taken: the weights and the version did not change."""
-        return self.skipped_steps > 0 and self.extra.get("steps_taken", 0.0) == 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        d = {k: v for k, v in self.__dict__.items() if k != "extra"}
-        d.update(self.extra)
-        return d
 
 
 class Learner:
@@ -251,6 +155,7 @@ class Learner:
         self.version = version
         self.counters: dict[str, int] = {"updates": 0, "samples": 0, "tokens": 0, "optimizer_steps": 0,
                                          "skipped_steps": 0, "skipped_updates": 0}
+        self.writer = CheckpointWriter()
 
     def _shard(self) -> None:
         """FSDP2: each language-model decoder layer its own unit, then the root; fp32 master
@@ -284,11 +189,15 @@ class Learner:
             out.append(end)
         return out
 
-    def encode(self, sample: Sample) -> Encoded:
-        if sample.turns:
-            raise ValueError(f"sample {sample.episode_id}: trajectory samples (several trained turns) are not "
-                             "supported by the learner yet; use the data manager's step granularity")
-        return encode_sample(self.processor, sample.messages, self.response_ids(sample))
+    def encode(self, sample: Sample, response_ids: Sequence[int] | None = None) -> Encoded:
+        """The sample's prompt + its response ids (``response_ids``: already computed)."""
+        ids = self.response_ids(sample) if response_ids is None else response_ids
+        return encode_sample(self.processor, prompt_messages(sample), ids)
+
+    def _encode_micro(self, samples: Sequence[Sample], resp: Sequence[Sequence[int]], idx: Sequence[int]) -> MicroBatch:
+        """Samples ``idx`` encoded and collated now; nothing else keeps them, so they are freed
+        when the caller drops the micro-batch."""
+        return collate([self.encode(samples[i], resp[i]) for i in idx], self.pad_id)
 
     @contextlib.contextmanager
     def _precision(self) -> Iterator[None]:
@@ -354,7 +263,7 @@ class Learner:
         out: list[list[float]] = []
         step = self.opts.micro_batch_size
         for i in range(0, len(samples), step):
-            mb = collate([self.encode(s) for s in samples[i:i + step]], self.pad_id)
+            mb = collate([self.encode(s) for s in samples[i:i + step]], self.pad_id)  # freed each round
             logp, _ = self.forward(mb)
             out += [row.float().cpu().tolist() for row in mb.per_sample(logp)]
         return out
@@ -381,8 +290,10 @@ class Learner:
                             aggregation=lo.aggregation)
             loss = loss + lo.kl_coef * kl
             stats = {**stats, "kl_ref": float(kl.detach())}
-        ent = token_entropy(logits)
-        ent_mean = (ent * mask).sum() / mask.sum()
+        # with no bonus the entropy is only reported: no graph over the [B, T, V] logits for it
+        with contextlib.nullcontext() if lo.entropy_coef else torch.no_grad():
+            ent = token_entropy(logits)
+            ent_mean = (ent * mask).sum() / mask.sum()
         if lo.entropy_coef:
             loss = loss - lo.entropy_coef * ent_mean
         return loss, stats, ent_mean.detach()
@@ -435,8 +346,6 @@ class Learner:
             per_rank = [shard(mb_indices, lengths, r, world) for r in range(world)]
             count = max(math.ceil(len(p) / step) for p in per_rank)
             plans.append(self._micro_batches(per_rank[rank], count, mb_indices[0]))
-        mine = sorted({i for plan in plans for idx, _ in plan for i in idx})
-        encs = {i: encode_sample(self.processor, samples[i].messages, resp[i]) for i in mine}
 
         # proximal policy = the weights before this update; the KL reference when used
         self.model.eval()
@@ -449,13 +358,14 @@ class Learner:
                     todo = list(idx) if self.fsdp else [i for i in idx if i not in prox]
                     if not todo:
                         continue
-                    mb = collate([encs[i] for i in todo], self.pad_id)
+                    mb = self._encode_micro(samples, resp, todo)
                     logp, _ = self.forward(mb)
                     for i, row in zip(todo, mb.per_sample(logp), strict=True):
                         prox[i] = row.detach().float()
                     if self.opts.loss.kl_coef > 0:
                         for i, row in zip(todo, mb.per_sample(self._reference(mb)), strict=True):
                             refs[i] = row.detach().float()
+                    del mb, logp  # this micro-batch's inputs go before the next one is encoded
 
         self.model.train()
         sums = {"loss": 0.0, "entropy": 0.0, "drift": 0.0}
@@ -469,7 +379,7 @@ class Learner:
             for k, (idx, weight) in enumerate(plan):
                 if self.fsdp:  # reduce-scatter once, after the minibatch's last micro-batch
                     self.model.set_requires_gradient_sync(k == len(plan) - 1)
-                mb = collate([encs[i] for i in idx], self.pad_id)
+                mb = self._encode_micro(samples, resp, idx)
                 width = mb.width
                 prox_rows = torch.stack([torch.nn.functional.pad(prox[i], (width - lengths[i], 0)) for i in idx])
                 ref_rows = (torch.stack([torch.nn.functional.pad(refs[i], (width - lengths[i], 0)) for i in idx])
@@ -482,6 +392,7 @@ class Learner:
                 # the ranks' gradients are to be summed; FSDP's reduce-scatter averages them (and
                 # gloo has no pre-multiplied sum), so its shares count world-size times
                 (loss * (share * world if self.fsdp else share)).backward()
+                del mb, prox_rows, ref_rows  # freed before the next micro-batch is encoded
                 w = weight * micro_tokens / total_tokens
                 sums["loss"] += float(loss.detach()) * w
                 sums["entropy"] += float(ent) * w
@@ -537,86 +448,25 @@ class Learner:
 
     # -- checkpoints --------------------------------------------------------------------------------
 
-    def _full_state(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
-        """(model state dict, optimizer state dict) gathered to rank 0 under FSDP (collective);
-        (None, None) elsewhere (the model's own are used)."""
-        if not self.fsdp:
-            return None, None
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd: dict[str, torch.Tensor] = {}
-        for k, v in get_model_state_dict(self.model, options=opts).items():
-            # a full model state dict maps names to tensors (torch types it as any state-dict value)
-            if not isinstance(v, torch.Tensor):
-                raise TypeError(f"full model state dict entry {k!r} is a {type(v).__name__}, not a tensor")
-            model_sd[k] = v
-        return model_sd, get_optimizer_state_dict(self.model, self.optimizer, options=opts)
-
     def save(self, out: Path, extra_state: dict[str, Any] | None = None,
-             write_extra: Callable[[Path], None] | None = None) -> Path:
-        """Write a checkpoint dir (atomically: a temp dir renamed into place) and return it (rank 0;
-        under FSDP the other ranks join to gather the weights)."""
+             write_extra: Callable[[Path], None] | None = None, *, full: bool = True,
+             background: bool = False) -> Path:
+        """Write checkpoint dir ``out`` and return it (rank 0; under FSDP the other ranks join the
+        gathers): the served weights (what the weight sync loads) before returning; with ``full``
+        the training state too (``state/``, ``trainer_state.json``), written in a background
+        thread with ``background`` (:meth:`wait_saved` waits for it; the next save does)."""
         if self.commands is not None:
-            self.commands.send("save", str(out))
-        model_sd, optim_sd = self._full_state()
-        out = Path(out)
+            self.commands.send("save", {"full": full})
+        got = gather(self, full=full)
         if not self.ctx.is_main:
-            return out
-        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        (tmp / TRAIN_STATE_DIR).mkdir(parents=True)
-        with hf_progress_bars_off():
-            if self.lora:
-                self.model.save_pretrained(str(tmp / ADAPTER_DIR))
-                assert self.opts.lora is not None
-                if self.opts.lora.export_merged:
-                    self._save_merged(tmp / MODEL_DIR)
-            else:
-                self._save_served(tmp / MODEL_DIR, model_sd)
-        if (tmp / MODEL_DIR).is_dir():
-            copy_processor_files(self.model_path, tmp / MODEL_DIR)
-        torch.save(optim_sd if optim_sd is not None else self.optimizer.state_dict(),
-                   tmp / TRAIN_STATE_DIR / OPTIMIZER_FILE)
-        state = {"schema": STATE_SCHEMA, "version": self.version, "counters": dict(self.counters),
-                 "base_model": str(self.model_path), "lora": self.lora, "saved_at": time.time(),
-                 "served_dtype": str(self.compute_dtype).removeprefix("torch."),
-                 "master_dtype": str(self.master_dtype).removeprefix("torch."), "world_size": self.ctx.world,
-                 **(extra_state or {})}
-        if write_extra is not None:  # e.g. the data manager's and rollout controller's state files
-            write_extra(tmp / TRAIN_STATE_DIR)
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, default=str))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-        return out
+            return Path(out)
+        return self.writer.save(self, Path(out), got, full=full, background=background, extra_state=extra_state,
+                                write_extra=write_extra)
 
-    def _save_served(self, out: Path, full_sd: dict[str, torch.Tensor] | None) -> None:
-        """The weights in the serving (compute) dtype, and the master weights when they differ."""
-        sd = full_sd if full_sd is not None else {k: v.detach() for k, v in self.model.state_dict().items()}
-        served = {k: v.to(self.compute_dtype) if v.is_floating_point() else v for k, v in sd.items()}
-        config = self.model.config
-        old = getattr(config, "dtype", None)
-        config.dtype = self.compute_dtype
-        try:
-            self.model.save_pretrained(str(out), state_dict=served, safe_serialization=True)
-        finally:
-            config.dtype = old
-        if self.master_dtype != self.compute_dtype:
-            from safetensors.torch import save_file
+    def wait_saved(self) -> None:
+        """Block until a background checkpoint write is complete (raises its error)."""
+        self.writer.wait()
 
-            master = {k: v.detach().to("cpu").contiguous() for k, v in sd.items() if v.is_floating_point()}
-            save_file(_unshared(master), str(out.parent / TRAIN_STATE_DIR / MASTER_FILE))
-
-    def _save_merged(self, out: Path) -> None:
-        """The base weights with the adapter folded in, without touching the training model."""
-        merged = copy.deepcopy(self.model).merge_and_unload()
-        merged.to(self.compute_dtype).save_pretrained(str(out), safe_serialization=True)
-        del merged
 
     @classmethod
     def resume(cls, ckpt: Path, opts: LearnerOptions | None = None, *, ctx: DistContext | None = None,
@@ -687,26 +537,31 @@ class Learner:
                 if name == "update":
                     self._update(payload)
                 elif name == "save":
-                    self._full_state()
+                    gather(self, full=bool(payload["full"]))
                 else:
                     raise ValueError(f"unknown learner command {name!r}")
             except ValueError as e:  # rank 0 raised the same (checked before any collective)
                 log.warning("rank %d: %s", self.ctx.rank, e)
 
     def stop_workers(self) -> None:
-        """Rank 0: release the other ranks' command loops."""
+        """Rank 0: release the other ranks' command loops (after the last checkpoint is written)."""
+        self.wait_saved()
         if self.commands is not None:
             self.commands.send("stop")
             self.commands = None
             leave_process_groups()
 
 
-def _unshared(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy with no two entries sharing storage (safetensors refuses tied weights)."""
-    seen: dict[int, str] = {}
-    out = {}
-    for k, v in sd.items():
-        ptr = v.data_ptr()
-        out[k] = v.clone() if ptr in seen else v
-        seen.setdefault(ptr, k)
-    return out
+def prompt_messages(sample: Sample) -> list[dict[str, Any]]:
+    """The chat the sample's response continues. A trajectory sample (``turns``) carries every
+    assistant turn, its last reply included, in ``messages``: that reply is the response, so it
+    is cut off here (encoded twice, the model would be trained on a sequence the policy never
+    produced). Its earlier turns are context: only the last one trains (per-turn loss masks are
+    not built)."""
+    if not sample.turns:
+        return sample.messages
+    last = int(sample.turns[-1]["message_index"])
+    if not (0 < last < len(sample.messages)) or sample.messages[last].get("role") != "assistant":
+        raise ValueError(f"sample {sample.episode_id}: turns[-1].message_index {last} is not an assistant message "
+                         f"of its {len(sample.messages)} messages")
+    return sample.messages[:last]

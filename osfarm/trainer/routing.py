@@ -17,7 +17,9 @@ the server's answer carried none (vLLM's does not).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from osfarm.agents import Agent
@@ -29,9 +31,11 @@ Route = Callable[[], tuple[str, int | None]]  # -> (model name to request, the v
 class RoutedAgent:
     """An agent whose model calls go where ``route`` says; everything else is the agent's own."""
 
-    def __init__(self, agent: Agent, route: Route, *, interruptible: bool = False):
+    def __init__(self, agent: Agent, route: Route, *, interruptible: bool = False,
+                 serving: Callable[[], AbstractAsyncContextManager[None]] | None = None):
         self.agent = agent
         self.route = route
+        self.serving = serving  # held around each model call: waits while the server swaps weights
         self.interruptible = interruptible
         self.model, self.version = route()
         self._point(self.model)
@@ -49,12 +53,13 @@ class RoutedAgent:
         self.agent.reset(task)
 
     async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
-        if self.interruptible:
-            model, version = self.route()
-            if model != self.model:
-                self._point(model)
-            self.model, self.version = model, version
-        out = await self.agent.apredict(instruction, obs)
+        async with self.serving() if self.serving is not None else contextlib.nullcontext():
+            if self.interruptible:
+                model, version = self.route()
+                if model != self.model:
+                    self._point(model)
+                self.model, self.version = model, version
+            out = await self.agent.apredict(instruction, obs)
         call = self.agent.last_model_call
         if call is not None:
             if call.get("policy_version") is None and self.version is not None:

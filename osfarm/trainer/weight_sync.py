@@ -1,9 +1,12 @@
-"""Weight sync: a new checkpoint reaches every policy server, one server at a time.
+"""Weight sync: a new checkpoint reaches every policy server, in parallel waves.
 
-The servers are updated in turn (DART's rolling per-worker sync), so while one reloads the
-others keep answering and the farm's episodes go on; a request already being generated on the
-reloading server finishes with the old weights (our CPU server swaps weights between requests)
-and its response says which version produced it.
+The servers are updated in waves of ``wave`` servers at once (default: half of them, rounded up;
+DART's rolling per-worker sync is ``wave: 1``): a wave's reloads run concurrently, so a sync takes
+about as long as (servers / wave) reloads rather than one per server, while the servers of the
+other waves keep answering and the farm's episodes go on. No request is sent to a server while it
+swaps: episodes reach their server through :meth:`WeightSync.serving` (``RoutedAgent`` holds it
+around each model call), which makes new calls wait while that server reloads, and the reload
+starts once the calls already sent to it have come back (or after the server's timeout).
 
 Each server has an adapter for its kind:
 
@@ -34,10 +37,11 @@ reported failure of RL trainers).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shlex
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,15 +129,51 @@ async def _reload_command(server: PolicyServer, path: Path, version: int) -> Non
         raise SyncError(f"{server.url}: reload command exited {proc.returncode}: {out.decode(errors='replace')[-300:]}")
 
 
-class WeightSync:
-    """Pushes checkpoints to ``servers`` one at a time and remembers each one's version."""
+class _Gate:
+    """One server's traffic light: calls in flight, and whether new ones may start."""
 
-    def __init__(self, servers: Sequence[PolicyServer], base_model: str = "policy"):
+    def __init__(self) -> None:
+        self.open = asyncio.Event()
+        self.open.set()
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+
+class WeightSync:
+    """Pushes checkpoints to ``servers`` in waves and remembers each one's version."""
+
+    def __init__(self, servers: Sequence[PolicyServer], base_model: str = "policy", *, wave: int | None = None):
+        if wave is not None and wave < 1:
+            raise ValueError(f"wave must be >= 1 (servers reloaded at once), got {wave}")
         self.servers = list(servers)
         self.base_model = base_model  # what a server serves before its first adapter (vllm_lora)
+        self.wave = wave or max(1, (len(self.servers) + 1) // 2)
         self.versions: dict[str, int | None] = {s.url: None for s in self.servers}
         self.adapters: dict[str, dict[int, str]] = {s.url: {} for s in self.servers}  # versioned adapters loaded
         self.failures = 0
+        self._gates: dict[str, _Gate] = {}
+
+    def _gate(self, url: str) -> _Gate:
+        return self._gates.setdefault(url, _Gate())
+
+    @contextlib.asynccontextmanager
+    async def serving(self, url: str) -> AsyncIterator[None]:
+        """Around one model call to the server at ``url``: waits while it reloads."""
+        gate = self._gate(url)
+        await gate.open.wait()
+        gate.in_flight += 1
+        gate.idle.clear()
+        try:
+            yield
+        finally:
+            gate.in_flight -= 1
+            if gate.in_flight == 0:
+                gate.idle.set()
+
+    def swapping(self, url: str) -> bool:
+        """The server is reloading (new calls to it wait)."""
+        return not self._gate(url).open.is_set()
 
     def route(self, server: PolicyServer) -> tuple[str, int | None]:
         """The model name an episode starting now requests from ``server``, and the version it
@@ -171,6 +211,16 @@ class WeightSync:
         return errors
 
     async def sync_one(self, client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> SyncResult:
+        gate = self._gate(server.url)
+        gate.open.clear()  # new calls wait from here on
+        try:
+            with contextlib.suppress(TimeoutError):  # a call that hangs does not hold the sync forever
+                await asyncio.wait_for(gate.idle.wait(), server.timeout_s)
+            return await self._reload(client, server, path, version)
+        finally:
+            gate.open.set()
+
+    async def _reload(self, client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> SyncResult:
         t0 = time.perf_counter()
         try:
             if server.kind != "command":  # a restart command may be what revives a dead server
@@ -194,11 +244,14 @@ class WeightSync:
         return SyncResult(server.url, version, True, time.perf_counter() - t0)
 
     async def sync(self, path: Path, version: int) -> list[SyncResult]:
-        """Reload every server in turn (never two at once); never raises for a server's failure."""
-        results = []
+        """Reload every server, ``wave`` at a time (the others keep serving); results in the
+        servers' order; never raises for a server's failure."""
+        results: list[SyncResult] = []
+        target = Path(path).resolve()
         async with httpx.AsyncClient() as client:
-            for server in self.servers:
-                results.append(await self.sync_one(client, server, Path(path).resolve(), version))
+            for i in range(0, len(self.servers), self.wave):
+                wave = self.servers[i:i + self.wave]
+                results += await asyncio.gather(*(self.sync_one(client, s, target, version) for s in wave))
         return results
 
     async def prune(self, in_use: set[int]) -> list[str]:
