@@ -43,6 +43,7 @@ from osfarm.farm.errors import ApiError
 from osfarm.farm.state import LeaseOf, State
 from osfarm.farm.task_schema import FarmTask, unknown_names
 from osfarm.schema.service import ErrorBody
+from osfarm.schema.task_run import EvaluateReply, ResetReply, StepInfo
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import URL_MAP_NAMES, AssetMissing, FileCache, load_url_map
 from osfarm.tasks.lifecycle import EvaluationError, TaskRun, run_postconfig, run_setup
@@ -106,26 +107,6 @@ class ResetRequest(_TaskRequest):
 class EvaluateRequest(_TaskRequest):
     last_action: str | dict[str, Any] | None = Field(default=None, description="the agent's last action "
                                                      "(\"FAIL\" or {\"action_type\": \"FAIL\"} for infeasible tasks)")
-
-
-class StepInfo(BaseModel):
-    index: int
-    type: str
-    ok: bool
-    detail: str
-
-
-class ResetReply(BaseModel):
-    task_id: str
-    steps: list[StepInfo]
-    t_ms: float
-
-
-class EvaluateReply(BaseModel):
-    task_id: str
-    score: float
-    metrics: list[str] | None = None
-    t_ms: float
 
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
