@@ -20,6 +20,7 @@ from osfarm.client import AsyncFarm
 from osfarm.env import EpisodeTimeout, InfraError, SyncTaskEnv, TaskEnv
 from osfarm.farm.server import FarmServer
 from osfarm.providers.sandbox import SANDBOX_ENV
+from osfarm.schema.actions import Done, KeyParams, Press
 from osfarm.schema.observation import AgentObservation
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
@@ -58,13 +59,14 @@ def test_episode_reward_only_at_the_end_and_done_terminates(farm: FarmServer, su
 
             obs2, reward, terminated, truncated, info = await env.step([
                 {"action_type": "TYPING", "parameters": {"text": "echo 'hello osfarm' > ~/Desktop/hello.txt"}},
-                {"action_type": "PRESS", "parameters": {"key": "enter"}}])
+                Press(action_type="PRESS", parameters=KeyParams(key="enter"))])  # a typed action beside a dict
             assert (reward, terminated, truncated) == (0.0, False, False)
             assert info["index"] == 1 and info["action_error"] is None and info["t_env_ms"] > 0
+            assert info["actions"][1] == {"action_type": "PRESS", "parameters": {"key": "enter"}}  # sent as JSON
             assert "score" not in info and env.score is None
             assert obs2.screenshot.startswith(PNG) and obs2.screenshot != obs.screenshot  # the terminal shows the line
 
-            _, reward, terminated, truncated, info = await env.step("DONE")
+            _, reward, terminated, truncated, info = await env.step(Done(action_type="DONE"))
             assert (reward, terminated, truncated) == (1.0, True, False)
             assert info["done"] == "DONE" and info["score"] == 1.0
             assert set(env.timings) == {"lease", "setup", "agent", "evaluate"}
