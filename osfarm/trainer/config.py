@@ -48,6 +48,11 @@ class PolicySection(_Strict):
     model_name: str = Field(default="policy", description="model name agents send")
 
 
+# a reply cut at max_tokens is a parse error, and trains as one: each format's budget holds its
+# longest ordinary reply (UI-TARS writes a thought before its action; 64 tokens cut most of them)
+REPLY_TOKENS = {"pyautogui": 512, "computer_13": 512, "uitars": 1024}
+
+
 class AgentSection(_Strict):
     kind: Literal["vlm", "choice"] = Field(
         default="choice", description="vlm: H4's VLM agent; choice: one token picks one of `choices`"
@@ -57,10 +62,15 @@ class AgentSection(_Strict):
     history_turns: int = Field(default=2, ge=0)
     history_images: int = Field(default=1, ge=0)
     temperature: float = Field(default=0.1, ge=0, description="sampling temperature (learner.temperature must match)")
-    max_tokens: int = Field(default=64, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, description="reply token budget (default: the prompt "
+                                   "format's, REPLY_TOKENS: a UI-TARS thought + action runs to hundreds)")
     timeout_s: float = Field(default=120.0, gt=0)
     choices: list[str] = Field(default_factory=list, description="choice agent: the actions (default: the suite's)")
     screenshot: bool = Field(default=True, description="choice agent: send the screenshot with the menu")
+
+    def reply_tokens(self) -> int:
+        """``max_tokens``, or the prompt format's default budget."""
+        return self.max_tokens or REPLY_TOKENS.get(self.prompt_format, 512)
 
 
 class RolloutSection(_Strict):

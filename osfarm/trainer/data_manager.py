@@ -62,6 +62,9 @@ SKIP_REASONS = ("invalid", "duplicate", "infra_error", "model_error", "short_fai
                 "no_model_data", "no_version", "stale", "late")
 
 DiscardFn = Callable[[str, int, str], None]  # (task_id, episodes, reason)
+# groups dropped in a row (no signal, all failed, too small) while a batch waits, none kept, before
+# the run is said to be starving: it would otherwise roll out forever without training
+STARVING_GROUPS = 8
 
 
 class DataManager:
@@ -84,13 +87,15 @@ class DataManager:
                                                         "groups_zero_variance", "groups_all_fail_dropped",
                                                         "pool_replacements", "samples", "entropy_filtered",
                                                         "steps_skipped", "pool_added", "stale_steps",
-                                                        "groups_too_small", "pool_samples")}
+                                                        "groups_too_small", "pool_samples", "starving",
+                                                        "seeded_successes")}
         self.planned: dict[str, PlannedGroup] = {}  # planned groups by id (open, then closed)
         self.closed: deque[str] = deque()  # closed planned groups, in closing order, not yet trained
         self._seq = 0
         self._group_seq = 0
         self._plan_seq = 0
         self._arrived = asyncio.Event()  # set when an episode is accepted (get_batch waits on it)
+        self.dropped_in_a_row = 0  # groups formed and dropped since the last one kept
 
     # ------------------------------------------------------------------ intake
 
@@ -132,11 +137,17 @@ class DataManager:
         task = record["task_id"]
         reward = float(record["score"] or 0.0)
         success = status == "success"
-        self.task_stats.setdefault(task, TaskStats(window=self.config.stats_window)).add(
-            reward, success, len(record["steps"]))
+        # XRPO: a seeded rollout had a solved task's episode in its prompt: it trains with its group,
+        # but it is not the task's own success (the task stays unsolved and keeps being seeded)
+        seeded = bool(record.get("seeded"))
+        if seeded:
+            self._count("seeded_successes", int(success))
+        else:
+            self.task_stats.setdefault(task, TaskStats(window=self.config.stats_window)).add(
+                reward, success, len(record["steps"]))
         ep = Episode(record, root, reward, success, episode_version(record), self._next_seq(),
                      version_end=episode_version_end(record))
-        if success and self.config.use_pool and steps_with_request(record):
+        if success and not seeded and self.config.use_pool and steps_with_request(record):
             self._pool_add(ep)
         if not success and len(record["steps"]) < self.config.min_failure_steps:
             self._count("short_failure")
@@ -327,7 +338,14 @@ class DataManager:
         return sorted(groups, key=lambda g: order[g.group_id])
 
     def _make_group(self, task: str, chosen: list[Episode], group_id: str) -> Group | None:
-        return grpo_group(task, chosen, group_id, self.config, self.pool, self._count, self._discard)
+        g = grpo_group(task, chosen, group_id, self.config, self.pool, self._count, self._discard)
+        self.dropped_in_a_row = 0 if g is not None else self.dropped_in_a_row + 1
+        if g is None and self.dropped_in_a_row == STARVING_GROUPS:
+            self._count("starving")
+            log.warning("the run is starving: the last %d groups were all dropped (no reward signal, all failed or "
+                        "too small) and none trains; counters: %s", STARVING_GROUPS,
+                        {k: v for k, v in self.counters.items() if k.startswith("groups_") and v})
+        return g
 
     # ------------------------------------------------------------------ batches
 

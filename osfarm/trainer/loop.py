@@ -315,7 +315,8 @@ class Trainer:
                "episode": {"max_steps": item.max_steps or ro.max_steps, "time_limit_s": ro.episode_time_limit_s,
                            "infra_retries": 0},
                "out": str(self.run_dir), "cache": None, "offline": True, "policy_version": version,
-               "record_fields": {"group_id": item.group_id}, "instruction_suffix": item.exemplar}
+               "record_fields": {"group_id": item.group_id, "seeded": bool(item.exemplar)},
+               "instruction_suffix": item.exemplar}
         await queue.submit(item, item.task_id, item.seq, job)
 
     def cancel(self, which: Callable[[Rollout], bool]) -> int:
@@ -396,6 +397,8 @@ class Trainer:
             rec = await asyncio.to_thread(episode_record, res, self.run_id, blobs)
             if item.group_id is not None:
                 rec["group_id"] = item.group_id
+            if item.exemplar:  # XRPO: its success is not the task's own (DataManager.add)
+                rec["seeded"] = True
             await asyncio.to_thread((eval_sink if evaluating else sink).publish, rec)
             return rec
 
