@@ -46,6 +46,8 @@ class PolicySection(_Strict):
                                description="spawned servers: lognormal sigma of that latency (0: fixed)")
     start_timeout_s: float = Field(default=120.0, gt=0)
     model_name: str = Field(default="policy", description="model name agents send")
+    sync_wave: int | None = Field(default=None, ge=1, description="servers reloaded at once by the weight sync "
+                                  "(default: half of them; 1: one at a time)")
 
 
 # a reply cut at max_tokens is a parse error, and trains as one: each format's budget holds its
