@@ -54,6 +54,7 @@ rollout:
   max_steps: 1
   episode_time_limit_s: {limit}
   stream: "{stream}"
+  worker_out: {worker_out}
   options: {{allocator: fixed, group_size: 2}}
 data:
   options:
@@ -81,10 +82,10 @@ def _env() -> dict[str, str]:
             "OSFARM_CLAIM_TTL_S": "5", "PYTHONUNBUFFERED": "1"}
 
 
-def _start_worker(name: str, farm: HostFarm, broker: RedisServer, log: Path) -> subprocess.Popen[bytes]:
+def _start_worker(name: str, farm: HostFarm, broker: RedisServer, log: Path, out: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "osfarm.cli", "worker", "--farm", farm.url, "--token", farm.token, "--broker",
-         broker.url, "--concurrency", "1", "--name", f"{name}@test"],
+         broker.url, "--concurrency", "1", "--name", f"{name}@test", "--out", str(out)],
         cwd=ROOT, env=_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     wait_until(lambda: b" ready." in log.read_bytes() or proc.poll() is not None, 120, f"worker {name} ready")
     assert proc.poll() is None, log.read_text()[-3000:]
@@ -111,8 +112,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     base = tmp_path_factory.mktemp("cluster")
     run_dir = base / "run"
     cfg = base / "train.yaml"
+    worker_out = base / "worker-out"  # the hosts' OSFARM_WORKER_OUT, as the trainer sees it (one mount)
     cfg.write_text(CONFIG.format(run=run_dir, updates=UPDATES, eta=ETA, batch=BATCH, limit=TIME_LIMIT_S,
-                                 stream=STREAM))
+                                 stream=STREAM, worker_out=worker_out))
     farms = {"b": HostFarm("127.0.0.2", base / "farm-b"), "c": HostFarm("127.0.0.3", base / "farm-c")}
     workers: dict[str, subprocess.Popen[bytes]] = {}
     trainer: subprocess.Popen[bytes] | None = None
@@ -122,7 +124,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             for f in farms.values():
                 f.start()
             for name, f in farms.items():
-                workers[name] = _start_worker(name, f, broker, base / f"worker-{name}.log")
+                workers[name] = _start_worker(name, f, broker, base / f"worker-{name}.log", worker_out)
             trainer = subprocess.Popen(
                 [sys.executable, "-m", "osfarm.cli", "train", "--config", str(cfg), "--executor", "celery",
                  "--broker", broker.url], cwd=ROOT, env=_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT)
@@ -152,7 +154,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             for f in farms.values():
                 f.stop()
     left = [p.info for p in psutil.process_iter(["pid", "cmdline"]) if str(base) in " ".join(p.info["cmdline"] or [])]
-    yield {"dir": run_dir, "farms": farms, "records": records, "rows": _rows(run_dir), "pending": pending,
+    yield {"dir": run_dir, "worker_out": worker_out, "farms": farms, "records": records, "rows": _rows(run_dir),
+           "pending": pending,
            "summary": json.loads((run_dir / "summary.json").read_text()), "log": log.read_text(), "workers": workers,
            "pool_b": pool_b, "left": left}
 
@@ -180,6 +183,13 @@ def test_every_episode_is_trained_at_most_once(cluster: dict[str, Any]) -> None:
     assert set(dm["seen"]) <= set(ids)  # nothing trained that did not come through the stream
     # every record carries the group its rollout was planned in: each is one of the trainer's rollouts
     assert all("#g" in rec["group_id"] for rec in cluster["records"])
+
+
+def test_the_trainer_reads_the_blobs_where_the_workers_wrote_them(cluster: dict[str, Any]) -> None:
+    rec = next(r for r in cluster["records"] if r["steps"])
+    shot = rec["steps"][0]["observation"]["screenshot"]["path"]
+    assert (cluster["worker_out"] / rec["run_id"] / shot).is_file()
+    assert not (cluster["dir"] / shot).exists()  # not in the run dir: the samples were built from the workers' dir
 
 
 def test_the_staleness_bound_held(cluster: dict[str, Any]) -> None:

@@ -97,6 +97,9 @@ class RolloutSection(_Strict):
                                "and record stream (default OSFARM_BROKER)")
     stream: str = Field(default="osfarm:train", min_length=1,
                         description="executor celery: the Redis Stream the workers publish this run's records to")
+    worker_out: Path | None = Field(default=None, description="executor celery: the workers' OSFARM_WORKER_OUT as "
+                                    "this machine sees it (records' blobs are under <worker_out>/<run id>); none: "
+                                    "workers write into the run dir, at the same path (a shared filesystem)")
 
 
 class DataSection(_Strict):

@@ -295,7 +295,7 @@ class Trainer:
         if ro.interruptible:
             raise TrainError("rollout.interruptible with rollout.executor celery is not supported yet")
         queue: QueuedRollouts[Rollout] = open_queue(ro.broker or os.environ.get("OSFARM_BROKER"), ro.stream,
-                                                    self.run_id, ro.episode_time_limit_s, TrainError)
+                                                    self.run_id, ro.episode_time_limit_s, TrainError, ro.worker_out)
         self.console.print(f"rollouts go to the Celery queue at {queue.broker}; records come back on stream "
                            f"{queue.stream}", highlight=False)
         return queue

@@ -42,7 +42,7 @@ from osfarm.runner.executors.celery_exec import CeleryExecutor, worker_failure
 from osfarm.runner.executors.worker_task import rollout_name as worker_rollout_name
 from osfarm.stream.redis_stream import RedisStreamSource
 from osfarm.trainer.data_manager import DataManager
-from osfarm.trainer.stream_intake import STREAM_JOURNAL
+from osfarm.trainer.stream_intake import STREAM_JOURNAL, consume_redis
 
 log = logging.getLogger("osfarm.trainer.queued")
 
@@ -97,11 +97,12 @@ class QueuedRollouts(Generic[T]):
     """The trainer's side of the queue: send jobs, revoke queued ones, report each job once."""
 
     def __init__(self, broker: str, stream: str, run_id: str, *, time_limit_s: float, poll_s: float = 1.0,
-                 record_grace_s: float = 15.0, lost_after_s: float | None = None):
+                 record_grace_s: float = 15.0, lost_after_s: float | None = None, worker_out: Path | None = None):
         CeleryExecutor.check_limits(time_limit_s, 0)
         self.executor = CeleryExecutor(broker)
         self.broker, self.stream, self.run_id = broker, stream, run_id
         self.poll_s, self.record_grace_s = poll_s, record_grace_s
+        self.worker_out = worker_out
         # the longest a job can take: queued behind a dead worker for a visibility timeout, then run in full
         self.lost_after_s = lost_after_s if lost_after_s is not None else (
             visibility_timeout_s() + hard_limit_s(time_limit_s, 0) + 60.0)
@@ -154,12 +155,19 @@ class QueuedRollouts(Generic[T]):
         self.counts.records += 1
         report(job.item, rec, outcome, job.sent, time.monotonic())
 
+    def blob_root(self, rec: dict[str, Any], run_dir: Path) -> Path:
+        """Where a record's blobs are: the run dir the job named (a filesystem the workers share
+        at the same path), or ``worker_out``/<the record's run id> (the workers' OSFARM_WORKER_OUT
+        as the trainer sees it)."""
+        return self.worker_out / str(rec.get("run_id")) if self.worker_out is not None else run_dir
+
     async def consume(self, dm: DataManager, run_dir: Path, report: Report[T]) -> None:
         """Feed the data manager from the stream and report every job once, until :meth:`stop`."""
         source = await asyncio.to_thread(RedisStreamSource, self.broker, self.stream, "trainer")
-        intake = asyncio.create_task(dm.consume_redis(
-            source, run_dir, journal=run_dir / STREAM_JOURNAL, stop=lambda: self._stopped,
-            on_added=lambda rec, outcome: self.take(rec, outcome, report)))
+        intake = asyncio.create_task(consume_redis(
+            dm, source, run_dir, journal=run_dir / STREAM_JOURNAL, stop=lambda: self._stopped,
+            on_added=lambda rec, outcome: self.take(rec, outcome, report),
+            blob_root_of=lambda rec: self.blob_root(rec, run_dir)))
         watch = asyncio.create_task(self._watch(dm, run_dir, report))
         try:
             done, _ = await asyncio.wait({intake, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -205,7 +213,8 @@ class QueuedRollouts(Generic[T]):
                 j.succeeded_at = j.succeeded_at or now
                 if now - j.succeeded_at > self.record_grace_s and isinstance(result, dict) and "record" in result:
                     self.counts.from_backend += 1  # spilled, never on the stream: take it from the result
-                    self.take(result["record"], dm.add(result["record"], run_dir), report)
+                    rec = result["record"]
+                    self.take(rec, dm.add(rec, self.blob_root(rec, run_dir)), report)
             elif now - j.sent > self.lost_after_s:
                 self.jobs.pop(j.episode_id)
                 self.counts.lost += 1
@@ -235,14 +244,14 @@ class QueuedRollouts(Generic[T]):
 
 
 def open_queue(broker: str | None, stream: str, run_id: str, time_limit_s: float,
-               error: Callable[[str], Exception]) -> QueuedRollouts[Any]:
+               error: Callable[[str], Exception], worker_out: Path | None = None) -> QueuedRollouts[Any]:
     """The queue of a run, or ``error(message)`` naming the field that is wrong."""
     if not broker:
         raise error("rollout.executor celery needs rollout.broker (or OSFARM_BROKER): the Redis URL")
     if not broker.startswith(("redis://", "rediss://", "unix://")):
         raise error(f"rollout.broker must be a Redis URL (redis://host:port/db), got {broker!r}")
     try:
-        return QueuedRollouts(broker, stream, run_id, time_limit_s=time_limit_s)
+        return QueuedRollouts(broker, stream, run_id, time_limit_s=time_limit_s, worker_out=worker_out)
     except ValueError as e:
         raise error(f"rollout.episode_time_limit_s: {e}") from None
 

@@ -66,8 +66,11 @@ async def consume_records(intake: Intake, records: AsyncIterable[dict[str, Any]]
 async def consume_redis(intake: Intake, source: GroupSource, blob_root: Path | None = None, *,
                         journal: Path | None = None, stop: Callable[[], bool] | None = None,
                         on_added: AddedFn | None = None, block_ms: int = 1000,
-                        claim_idle_ms: int = CLAIM_IDLE_MS) -> int:
-    """:meth:`osfarm.trainer.data_manager.DataManager.consume_redis`."""
+                        claim_idle_ms: int = CLAIM_IDLE_MS,
+                        blob_root_of: Callable[[dict[str, Any]], Path] | None = None) -> int:
+    """:meth:`osfarm.trainer.data_manager.DataManager.consume_redis`; ``blob_root_of``: each
+    record's own blob root (workers that keep each run's blobs in a dir of its own) instead of
+    ``blob_root``."""
     root = Path(blob_root) if blob_root else (Path(intake.blob_root) if intake.blob_root else None)
     if journal is None and root is None:
         raise ValueError("consume_redis needs a journal path (or a blob_root to keep it in)")
@@ -76,7 +79,7 @@ async def consume_redis(intake: Intake, source: GroupSource, blob_root: Path | N
 
     def take(record: dict[str, Any]) -> None:
         nonlocal n
-        out = intake.add(record, blob_root)
+        out = intake.add(record, blob_root_of(record) if blob_root_of is not None else blob_root)
         n += 1
         if on_added:
             on_added(record, out)
