@@ -41,9 +41,9 @@ def test_one_choice_per_step_then_done(server: str) -> None:
         for _ in range(3):
             _, actions = await agent.apredict("spell CAB", {"screenshot": None})
             call = agent.last_model_call
-            assert call is not None and len(call["response_token_ids"]) == 1 and len(call["response_logprobs"]) == 1
-            assert call["policy_version"] == 0
-            assert actions[0] == CHOICES[call["response_token_ids"][0] % 4]
+            assert call is not None and len(call.response_token_ids) == 1 and len(call.response_logprobs) == 1
+            assert call.policy_version == 0
+            assert actions[0] == CHOICES[call.response_token_ids[0] % 4]
             out.append(actions)
         await agent.aclose()
         return out

@@ -179,11 +179,11 @@ def test_sync_predict_records_the_model_call(policy: str) -> None:
     for step in range(3):
         text, actions = agent.predict("open the terminal", obs)
         call = agent.last_model_call
-        assert call is not None and call["response_text"] == text and call["error"] is None
-        assert call["policy_version"] == 0 and len(call["response_token_ids"]) == len(call["response_logprobs"]) > 0
-        if call["parse_error"] is not None:  # random weights: gibberish, recorded as no action
+        assert call is not None and call.response_text == text and call.error is None
+        assert call.policy_version == 0 and len(call.response_token_ids) == len(call.response_logprobs) > 0
+        if call.parse_error is not None:  # random weights: gibberish, recorded as no action
             assert actions == []
-        msgs = call["request"]
+        msgs = call.request
         images = [p for m in msgs if isinstance(m["content"], list) for p in m["content"] if p["type"] == "image_url"]
         assert len(images) == 1 and images[0]["image_url"]["url"].startswith("data:image/png;base64,")
         assert sum(m["role"] == "assistant" for m in msgs) == min(step, 2)
@@ -200,8 +200,8 @@ async def test_a11y_observations_reach_the_model_as_a_table(policy: str) -> None
     finally:
         await agent.aclose()
     call = agent.last_model_call
-    assert call["error"] is None and call["response_text"] == text and call["policy_version"] == 0
-    system, user = call["request"]
+    assert call.error is None and call.response_text == text and call.policy_version == 0
+    system, user = call.request
     assert "save the file" in system["content"] and '"action_type"' in system["content"]
     kinds = [p["type"] for p in user["content"]]
     assert kinds == ["text", "image_url"] and "push-button\tSave\t" in user["content"][0]["text"]

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from osfarm.env import SETTLE_S
 from osfarm.schema.actions import AgentAction, Special
+from osfarm.schema.episode import ModelCall
 
 if TYPE_CHECKING:
     from osfarm.tasks.model import Task
@@ -38,7 +39,7 @@ class Agent(Protocol):
     settle_s: float  # how long an observation may wait for the screen to settle (osfarm.env.SETTLE_S)
     # the model call behind the last predict (request messages, response text, token ids,
     # log-probs, policy version, parse_error), or None for agents without a model
-    last_model_call: dict[str, Any] | None
+    last_model_call: ModelCall | None
 
     def reset(self, task: Task | None = None) -> None:
         """Forget the previous episode; ``task`` is the one about to run (agents may ignore it)."""
@@ -66,7 +67,7 @@ class BaseAgent:
     action_space: ActionSpace = "pyautogui"
     wants_a11y: bool = False
     settle_s: float = SETTLE_S
-    last_model_call: dict[str, Any] | None = None
+    last_model_call: ModelCall | None = None
 
     def reset(self, task: Task | None = None) -> None:
         pass

@@ -24,6 +24,7 @@ from typing import Any
 from osfarm.agents.base import ActionSpace, BaseAgent
 from osfarm.agents.chat_client import ChatClient, ChatResult, PolicyBadResponse
 from osfarm.schema.actions import AgentAction
+from osfarm.schema.episode import ModelCall
 
 SYSTEM_PROMPT = "You control a Linux desktop. Answer with the number of the action to take."
 
@@ -47,7 +48,7 @@ class ChoiceAgent(BaseAgent):
         self.timeout_s = timeout_s
         self.screenshot = screenshot
         self.seed = seed  # reproducible sampling: step i of an episode asks with seed + i
-        self.last_model_call: dict[str, Any] | None = None
+        self.last_model_call: ModelCall | None = None
 
     def reset(self, task: Any = None) -> None:
         extra = (getattr(task, "model_extra", None) or {}) if task is not None else {}
@@ -73,9 +74,9 @@ class ChoiceAgent(BaseAgent):
     def _act(self, messages: list[dict[str, Any]], res: ChatResult) -> tuple[str, list[AgentAction]]:
         if not res.token_ids or res.logprobs is None:
             raise PolicyBadResponse("policy server sent no token ids / log-probs for the choice token")
-        self.last_model_call = {"request": messages, "response_text": res.text, "response_token_ids": res.token_ids,
-                                "response_logprobs": res.logprobs, "policy_version": res.policy_version,
-                                "t_ms": res.t_ms, "error": None}
+        self.last_model_call = ModelCall(request=messages, response_text=res.text, response_token_ids=res.token_ids,
+                                         response_logprobs=res.logprobs, policy_version=res.policy_version,
+                                         t_ms=res.t_ms)
         self.taken += 1
         action = self.choices[res.token_ids[0] % len(self.choices)]
         return res.text, [action, "DONE"] if self.taken >= self.steps else [action]

@@ -37,6 +37,7 @@ from osfarm.agents.prompts.geometry import (
 )
 from osfarm.agents.prompts.messages import Turn, build_messages
 from osfarm.schema.actions import AgentAction
+from osfarm.schema.episode import ModelCall
 
 DEFAULT_SCREEN = (1920, 1080)  # OSWorld's screen, for a11y-only observations without a screenshot
 
@@ -130,7 +131,7 @@ class VLMAgent(BaseAgent):
         self.client = ChatClient(o.base_url, o.model, api_key=o.api_key, timeout_s=o.timeout_s, retries=o.retries,
                                  backoff_s=o.backoff_s, backoff_max_s=o.backoff_max_s)
         self.turns: list[Turn] = []
-        self.last_model_call: dict[str, Any] | None = None
+        self.last_model_call: ModelCall | None = None
 
     def reset(self, task: Any = None) -> None:
         self.turns = []
@@ -155,20 +156,17 @@ class VLMAgent(BaseAgent):
                        text=self.format.turn_text(table, self.observation))
         messages = build_messages(self.format.head(instruction, self.observation, ctx), self.turns, current,
                                   o.history_turns, o.history_images)
-        call: dict[str, Any] = {"model": o.model, "request": messages, "response_text": None,
-                                "response_token_ids": None,
-                                "response_logprobs": None, "policy_version": None, "t_ms": None, "error": None,
-                                "parse_error": None, "finish_reason": None, "usage": None}
+        call = ModelCall(model=o.model, request=messages)
         self.last_model_call = call
         try:
             res = await self.client.complete(messages, temperature=o.temperature, top_p=o.top_p,
                                              max_tokens=o.max_tokens, seed=o.seed, logprobs=o.capture_logprobs)
         except PolicyError as e:
-            call["error"] = str(e)
+            call.error = str(e)
             raise
-        call.update(response_text=res.text, response_token_ids=res.token_ids, response_logprobs=res.logprobs,
-                    policy_version=res.policy_version, t_ms=res.t_ms, finish_reason=res.finish_reason,
-                    usage=res.usage)
+        call.response_text, call.response_token_ids, call.response_logprobs = res.text, res.token_ids, res.logprobs
+        call.policy_version, call.t_ms, call.finish_reason, call.usage = (res.policy_version, res.t_ms,
+                                                                          res.finish_reason, res.usage)
         current.response = res.text
         self.turns.append(current)
         del self.turns[:-max(1, o.history_turns)]  # only the window is ever sent again
@@ -176,7 +174,7 @@ class VLMAgent(BaseAgent):
             parsed = self.format.parse(res.text, ctx)
         except ParseError as e:
             cut = f" (the reply was cut at max_tokens={o.max_tokens})" if res.finish_reason == "length" else ""
-            call["parse_error"] = f"{e}{cut}"
+            call.parse_error = f"{e}{cut}"
             return res.text, []
         return res.text, parsed.actions
 

@@ -27,6 +27,7 @@ from osfarm.client import AsyncFarm
 from osfarm.env import EpisodeTimeout, InfraError, TaskEnv
 from osfarm.http.retry import backoff_s
 from osfarm.schema.actions import AgentAction
+from osfarm.schema.episode import ModelCall
 from osfarm.schema.guest import ActionTiming
 from osfarm.schema.lease import ControlInfo
 from osfarm.tasks.filecache import FileCache
@@ -67,7 +68,7 @@ class StepRecord:
     after_screenshot: bytes | None = None  # the observation after the actions (OSWorld saves this one)
     # the model call behind this step (agents with ``last_model_call``, e.g. vlm): request messages
     # (images as data URLs), response_text, response_token_ids, response_logprobs, policy_version
-    model: dict[str, Any] | None = None
+    model: ModelCall | None = None
 
 
 @dataclass
@@ -144,7 +145,7 @@ async def _attempt(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, 
             t_model = (time.perf_counter() - t0) * 1000
             actions = list(actions or [])
             call = agent.last_model_call
-            parse_error = call.get("parse_error") if call is not None else None
+            parse_error = call.parse_error if call is not None else None
             rec = StepRecord(index=i, screenshot=obs.screenshot, a11y=obs.accessibility_tree, response=str(response),
                              actions=actions, action_error=f"parse error: {parse_error}" if parse_error else None,
                              t_model_ms=round(t_model, 1), t_env_ms=0.0, timestamp=_ts(), model=call)

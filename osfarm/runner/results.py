@@ -23,7 +23,7 @@ from rich.table import Table
 
 from osfarm.agents.prompts.messages import strip_images
 from osfarm.runner.episode import INFRA_ERROR, SUCCESS, TIMEOUT, EpisodeResult, episode_id
-from osfarm.schema.episode import SCHEMA, SchemaError, check_record
+from osfarm.schema.episode import SCHEMA, ModelCall, SchemaError, check_record
 from osfarm.stream.blobs import BlobStore
 from osfarm.stream.jsonl import JsonlSink
 from osfarm.tasks.suite import RefusedTask
@@ -48,25 +48,24 @@ def task_dir(out: Path, domain: str, task_id: str) -> Path:
     return out / (domain or "_") / task_id
 
 
-def step_model(call: dict[str, Any] | None, response: str, blobs: BlobStore) -> dict[str, Any]:
+def step_model(call: ModelCall | None, response: str, blobs: BlobStore) -> dict[str, Any]:
     """A step's ``model`` part: the request messages as a JSON blob whose image data URLs are
     themselves blob refs (the screenshot the step observed is the same blob), and the reply."""
     if call is None:
         return {"request": None, "response_text": response, "response_token_ids": None,
                 "response_logprobs": None, "policy_version": None}
     request = None
-    if call.get("request") is not None:
-        msgs = strip_images(call["request"], blobs.put)
+    if isinstance(call.request, list):  # an agent's chat messages (a blob ref is a record's, already stored)
+        msgs = strip_images(call.request, blobs.put)
         request = blobs.put(json.dumps(msgs, ensure_ascii=False).encode(), "json", "application/json")
-    return {"request": request, "response_text": call.get("response_text"),
-            "response_token_ids": call.get("response_token_ids"), "response_logprobs": call.get("response_logprobs"),
-            "policy_version": call.get("policy_version")}
+    return {"request": request, "response_text": call.response_text, "response_token_ids": call.response_token_ids,
+            "response_logprobs": call.response_logprobs, "policy_version": call.policy_version}
 
 
 def _policy(res: EpisodeResult) -> dict[str, Any]:
-    versions = [s.model.get("policy_version") for s in res.steps if s.model]
+    versions = [s.model.policy_version for s in res.steps if s.model]
     versions = [v for v in versions if v is not None]
-    names = [s.model.get("model") for s in res.steps if s.model and s.model.get("model")]
+    names = [s.model.model for s in res.steps if s.model and s.model.model]
     return {"name": names[0] if names else res.agent, "version_start": versions[0] if versions else None,
             "version_end": versions[-1] if versions else None}
 

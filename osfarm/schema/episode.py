@@ -45,11 +45,23 @@ class ObservationBlobs(_Open):
 
 
 class ModelCall(_Open):
+    """The model call behind a step: what an agent reports (``Agent.last_model_call``, the request
+    as chat messages) and what the record keeps of it (the request as a blob, the fields down to
+    ``policy_version``)."""
+
     request: BlobRef | dict[str, Any] | list[Any] | None = None
     response_text: str | None = None
     response_token_ids: list[int] | None = None
     response_logprobs: list[Any] | None = None  # per token: a float, or {token, logprob, top_logprobs}
     policy_version: int | None = None
+    # the agent's report only (a record leaves them out): the model's name, the call's wall time,
+    # why it failed, why its reply gave no action, why generation stopped, the server's token usage
+    model: str | None = None
+    t_ms: float | None = None
+    error: str | None = None
+    parse_error: str | None = None
+    finish_reason: str | None = None
+    usage: dict[str, Any] | None = None
 
 
 class Step(_Open):

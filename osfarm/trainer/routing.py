@@ -62,9 +62,9 @@ class RoutedAgent:
             out = await self.agent.apredict(instruction, obs)
         call = self.agent.last_model_call
         if call is not None:
-            if call.get("policy_version") is None and self.version is not None:
-                call["policy_version"] = self.version
-            self.step_versions.append(call.get("policy_version"))
+            if call.policy_version is None and self.version is not None:
+                call.policy_version = self.version
+            self.step_versions.append(call.policy_version)
         return out
 
     def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:

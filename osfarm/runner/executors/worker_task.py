@@ -263,8 +263,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     version = job.get("policy_version")
     if version is not None:  # a server whose answers do not say which weights made them (vLLM)
         for s in res.steps:
-            if s.model is not None and s.model.get("policy_version") is None:
-                s.model["policy_version"] = version
+            if s.model is not None and s.model.policy_version is None:
+                s.model.policy_version = version
     if job.get("rollout") is not None:  # a training rollout: the record is all (no per-task files,
         # which the task's other rollouts, running at the same time, would overwrite)
         rec = episode_record(res, job["run_id"], BlobStore(out))
