@@ -29,7 +29,7 @@ import redis
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from osfarm.testing.farm_process import FarmProcess  # noqa: E402
+from osfarm.testing.host_farm import HostFarm  # noqa: E402
 from osfarm.testing.redis_server import RedisServer  # noqa: E402
 from osfarm.testing.waiting import wait_until  # noqa: E402
 from osfarm.trainer.learner import latest_checkpoint, read_state  # noqa: E402
@@ -60,21 +60,6 @@ data:
   options:
     drop_no_signal: false
 """
-
-
-class HostFarm(FarmProcess):
-    """A farm bound to one loopback address of its own (a "host" of the cluster)."""
-
-    def __init__(self, host: str, state_dir: Path):
-        super().__init__(state_dir, pool_min=1, pool_max=2, width=800, height=600)
-        self.host = host
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def _argv(self) -> list[str]:
-        return [*super()._argv(), "--host", self.host]
 
 
 def _env() -> dict[str, str]:
@@ -164,7 +149,13 @@ def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any])
     assert read_state(latest_checkpoint(cluster["dir"] / "checkpoints"))["version"] == UPDATES
     assert sorted({r["version"] for r in cluster["rows"]}) == list(range(1, UPDATES + 1))
     assert "rollouts go to the Celery queue" in cluster["log"]
-    assert cluster["summary"]["totals"]["queue"]["sent"] >= UPDATES * BATCH
+    queue = cluster["summary"]["totals"]["queue"]
+    assert queue["sent"] >= UPDATES * BATCH and queue["timed"] >= UPDATES * BATCH
+    assert queue["overhead_ms"] is not None and 0 <= queue["overhead_ms"] < 60_000
+    last = cluster["rows"][-1]  # the metrics rows (and Prometheus) carry the queue's figures and per-worker episodes
+    assert last["queue_outstanding"] >= 0 and last["queue_overhead_ms"] is not None
+    assert any(k.startswith("rollouts_worker_b") for k in last), sorted(last)
+    assert "osfarm_train_queue_outstanding" in (cluster["dir"] / "metrics.prom").read_text()
 
 
 def test_desktops_of_both_hosts_were_used(cluster: dict[str, Any]) -> None:

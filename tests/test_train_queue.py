@@ -51,6 +51,7 @@ def test_a_record_delivered_twice_is_reported_and_trained_once(tmp_path: Path) -
     assert [(i, o) for i, _r, o in seen.got] == [("rollout-1", ACCEPTED)]
     assert dm.counters["duplicate"] == 1 and q.outstanding() == 0
     assert q.counts.records == 1 and q.counts.foreign == 0
+    assert q.counts.timed == 1 and q.counts.overhead_ms() == 0.0  # the record says 9 s of episode: no more here
     # a record of no job of this process (an earlier trainer's): the data manager judges it, nobody is told
     other = make_record(tmp_path, "t1", episode_id="someone-else")
     q.take(other, dm.add(other), seen)

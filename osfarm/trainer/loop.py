@@ -267,7 +267,8 @@ class Trainer:
         self.cancel(lambda r: True)
         if self.queue is not None:
             await self.queue.aclose()  # queued jobs revoked: nothing will train on them
-            self.totals["queue"] = {**vars(self.queue.counts), "outstanding": self.queue.outstanding()}
+            self.totals["queue"] = {**vars(self.queue.counts), "outstanding": self.queue.outstanding(),
+                                    "overhead_ms": self.queue.counts.overhead_ms()}
         consumer.cancel()
         await scheduler.aclose()
         if self.episodes:  # cancelled episodes release their leases before the farm client closes
@@ -533,7 +534,8 @@ class Trainer:
                                     update_s=update_s, sync_s=sync_s, capacity=controller.capacity(),
                                     envs=self.cfg.rollout.envs, eta=self.cfg.rollout.eta, ranks=self.ctx.world,
                                     counters=dict(learner.counters),
-                                    last_eval=self.eval.results[-1] if self.eval.results else None))
+                                    last_eval=self.eval.results[-1] if self.eval.results else None)
+                                    | (self.queue.row() if self.queue is not None else {}))
 
     def summary(self) -> dict[str, Any]:
         rows = self.metrics.rows() if self.metrics is not None else []

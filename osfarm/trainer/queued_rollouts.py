@@ -32,6 +32,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -91,6 +92,13 @@ class QueueCounts:
     from_backend: int = 0  # records taken from the result backend (never came on the stream)
     foreign: int = 0  # records of jobs this process did not send (an earlier trainer process)
     by_worker: dict[str, int] = field(default_factory=dict)
+    # the queue's cost: a job's time from sent to its record here, less the episode's own time on
+    # the worker (with no more jobs than desktops, none waits in the queue for a free worker)
+    overhead_s_total: float = 0.0
+    timed: int = 0
+
+    def overhead_ms(self) -> float | None:
+        return 1000.0 * self.overhead_s_total / self.timed if self.timed else None
 
 
 class QueuedRollouts(Generic[T]):
@@ -112,6 +120,17 @@ class QueuedRollouts(Generic[T]):
 
     def outstanding(self) -> int:
         return len(self.jobs)
+
+    def row(self) -> dict[str, Any]:
+        """The queue's part of an update's metrics row (numbers: Prometheus gauges too): jobs out
+        (queued, i.e. not seen started at the last poll, and running), failed, revoked, lost, the
+        overhead per rollout and the episodes each worker ran."""
+        c = self.counts
+        queued = sum(1 for j in self.jobs.values() if j.state == "PENDING")
+        return {"queue_outstanding": len(self.jobs), "queue_queued": queued, "queue_running": len(self.jobs) - queued,
+                "queue_failed": c.failed, "queue_revoked": c.revoked, "queue_lost": c.lost,
+                "queue_overhead_ms": c.overhead_ms(),
+                **{f"rollouts_worker_{w}": n for w, n in sorted(c.by_worker.items())}}
 
     async def submit(self, item: T, task_id: str, seq: int, job: dict[str, Any]) -> None:
         """Send one rollout's job (``job``: the worker's job fields, see worker_task.py)."""
@@ -153,7 +172,12 @@ class QueuedRollouts(Generic[T]):
                 self.counts.foreign += 1
             return
         self.counts.records += 1
-        report(job.item, rec, outcome, job.sent, time.monotonic())
+        now = time.monotonic()
+        episode_s = _episode_seconds(rec)
+        if episode_s is not None:
+            self.counts.overhead_s_total += max(0.0, now - job.sent - episode_s)
+            self.counts.timed += 1
+        report(job.item, rec, outcome, job.sent, now)
 
     def blob_root(self, rec: dict[str, Any], run_dir: Path) -> Path:
         """Where a record's blobs are: the run dir the job named (a filesystem the workers share
@@ -241,6 +265,14 @@ class QueuedRollouts(Generic[T]):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.revoke(lambda _item: True), 10)
         self.executor.close()
+
+
+def _episode_seconds(rec: dict[str, Any]) -> float | None:
+    """The episode's own time on its worker, from the record's ISO times (None if unknown)."""
+    try:
+        return (datetime.fromisoformat(rec["finished_at"]) - datetime.fromisoformat(rec["started_at"])).total_seconds()
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def open_queue(broker: str | None, stream: str, run_id: str, time_limit_s: float,
