@@ -57,7 +57,7 @@ from osfarm.client import AsyncFarm, AsyncRemoteDesktop, FarmAPIError
 from osfarm.errors import EpisodeTimeout, InfraError
 from osfarm.schema.actions import ENDINGS, AgentAction, action_json, special_action
 from osfarm.schema.guest import ActionResult, ActionTiming
-from osfarm.schema.lease import ControlInfo
+from osfarm.schema.lease import ControlInfo, LeaseInfo
 from osfarm.schema.observation import AgentObservation
 from osfarm.tasks.controller import GuestController, GuestError
 from osfarm.tasks.filecache import FileCache
@@ -103,6 +103,24 @@ class StepOutcome(BaseModel):
                                                  description="the screen after the step (None if rejected)")
     t_env_ms: float | None = Field(default=None, description="the step's round trip (None if rejected)")
     time_limit: bool = False
+
+
+class DesktopUsage(BaseModel):
+    """What an episode's desktop cost, as its lease said when it was released."""
+
+    cpu_s: float | None = Field(default=None, description="CPU-seconds since the lease was granted (its processes, "
+                                "resets in place excluded); None where the provider cannot tell")
+    reset: str | None = Field(default=None, description="how the desktop was made ready: warm, cold or start")
+    reset_fallback: str | None = Field(default=None, description="a cold reset where a warm one was meant: why")
+
+    def clear(self) -> None:
+        self.cpu_s = self.reset = self.reset_fallback = None
+
+
+def _desktop_info(lease: LeaseInfo) -> dict[str, Any]:
+    """The desktop as ``reset``'s info names it (Gymnasium's info is a dict)."""
+    return {"provider": lease.provider, "image": lease.image, "session": lease.desktop,
+            "desktop_id": lease.desktop_id, "lease_id": lease.id}
 
 
 # (observation, reward, terminated, truncated, info), as Gymnasium's step answers
@@ -191,7 +209,7 @@ class TaskEnv:
         self._ended = False
         self._timed_out = False
         self.task: Task | None = None
-        self.desktop: dict[str, Any] = {}
+        self.desktop: LeaseInfo | None = None  # the lease the episode's desktop was granted on
         self.observation: AgentObservation | None = None
         self.steps = 0
         self.last_action: Any = None
@@ -203,9 +221,8 @@ class TaskEnv:
         # people who took control of the desktop from the dashboard during this episode (the
         # lease's control spans, read when the desktop is released): the score had human help
         self.controlled_by: list[ControlInfo] = []
-        # what the episode's desktop cost (read when it is released): {"cpu_s": CPU-seconds,
-        # "reset": how it was made ready (warm, cold, start), "reset_fallback": why cold, if meant warm}
-        self.desktop_usage: dict[str, float | str] = {}
+        # what the episode's desktop cost, read when it is released (one object, filled in place)
+        self.desktop_usage = DesktopUsage()
 
     # -- gymnasium surface ---------------------------------------------------------------------
 
@@ -225,7 +242,7 @@ class TaskEnv:
         self.score, self._ended, self._timed_out = None, False, False
         self.timings = {}
         self.recording = self.recording_error = None
-        self.desktop = {}
+        self.desktop = None
         loop = asyncio.get_running_loop()
         self._deadline = loop.time() + self.time_limit_s if self.time_limit_s is not None else None
         self._clock = _PhaseClock(self.timings)
@@ -235,7 +252,8 @@ class TaskEnv:
         except TimeoutError:
             raise EpisodeTimeout(f"episode exceeded its {self.time_limit_s:g} s limit") from None
         assert self.observation is not None
-        return self.observation, {"task_id": task.id, "desktop": dict(self.desktop),
+        assert self.desktop is not None
+        return self.observation, {"task_id": task.id, "desktop": _desktop_info(self.desktop),
                                   "action_timing": self.action_timing,
                                   "setup": [dataclasses.asdict(r) for r in reports], "timings": dict(self.timings)}
 
@@ -338,8 +356,7 @@ class TaskEnv:
         except FarmAPIError as e:
             raise InfraError(f"lease: {e}", phase="lease") from e
         self._desk = desk
-        self.desktop = {"provider": desk.info.provider, "image": desk.info.image, "session": desk.info.desktop,
-                        "desktop_id": desk.info.desktop_id, "lease_id": desk.id}
+        self.desktop = desk.info
         self._clock.lap("lease")
         self._controller = GuestController(base_url=f"{self.farm.url}/v1/desktops/{desk.id}/guest",
                                            token=self.farm.token)
@@ -420,12 +437,8 @@ class TaskEnv:
             with contextlib.suppress(FarmAPIError):
                 info = await desk.heartbeat()  # the lease's latest info: who took control, if anyone
                 self.controlled_by[:] = info.control
-                if info.cpu_s is not None:
-                    self.desktop_usage["cpu_s"] = info.cpu_s
-                if info.reset_mode is not None:
-                    self.desktop_usage["reset"] = info.reset_mode
-                if info.reset_fallback is not None:
-                    self.desktop_usage["reset_fallback"] = info.reset_fallback
+                usage = self.desktop_usage
+                usage.cpu_s, usage.reset, usage.reset_fallback = info.cpu_s, info.reset_mode, info.reset_fallback
             with contextlib.suppress(FarmAPIError):
                 await desk.close()
 

@@ -149,7 +149,7 @@ def test_live_view_take_control_and_viewer(ui_farm: FarmServer, dash: Dashboard,
     page.screenshot(path=str(shots / "01-pool.png"))
     with SyncTaskEnv(ui_farm.url, TOKEN, cache=suite_cache(suite, MINI, None, tmp_path, True), max_steps=5) as env:
         env.reset(suite[HELLO])  # a terminal is open and focused
-        desktop, lease = env.desktop["desktop_id"], env.desktop["lease_id"]
+        desktop, lease = env.desktop.desktop_id, env.desktop.id
         wait_for(lambda: page.locator(f".desk[data-id='{desktop}'] dd.state.leased").count(), what="leased state")
         page.click(f".desk[data-id='{desktop}'] a.thumb")
         page.wait_for_url(f"**/ui/desktops/{desktop}")

@@ -87,9 +87,10 @@ def test_fail_terminates_and_scores_infeasible_tasks(farm: FarmServer, suite: An
                 assert (reward, terminated, truncated, info["done"]) == (1.0, True, False, "FAIL")
                 assert env.last_action == {"action_type": "FAIL"}
                 # reset on the same env: a fresh desktop, the previous lease released
-                first = env.desktop["lease_id"]
+                assert env.desktop is not None
+                first = env.desktop.id
                 await env.reset(suite[INFEASIBLE])
-                assert env.desktop["lease_id"] != first and env.score is None and env.steps == 0
+                assert env.desktop.id != first and env.score is None and env.steps == 0
                 _, reward, terminated, _, _ = await env.step(["pyautogui.moveTo(5, 5)", "DONE"])
                 assert (reward, terminated) == (0.0, True)  # DONE is not the answer to an infeasible task
             assert (await client.pool()).leases == 0
@@ -156,7 +157,7 @@ def test_infra_errors_are_not_the_agents(farm: FarmServer, suite: Any) -> None:
             with pytest.raises(InfraError) as e:
                 await env.reset(missing)  # offline, and the file is in no cache
             assert e.value.phase == "setup" and "osfarm.invalid/not-cached.txt" in str(e.value)
-            assert env.desktop["provider"] == "sandbox"  # it had a desktop
+            assert env.desktop is not None and env.desktop.provider == "sandbox"  # it had a desktop
             # the same env goes on with the next task
             await env.reset(suite[INFEASIBLE])
             assert (await env.step("FAIL"))[1] == 1.0
@@ -177,7 +178,8 @@ def test_a_desktop_lost_before_its_evaluation_is_infra_not_a_zero(farm: FarmServ
     async def go() -> None:
         async with TaskEnv(farm.url, farm.token, max_steps=5) as env:
             await env.reset(suite[MKDIR])
-            box_dir = f"{farm.settings.state_dir}/sandbox/{env.desktop['desktop_id']}"
+            assert env.desktop is not None
+            box_dir = f"{farm.settings.state_dir}/sandbox/{env.desktop.desktop_id}"
             xvfb = [p for p in box_processes(Path(farm.settings.state_dir))
                     if p.name() == "Xvfb" and p.environ().get(SANDBOX_ENV) == box_dir]
             assert len(xvfb) == 1

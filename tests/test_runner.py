@@ -233,3 +233,32 @@ def test_replay_agent_and_record_schema_errors(tmp_path: Path) -> None:
         check_record({"schema": "osfarm.episode/2"})
     with pytest.raises(SchemaError, match="missing fields"):
         check_record({"schema": SCHEMA, "episode_id": "x"})
+
+
+def test_the_record_names_the_leases_desktop_and_what_it_cost(tmp_path: Path) -> None:
+    """TaskEnv's typed lease and usage reach the record and the results row as the same JSON as ever."""
+    from osfarm.env import DesktopUsage
+    from osfarm.runner.episode import EpisodeResult
+    from osfarm.runner.results import write_task
+    from osfarm.schema.lease import LeaseInfo
+    from osfarm.schema.observation import ScreenSize
+    from osfarm.stream.blobs import LocalBlobStore
+    from osfarm.tasks.model import parse_task
+
+    task = parse_task({"id": "t1", "instruction": "x", "config": [], "evaluator": {"func": "infeasible"}}, file="t")
+    lease = LeaseInfo(id="l1", desktop_id="d1", created_at=0.0, expires_at=60.0, ttl_s=60.0, guest_url="/g",
+                      screen=ScreenSize(width=8, height=8), provider="docker", image="img", desktop="light")
+    res = EpisodeResult(task=task, status="success", score=1.0, error=None, episode_id="e1", attempt=1,
+                        infra_retries=0, steps=[], started_at=1.0, finished_at=30.0, agent="replay", desktop=lease,
+                        desktop_usage=DesktopUsage(cpu_s=1.5, reset="warm"))
+    records: list[dict] = []
+    row = write_task(tmp_path, res, "run", LocalBlobStore(tmp_path), emit=records.append)
+    rec = check_record(records[0])
+    assert rec["desktop"] == {"provider": "docker", "image": "img", "session": "light"}
+    assert rec["desktop_cpu_s"] == 1.5 and rec["desktop_reset"] == "warm" and "desktop_reset_fallback" not in rec
+    assert row["desktop"] == "light" and row["desktop_cpu_s"] == 1.5 and row["desktop_reset"] == "warm"
+    no_lease = EpisodeResult(task=task, status="infra_error", score=0.0, error="lease", episode_id="e2", attempt=1,
+                             infra_retries=0, steps=[], started_at=1.0, finished_at=2.0, agent="replay")
+    write_task(tmp_path, no_lease, "run", LocalBlobStore(tmp_path), emit=records.append)
+    assert records[1]["desktop"] == {"provider": "sandbox", "image": None, "session": None}
+    assert not any(k.startswith("desktop_") for k in records[1])

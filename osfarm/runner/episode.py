@@ -24,12 +24,12 @@ from typing import Any
 
 from osfarm.agents.base import Agent
 from osfarm.client import AsyncFarm
-from osfarm.env import EpisodeTimeout, InfraError, TaskEnv
+from osfarm.env import DesktopUsage, EpisodeTimeout, InfraError, TaskEnv
 from osfarm.http.retry import backoff_s
 from osfarm.schema.actions import AgentAction
 from osfarm.schema.episode import ModelCall
 from osfarm.schema.guest import ActionTiming
-from osfarm.schema.lease import ControlInfo
+from osfarm.schema.lease import ControlInfo, LeaseInfo
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.model import Task
 
@@ -84,7 +84,7 @@ class EpisodeResult:
     started_at: float
     finished_at: float
     agent: str
-    desktop: dict[str, Any] = field(default_factory=dict)
+    desktop: LeaseInfo | None = None  # the lease the final attempt's desktop was granted on (TaskEnv.desktop)
     last_action: Any = None
     errors: list[str] = field(default_factory=list)  # the errors of retried attempts
     recording: bytes | None = None
@@ -93,7 +93,7 @@ class EpisodeResult:
     recording_error: str | None = None  # a failed recording is noted, never the episode's failure
     action_timing: ActionTiming = "osworld"  # how the actions were paced (EpisodeConfig.action_timing)
     controlled_by: list[ControlInfo] = field(default_factory=list)  # dashboard take-overs (TaskEnv.controlled_by)
-    desktop_usage: dict[str, float | str] = field(default_factory=dict)  # CPU-seconds, reset (TaskEnv.desktop_usage)
+    desktop_usage: DesktopUsage = field(default_factory=DesktopUsage)  # CPU-seconds, reset (TaskEnv.desktop_usage)
 
 
 def episode_id(run_id: str, task_id: str) -> str:
@@ -119,7 +119,7 @@ async def _attempt(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, 
                   settle_s=agent.settle_s, record=cfg.record, lease_ttl_s=cfg.lease_ttl_s,
                   lease_wait_s=cfg.lease_wait_s, code_timeout_s=cfg.code_timeout_s, action_timing=cfg.action_timing)
     res.controlled_by = env.controlled_by  # the same list: the env fills it when it releases the desktop
-    res.desktop_usage = env.desktop_usage  # the same dict, filled on release too
+    res.desktop_usage = env.desktop_usage  # the same object, filled on release too
     async with env:
         try:
             obs, _ = await env.reset(task)

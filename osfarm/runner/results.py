@@ -94,8 +94,9 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "attempt": res.attempt,
         "agent": res.agent,
         "policy": _policy(res),
-        "desktop": {"provider": res.desktop.get("provider", "sandbox"), "image": res.desktop.get("image"),
-                    "session": res.desktop.get("session")},
+        "desktop": {"provider": res.desktop.provider if res.desktop else "sandbox",
+                    "image": res.desktop.image if res.desktop else None,
+                    "session": res.desktop.desktop if res.desktop else None},
         "status": res.status,
         "score": res.score,
         "error": res.error,
@@ -108,9 +109,8 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         # someone took control of the desktop from the dashboard: the outcome had human help
         **({"controlled_by": [c.model_dump() for c in res.controlled_by]} if res.controlled_by else {}),
         # CPU-seconds the desktop used during the episode (its cgroup), where the farm tells
-        **({"desktop_cpu_s": res.desktop_usage["cpu_s"]} if "cpu_s" in res.desktop_usage else {}),
-        # how the desktop was made ready (warm, cold, start) and, for a cold one meant warm, why
-        **{f"desktop_{k}": res.desktop_usage[k] for k in ("reset", "reset_fallback") if k in res.desktop_usage},
+        # and how it was made ready (warm, cold, start) and, for a cold one meant warm, why
+        **{f"desktop_{k}": v for k, v in res.desktop_usage.model_dump(exclude_none=True).items()},
     }
 
 
@@ -154,16 +154,14 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
     row = {"task_id": res.task.id, "domain": res.task.domain, "status": res.status, "score": res.score,
            "error": res.error, "steps": len(res.steps), "attempts": res.attempt,
            "seconds": round(res.finished_at - res.started_at, 2), "episode_id": res.episode_id,
-           "action_timing": res.action_timing, "desktop": res.desktop.get("session")}
+           "action_timing": res.action_timing, "desktop": res.desktop.desktop if res.desktop else None}
     if res.timings:
         row["timings"] = res.timings
     if res.recording_error:
         row["recording_error"] = res.recording_error
     if res.controlled_by:
         row["controlled_by"] = [c.by for c in res.controlled_by]
-    for k in ("cpu_s", "reset", "reset_fallback"):
-        if k in res.desktop_usage:
-            row[f"desktop_{k}"] = res.desktop_usage[k]
+    row.update({f"desktop_{k}": v for k, v in res.desktop_usage.model_dump(exclude_none=True).items()})
     (d / "episode.json").write_text(json.dumps(row, indent=2))
     rec = episode_record(res, run_id, blobs)
     if emit is not None:
