@@ -169,9 +169,11 @@ class TaskEnv:
             scores what it would on OSWorld; ``"fast"``: one kept interpreter, no pause, the
             observation waits for the screen to settle instead.
 
-    After ``reset``: :attr:`task`, :attr:`desktop` (provider, image, desktop and lease ids),
-    :attr:`observation`, :attr:`steps`, :attr:`last_action`, :attr:`timings` (seconds per
-    phase: ``lease``, ``setup``, then ``agent`` and ``evaluate`` once the episode ended).
+    After ``reset``: :attr:`task`, :attr:`desktop` (the :class:`~osfarm.schema.lease.LeaseInfo`:
+    provider, image, session, desktop and lease ids), :attr:`observation`, :attr:`steps`,
+    :attr:`last_action`, :attr:`timings` (seconds per phase: ``lease``, ``setup``, then ``agent``
+    and ``evaluate`` once the episode ended); once the desktop is released, :attr:`controlled_by`
+    and :attr:`desktop_usage`.
     """
 
     def __init__(self, farm: AsyncFarm | str, token: str | None = None, *, max_steps: int = 15,
