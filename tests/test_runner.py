@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import typer
@@ -233,6 +234,37 @@ def test_replay_agent_and_record_schema_errors(tmp_path: Path) -> None:
         check_record({"schema": "osfarm.episode/2"})
     with pytest.raises(SchemaError, match="missing fields"):
         check_record({"schema": SCHEMA, "episode_id": "x"})
+
+
+def test_an_agent_may_answer_typed_actions(farm: FarmServer, tmp_path: Path) -> None:
+    """An agent's typed actions run, end the episode and reach the record as the JSON a dict would be."""
+    import asyncio
+
+    from osfarm.agents import BaseAgent
+    from osfarm.client import AsyncFarm
+    from osfarm.runner.episode import EpisodeConfig, run_episode
+    from osfarm.runner.results import write_task
+    from osfarm.schema.actions import AgentAction, Fail
+    from osfarm.stream.blobs import LocalBlobStore
+    from osfarm.tasks.filecache import FileCache
+
+    class TypedFail(BaseAgent):
+        name = "typed-fail"
+
+        def predict(self, instruction: str, obs: dict) -> tuple[str, list[AgentAction]]:
+            return "infeasible", [Fail(action_type="FAIL")]
+
+    async def go() -> Any:
+        async with AsyncFarm(farm.url, farm.token) as client:
+            cfg = EpisodeConfig(max_steps=2, infra_retries=0, work_dir=tmp_path / "work")
+            return await run_episode(client, load_suite(SUITE)[INFEASIBLE], TypedFail(),
+                                     FileCache(tmp_path / "cache", offline=True), cfg, "run")
+
+    res = asyncio.run(go())
+    assert (res.status, res.score, res.last_action) == ("success", 1.0, {"action_type": "FAIL"})
+    records: list[dict] = []
+    write_task(tmp_path / "out", res, "run", LocalBlobStore(tmp_path / "out"), emit=records.append)
+    assert records[0]["steps"][0]["actions"] == [{"action_type": "FAIL", "parameters": {}}]
 
 
 def test_the_record_names_the_leases_desktop_and_what_it_cost(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from osfarm.agents.base import Agent
 from osfarm.client import AsyncFarm
 from osfarm.env import DesktopUsage, EpisodeTimeout, InfraError, TaskEnv
 from osfarm.http.retry import backoff_s
-from osfarm.schema.actions import AgentAction
+from osfarm.schema.actions import action_json
 from osfarm.schema.episode import ModelCall
 from osfarm.schema.guest import ActionTiming
 from osfarm.schema.lease import ControlInfo, LeaseInfo
@@ -60,7 +60,7 @@ class StepRecord:
     screenshot: bytes  # the observation the agent acted on
     a11y: str | None
     response: str
-    actions: list[AgentAction]
+    actions: list[str | dict[str, Any]]  # as JSON carries them (typed ones dumped): the record stores them
     action_error: str | None
     t_model_ms: float
     t_env_ms: float
@@ -136,14 +136,14 @@ async def _attempt(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, 
             i += 1
             t0 = time.perf_counter()
             try:
-                response, actions = await agent.apredict(task.instruction, obs.as_dict())
+                response, predicted = await agent.apredict(task.instruction, obs.as_dict())
             except Exception as e:  # noqa: BLE001
                 if isinstance(e, InfraError):  # e.g. the policy server stayed unreachable through its retries
                     raise InfraError(f"step {i}: {e}", phase="agent") from e
                 res.status, res.error = FAILURE, f"agent predict (step {i}): {type(e).__name__}: {e}"
                 return
             t_model = (time.perf_counter() - t0) * 1000
-            actions = list(actions or [])
+            actions = [action_json(a) for a in predicted or []]  # typed ones as JSON carries them
             call = agent.last_model_call
             parse_error = call.parse_error if call is not None else None
             rec = StepRecord(index=i, screenshot=obs.screenshot, a11y=obs.accessibility_tree, response=str(response),
