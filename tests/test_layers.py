@@ -78,8 +78,8 @@ TESTS = REPO / "tests"
 # Lowest first; one entry per layer, modules named by dotted prefix.
 LAYERS: list[tuple[str, ...]] = [
     ("osfarm.schema",),
-    # desktop by concept, lowest first (ACROSS holds its direction); the package itself last, for
-    # the modules still at its top (request_fields, on its way to osfarm.schema).
+    # desktop by concept, lowest first (ACROSS holds its direction); the package itself (its
+    # __init__ and assets) last.
     ("osfarm.desktop.x11", "osfarm.desktop.box", "osfarm.desktop.session", "osfarm.desktop.warm",
      "osfarm.desktop.guest", "osfarm.desktop.launch", "osfarm.desktop"),
     ("osfarm.images",),
@@ -136,8 +136,6 @@ ACROSS: dict[tuple[str, str], str] = {
     ("osfarm.desktop.launch", "osfarm.desktop.box"): "the box template runs the box init; the launcher is a subreaper",
     ("osfarm.desktop.launch", "osfarm.desktop.session"): "the launcher starts the session",
     ("osfarm.desktop.launch", "osfarm.desktop.guest"): "the launcher serves the guest app",
-    ("osfarm.desktop", "osfarm.desktop.box"): "request_fields reads a command as box.commands' Command",
-    ("osfarm.desktop.guest", "osfarm.desktop"): "the OSWorld routes read their loose bodies with request_fields",
 }
 
 # Third-party packages a function may import lazily: heavy (seconds or hundreds of MB to load)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field, ValidationError
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 
-from osfarm.desktop.request_fields import expand
+from osfarm.desktop.guest.request_fields import expand
 from osfarm.desktop.session.a11y import accessibility_tree
 from osfarm.desktop.session.guest_state import Desktop, DesktopDep
 from osfarm.desktop.warm import warm

@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from osfarm.desktop.box.agent_files import MAX_READ_BYTES, AgentFileError
 from osfarm.desktop.box.commands import CANNOT_START, Command, run_command, spawn_detached
-from osfarm.desktop.request_fields import (
+from osfarm.desktop.guest.request_fields import (
     bad,
     describe_command,
     expand,
