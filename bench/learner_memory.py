@@ -103,25 +103,28 @@ def child(args: argparse.Namespace) -> None:
 
 
 def _save_timing(learner, samples: list, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds per update (update + its save) with no save, and with the loop's saves."""
-    off_t0 = time.perf_counter()
-    for _ in range(args.updates):
-        learner.update(samples)
-    off = (time.perf_counter() - off_t0) / args.updates
+    """Seconds per update (the update and what it waits for of its save): no save; the loop's
+    saves (weights every version, a full checkpoint every ``--checkpoint-every`` snapshotted and
+    written in the background: in a run that write overlaps the next update, here it is waited
+    for outside the timing); a full checkpoint every version, written before the next update.
+    Interleaved round by round, so a busy machine's load weighs on the three alike."""
+    kinds = ("update_s_saves_on", "update_s_full_sync_save_every_update", "update_s_saves_off")
+    spent = dict.fromkeys(kinds, 0.0)
     with tempfile.TemporaryDirectory() as d:
-        on_t0 = time.perf_counter()
-        for _ in range(args.updates):
-            learner.update(samples)
-            full = learner.version % args.checkpoint_every == 0
-            learner.save(Path(d) / f"v{learner.version}", full=full, background=True)
-        on = (time.perf_counter() - on_t0) / args.updates
+        for r in range(args.updates):
+            for kind in kinds:
+                if kind != "update_s_saves_on":
+                    learner.wait_saved()  # a background write of this round is charged to no other kind
+                t0 = time.perf_counter()
+                learner.update(samples)
+                out = Path(d) / f"v{learner.version}"
+                if kind == "update_s_saves_on":  # the loop's cadence, counted in its own updates
+                    learner.save(out, full=(r + 1) % args.checkpoint_every == 0, background=True)
+                elif kind == "update_s_full_sync_save_every_update":
+                    learner.save(out)
+                spent[kind] += time.perf_counter() - t0
         learner.wait_saved()
-        sync_t0 = time.perf_counter()
-        for _ in range(args.updates):
-            learner.update(samples)
-            learner.save(Path(d) / f"w{learner.version}")  # every update a full checkpoint, waited for
-        every_sync = (time.perf_counter() - sync_t0) / args.updates
-    return {"update_s_saves_off": off, "update_s_saves_on": on, "update_s_full_sync_save_every_update": every_sync}
+    return {k: v / args.updates for k, v in spent.items()}
 
 
 def main() -> int:

@@ -322,6 +322,31 @@ class Learner:
             out.append(([filler], 0.0))
         return out
 
+    @torch.no_grad()
+    def _proximal_pass(self, samples: Sequence[Sample], resp: Sequence[Sequence[int]],
+                       plans: list[list[tuple[list[int], float]]]) -> tuple[dict[int, torch.Tensor],
+                                                                          dict[int, torch.Tensor]]:
+        """Per sample: log π_prox (the weights before this update) and, with a KL term, log π_ref
+        of its response tokens ([T] each, on this rank's samples)."""
+        self.model.eval()
+        prox: dict[int, torch.Tensor] = {}
+        refs: dict[int, torch.Tensor] = {}
+        for plan in plans:
+            for idx, _ in plan:
+                # under FSDP every forward is collective: each rank runs all of its micro-batches
+                todo = list(idx) if self.fsdp else [i for i in idx if i not in prox]
+                if not todo:
+                    continue
+                mb = self._encode_micro(samples, resp, todo)
+                logp, _ = self.forward(mb)
+                for i, row in zip(todo, mb.per_sample(logp), strict=True):
+                    prox[i] = row.detach().float()
+                if self.opts.loss.kl_coef > 0:
+                    for i, row in zip(todo, mb.per_sample(self._reference(mb)), strict=True):
+                        refs[i] = row.detach().float()
+                del mb, logp  # this micro-batch's inputs go before the next one is encoded
+        return prox, refs
+
     def _update(self, samples: list[Sample]) -> UpdateStats:
         if not samples:
             raise ValueError("update needs at least one sample")
@@ -347,26 +372,7 @@ class Learner:
             count = max(math.ceil(len(p) / step) for p in per_rank)
             plans.append(self._micro_batches(per_rank[rank], count, mb_indices[0]))
 
-        # proximal policy = the weights before this update; the KL reference when used
-        self.model.eval()
-        prox: dict[int, torch.Tensor] = {}
-        refs: dict[int, torch.Tensor] = {}
-        with torch.no_grad():
-            for plan in plans:
-                for idx, _ in plan:
-                    # under FSDP every forward is collective: each rank runs all of its micro-batches
-                    todo = list(idx) if self.fsdp else [i for i in idx if i not in prox]
-                    if not todo:
-                        continue
-                    mb = self._encode_micro(samples, resp, todo)
-                    logp, _ = self.forward(mb)
-                    for i, row in zip(todo, mb.per_sample(logp), strict=True):
-                        prox[i] = row.detach().float()
-                    if self.opts.loss.kl_coef > 0:
-                        for i, row in zip(todo, mb.per_sample(self._reference(mb)), strict=True):
-                            refs[i] = row.detach().float()
-                    del mb, logp  # this micro-batch's inputs go before the next one is encoded
-
+        prox, refs = self._proximal_pass(samples, resp, plans)
         self.model.train()
         sums = {"loss": 0.0, "entropy": 0.0, "drift": 0.0}
         stat_sums: dict[str, float] = {}

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -38,11 +38,29 @@ from osfarm.trainer.checkpoint import (
     TRAIN_STATE_DIR,
     copy_processor_files,
 )
+from osfarm.trainer.distributed import DistContext
+from osfarm.trainer.learner_options import LearnerOptions
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from osfarm.trainer.learner import Learner
+
+class Learner(Protocol):
+    """What saving reads of ``learner.Learner`` (which imports this module)."""
+
+    opts: LearnerOptions
+    ctx: DistContext
+    model: Any
+    fsdp: bool
+    lora: bool
+    compute_dtype: torch.dtype
+    master_dtype: torch.dtype
+    model_path: Path
+    version: int
+    counters: dict[str, int]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...  # read only here: the learner's is an AdamW
 
 
 @dataclass
