@@ -13,11 +13,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from vlm_servers import closed_port_url, policy_server
-
 from osfarm.agents.chat_client import PolicyUnavailable
 from osfarm.agents.choice import ChoiceAgent
 from osfarm.errors import InfraError
+from osfarm.testing.vlm_servers import closed_port_url, policy_server
 
 CHOICES = [f"open('/tmp/x', 'a').write('{c}')" for c in "ABCD"]
 

@@ -19,7 +19,6 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
-from dashboard_runs import XSS, PNG_1x1, make_run
 
 from osfarm.dashboard import pages
 from osfarm.dashboard.app import create_ui_app
@@ -30,6 +29,7 @@ from osfarm.dashboard.links import ServerLinks
 from osfarm.dashboard.marks import marks_of
 from osfarm.dashboard.runs import RunsRoot
 from osfarm.dashboard.stats import wilson
+from osfarm.testing.dashboard_runs import XSS, PNG_1x1, make_run
 
 # -- confinement ----------------------------------------------------------------------------------
 

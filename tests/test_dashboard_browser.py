@@ -24,7 +24,6 @@ from typing import Any
 
 import httpx
 import pytest
-from dashboard_runs import XSS, make_run
 from rich.console import Console
 
 from osfarm.dashboard.app import mount
@@ -33,6 +32,7 @@ from osfarm.env import SyncTaskEnv
 from osfarm.farm.server import FarmServer
 from osfarm.tasks.filecache import suite_cache
 from osfarm.tasks.suite import load_suite
+from osfarm.testing.dashboard_runs import XSS, make_run
 from osfarm.testing.farms import TOKEN, running_farm
 from osfarm.trainer.metrics import TrainMetrics
 

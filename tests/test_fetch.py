@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import typer
-from asset_server import HF, AssetServer, asset_server
 from typer.testing import CliRunner
 
 from osfarm.farm.server import FarmServer
@@ -25,6 +24,7 @@ from osfarm.tasks.filecache import AssetMissing, FileCache
 from osfarm.tasks.manifest import Manifest
 from osfarm.tasks.model import parse_task
 from osfarm.tasks.suite import load_suite
+from osfarm.testing.asset_server import HF, AssetServer, asset_server
 
 LOOPBACK = DownloadPolicy(allowed_hosts=("127.0.0.1",), attempts=3, timeout_s=60)
 BIG = bytes(range(256)) * 4096  # 1 MiB, not compressible by accident

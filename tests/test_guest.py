@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from asset_server import HF, asset_server
 from PIL import Image
 
 from osfarm.desktop.box.process_tree import descendants
+from osfarm.testing.asset_server import HF, asset_server
 from osfarm.testing.waiting import wait_until
 
 TOKEN = "test-token-guest"

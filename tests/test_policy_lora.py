@@ -20,11 +20,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from lora_adapters import lora_adapter, misfit_adapter
 from test_policy_server import Reference, _chat, _perturbed_copy
-from vlm_servers import policy_server
 
 from osfarm.policy.tiny import tiny_model_dir
+from osfarm.testing.lora_adapters import lora_adapter, misfit_adapter
+from osfarm.testing.vlm_servers import policy_server
 
 BASE = "tiny"  # the served name of vlm_servers.policy_server's model
 MAX_LORAS = 2

@@ -23,10 +23,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from lora_adapters import lora_adapter
-
 from osfarm.policy.processing import load_processor
 from osfarm.policy.tiny import tiny_model_dir
+from osfarm.testing.lora_adapters import lora_adapter
 from osfarm.trainer.learner import Learner, encode_sample
 from osfarm.trainer.samples import Sample
 

@@ -20,12 +20,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 openai = pytest.importorskip("openai")
 
-from lora_adapters import lora_adapter
 from safetensors.torch import load_file, save_file
 from test_policy_server import _chat
-from vlm_servers import policy_server
 
 from osfarm.policy.tiny import tiny_model_dir
+from osfarm.testing.lora_adapters import lora_adapter
+from osfarm.testing.vlm_servers import policy_server
 
 BASE = "tiny"
 

@@ -10,7 +10,6 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from PIL import Image
-from vlm_servers import FaultProxy, closed_port_url, policy_server
 
 from osfarm.agents import make_agent
 from osfarm.agents.chat_client import (
@@ -24,6 +23,7 @@ from osfarm.agents.chat_client import (
 )
 from osfarm.agents.vlm import parse_agent_opts
 from osfarm.errors import InfraError
+from osfarm.testing.vlm_servers import FaultProxy, closed_port_url, policy_server
 
 FAST = {"backoff_s": 0.05, "backoff_max_s": 0.2}
 

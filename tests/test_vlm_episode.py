@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import typer
 from typer.testing import CliRunner
-from vlm_servers import FaultProxy, closed_port_url, policy_server
 
 from osfarm.farm.server import FarmServer
 from osfarm.runner.cli import eval_command
 from osfarm.runner.results import read_episodes
+from osfarm.testing.vlm_servers import FaultProxy, closed_port_url, policy_server
 
 SUITE = Path(__file__).resolve().parent.parent / "suites" / "mini"
 HELLO, INFEASIBLE = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a01", "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a03"

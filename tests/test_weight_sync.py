@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 import pytest
-from vlm_servers import free_port
+
+from osfarm.testing.ports import free_port
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")

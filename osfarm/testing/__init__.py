@@ -12,6 +12,11 @@ idea a module:
 * ``boxes``: one throwaway sandbox desktop; the processes of boxes (to prove none is left).
 * ``redis_server``: a throwaway ``redis-server``; ``docker_env``: the docker daemon and osfarm's images.
 * ``waiting``: poll for a condition instead of sleeping; ``ports``: a free loopback port.
+* ``provider_options``: each provider's settings here, its image or VM disk built when missing.
+* ``vlm_servers``: the CPU policy server with the tiny model, and a fault-injecting proxy before
+  it; ``lora_adapters``: LoRA adapters for that model.
+* ``asset_server``: a local HTTP server of task files (ranges, ETags, faults); ``dashboard_runs``:
+  run folders for the dashboard to show.
 * ``chaos_cluster``: Redis + farm + Celery workers a chaos run kills; ``redteam``: the red team's
   probes, adversarial agent and farm.
 * ``unavailable``: a missing tool skips the test under pytest, and raises elsewhere.

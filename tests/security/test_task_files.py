@@ -19,7 +19,6 @@ from typing import Any
 
 import httpx
 import pytest
-from asset_server import AssetServer, asset_server
 from typer.testing import CliRunner
 
 from osfarm.cli import app
@@ -31,6 +30,7 @@ from osfarm.tasks.model import TaskError, load_task, parse_task
 from osfarm.tasks.setup import SetupExecutor, SetupFailed
 from osfarm.tasks.suite import load_suite
 from osfarm.tasks.task_paths import TaskPathError
+from osfarm.testing.asset_server import AssetServer, asset_server
 
 MINI = Path(__file__).resolve().parents[2] / "suites" / "mini"
 INFEASIBLE = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a03"

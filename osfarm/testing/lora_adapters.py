@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any, cast
 
 
 def lora_adapter(src: Path, dst: Path, seed: int = 0) -> tuple[Path, Path]:
@@ -22,8 +23,9 @@ def lora_adapter(src: Path, dst: Path, seed: int = 0) -> tuple[Path, Path]:
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.mul_(20)  # a visible change of the output distribution
-    peft_model.save_pretrained(dst / "adapter")
-    peft_model.merge_and_unload().save_pretrained(dst / "merged")
+    peft_model.save_pretrained(str(dst / "adapter"))
+    # peft types the LoRA model's merge_and_unload as its __getattr__'s answer (a Tensor)
+    cast(Any, peft_model).merge_and_unload().save_pretrained(dst / "merged")
     return dst / "adapter", dst / "merged"
 
 

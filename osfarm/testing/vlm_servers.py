@@ -18,18 +18,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Self
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from osfarm.testing.ports import free_port
 
 
 @contextmanager
@@ -40,7 +33,7 @@ def policy_server(start_timeout_s: float = 240.0, extra: tuple[str, ...] = ()) -
            "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
            "--log-level", "warning", *extra]
     log = open(os.environ.get("OSFARM_TEST_POLICY_LOG", os.devnull), "ab")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + start_timeout_s

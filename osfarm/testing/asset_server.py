@@ -88,9 +88,10 @@ def _handler(srv: AssetServer) -> type[http.server.BaseHTTPRequestHandler]:
             if path == "/gzip":
                 body = gzip.compress(b"plain text " * 100)
                 return self._send(200, body, {"Content-Encoding": "gzip"})
-            body = srv.files.get(path)
-            if body is None:
+            stored = srv.files.get(path)
+            if stored is None:
                 return self._send(404, b"not found")
+            body = stored
             etag = '"' + hashlib.sha256(body).hexdigest()[:16] + '"'
             rng = self.headers.get("Range")
             if rng:
