@@ -58,7 +58,7 @@ def tiny() -> Path:
 def checkpoints(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
     """Versions 1 and 2 of a LoRA learner: different adapters (and their merged models)."""
     out = tmp_path_factory.mktemp("ckpts")
-    learner = Learner(tiny, LearnerOptions(lora=LoraOptions(r=4, alpha=8), device="cpu", seed=3))
+    learner = Learner(tiny, LearnerOptions(lora=LoraOptions(r=4, alpha=8, save_merged=True), device="cpu", seed=3))
     ckpts = {}
     gen = torch.Generator().manual_seed(7)
     for version in (1, 2):
@@ -316,7 +316,7 @@ learner:
   lora:
     r: 4
     alpha: 8
-    export_merged: false
+    save_merged: false
 data:
   options:
     drop_no_signal: false
