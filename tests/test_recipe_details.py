@@ -63,3 +63,15 @@ def test_the_reply_budget_follows_the_prompt_format(tmp_path: Path) -> None:
     assert rollout_agent_options(load_train_config(f).agent, "http://127.0.0.1:1", "policy")["max_tokens"] == 512
     f.write_text("agent: {kind: vlm, prompt_format: uitars, max_tokens: 300}\n")
     assert rollout_agent_options(load_train_config(f).agent, "http://127.0.0.1:1", "policy")["max_tokens"] == 300
+
+
+def test_a_trimmed_context_keeps_no_behaviour_logprobs_of_the_prompt_it_was_not(run: Path) -> None:
+    """``context_turns`` cuts a step's request shorter than the agent sent it: the recorded log-probs
+    were of the longer prompt, so the sample carries none (the learner takes π_prox, weight 1);
+    a step whose request was not cut keeps its own."""
+    dm = DataManager(Cfg(group_size=2, context_turns=0), blob_root=run)
+    dm.add(make_record(run, status="success", steps=2))
+    dm.add(make_record(run, status="failure", steps=2))
+    by_step = {s.step_index: s for s in dm.take_batch().samples}
+    assert by_step[1].behav_logprobs == [-0.5, -0.5, -0.5]  # step 1 had no history: nothing cut
+    assert by_step[2].behav_logprobs is None and [m["role"] for m in by_step[2].messages][-2:] == ["user", "user"]

@@ -153,9 +153,12 @@ class SampleBuilder:
             if msgs is None:
                 skipped += 1
                 continue
+            sent = msgs
             msgs = trim_context(msgs, self.config.context_turns, self.config.context_images)
             raw = m.get("response_logprobs")
-            lps = logprobs_as_floats(raw) if raw else None
+            # the recorded log-probs are π_b given the prompt the agent sent: of a trimmed prompt
+            # π_b is unknown, so none is given and the learner takes π_prox for it (weight 1)
+            lps = logprobs_as_floats(raw) if raw and msgs == sent else None
             if lps is not None and ids and len(lps) != len(ids):
                 log.warning("episode %s step %s: %d log-probs for %d tokens; step skipped", rec["episode_id"],
                             st["index"], len(lps), len(ids))
