@@ -78,13 +78,23 @@ def _start_worker(name: str, farm: HostFarm, broker: RedisServer, log: Path, out
 
 
 def _stop_group(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    """SIGTERM: the worker's warm shutdown (to its main process alone: the episode it runs ends
+    and releases its lease); SIGKILL: the whole process group at once, a lost host."""
     if proc.poll() is None:
-        os.killpg(proc.pid, sig)
+        if sig == signal.SIGKILL:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
     try:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+
+
+def _running(worker_log: str) -> bool:
+    """The worker has an episode started and not finished."""
+    return worker_log.count("running the episode") > worker_log.count("] succeeded in")
 
 
 def _rows(run: Path) -> list[dict[str, Any]]:
@@ -120,7 +130,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 if time.monotonic() > deadline:
                     pytest.fail(f"no update in 300 s:\n{log.read_text()[-3000:]}")
                 time.sleep(0.5)
-            _stop_group(workers["c"], signal.SIGKILL)  # host C is lost, mid-run
+            # host C is lost mid-episode when it can be caught in one (its episodes take about a second)
+            c_log = base / "worker-c.log"
+            try:
+                mid_episode = wait_until(lambda: _running(c_log.read_text(errors="replace")), 30, interval=0.02)
+            except AssertionError:  # none caught in 30 s: killed between episodes
+                mid_episode = False
+            _stop_group(workers["c"], signal.SIGKILL)
             rc = trainer.wait(420)
             assert rc == 0, log.read_text()[-4000:]
             # what the trainer took from the stream, in its journal (acked entries are trimmed from the stream)
@@ -142,7 +158,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     yield {"dir": run_dir, "worker_out": worker_out, "farms": farms, "records": records, "rows": _rows(run_dir),
            "pending": pending,
            "summary": json.loads((run_dir / "summary.json").read_text()), "log": log.read_text(), "workers": workers,
-           "pool_b": pool_b, "left": left}
+           "pool_b": pool_b, "left": left, "mid_episode": mid_episode}
 
 
 def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any]) -> None:
@@ -193,6 +209,7 @@ def test_the_staleness_bound_held(cluster: dict[str, Any]) -> None:
 
 
 def test_nothing_is_left_running(cluster: dict[str, Any]) -> None:
+    print(f"worker c killed mid-episode: {cluster['mid_episode']}")
     assert cluster["workers"]["c"].returncode == -signal.SIGKILL
     assert cluster["workers"]["b"].returncode == 0
     assert cluster["pool_b"].get("leased", 0) == 0, cluster["pool_b"]  # the live host's desktops all came back
