@@ -3,7 +3,7 @@ D seconds on loopback; latency per route (p50/p99), answers by status, farm memo
 files over time.
 
 The farm is a real ``osfarm`` farm process (API, auth, pool, leases, registry on disk, guest
-links) over the in-memory provider of tests/memory_provider.py: its boxes are small HTTP servers
+links) over the in-memory provider of osfarm/testing/memory_provider.py: its boxes are small HTTP servers
 inside the farm process answering the guest's health and observation routes. Real desktops are
 not an option at this scale on a small machine (500 desktops need ~100 GB and hundreds of
 cores); what is measured is the farm itself, which is what 500 clients load. The clients run in

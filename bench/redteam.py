@@ -1,4 +1,4 @@
-"""The red team as a table: every probe of tests/security/probes.py against every provider.
+"""The red team as a table: every probe of osfarm/testing/redteam/probes.py against every provider.
 
 Box probes run as tests/security/test_box_probes.py runs them: an adversarial agent through the
 normal runner on a desktop of a farm with small limits, next to a bystander desktop; the
@@ -9,7 +9,7 @@ limit), else ``BREACH`` with what happened. ``pytest`` probes (hostile task file
 the same on every provider) are their tests, run once: the "farm" column.
 
 The ``sandbox-warm`` and ``docker-warm`` columns are warm-reset persistence
-(tests/security/warm_probes.py): on a farm with ``reset_mode: warm``, what one lease's agent leaves
+(osfarm/testing/redteam/warm_probes.py): on a farm with ``reset_mode: warm``, what one lease's agent leaves
 behind (daemons, listeners, message queues, files, X and XKB settings, retained X resources, the
 window manager's state ...) must be gone for the next lease: ``held (undone)`` by the warm reset,
 ``held (cold restart)`` where the fingerprint saw it and the farm restarted the desktop cold
