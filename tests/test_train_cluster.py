@@ -38,6 +38,7 @@ pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parent.parent
 UPDATES = 3
+KILL_TRAINER_AT = 2
 ETA = 1
 BATCH = 4
 STREAM = "osfarm:train:test"
@@ -97,6 +98,16 @@ def _running(worker_log: str) -> bool:
     return worker_log.count("running the episode") > worker_log.count("] succeeded in")
 
 
+def _wait_version(trainer: subprocess.Popen[bytes], run_dir: Path, version: int, log: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not any(r["version"] >= version for r in _rows(run_dir)):
+        if trainer.poll() is not None:
+            pytest.fail(f"osfarm train exited {trainer.returncode} early:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no version {version} in 300 s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
 def _rows(run: Path) -> list[dict[str, Any]]:
     p = run / "metrics.jsonl"
     return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.is_file() else []
@@ -120,16 +131,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                 f.start()
             for name, f in farms.items():
                 workers[name] = _start_worker(name, f, broker, base / f"worker-{name}.log", worker_out)
-            trainer = subprocess.Popen(
-                [sys.executable, "-m", "osfarm.cli", "train", "--config", str(cfg), "--executor", "celery",
-                 "--broker", broker.url], cwd=ROOT, env=_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT)
-            deadline = time.monotonic() + 300
-            while not _rows(run_dir):  # the first update: both workers have run episodes by now
-                if trainer.poll() is not None:
-                    pytest.fail(f"osfarm train exited {trainer.returncode} early:\n{log.read_text()[-3000:]}")
-                if time.monotonic() > deadline:
-                    pytest.fail(f"no update in 300 s:\n{log.read_text()[-3000:]}")
-                time.sleep(0.5)
+            argv = [sys.executable, "-m", "osfarm.cli", "train", "--config", str(cfg), "--executor", "celery",
+                    "--broker", broker.url]
+            trainer = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=log.open("ab"), stderr=subprocess.STDOUT)
+            _wait_version(trainer, run_dir, 1, log)  # the first update: both workers have run episodes by now
             # host C is lost mid-episode when it can be caught in one (its episodes take about a second)
             c_log = base / "worker-c.log"
             try:
@@ -137,6 +142,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             except AssertionError:  # none caught in 30 s: killed between episodes
                 mid_episode = False
             _stop_group(workers["c"], signal.SIGKILL)
+            # the trainer crashes after version 2 and is started again: it resumes from its checkpoint
+            # and its stream journal while jobs of its first life are still out
+            _wait_version(trainer, run_dir, KILL_TRAINER_AT, log)
+            trainer.kill()
+            trainer.wait(30)
+            killed_rows = len(_rows(run_dir))
+            trainer = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=log.open("ab"), stderr=subprocess.STDOUT)
             rc = trainer.wait(420)
             assert rc == 0, log.read_text()[-4000:]
             # what the trainer took from the stream, in its journal (acked entries are trimmed from the stream)
@@ -158,7 +170,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     yield {"dir": run_dir, "worker_out": worker_out, "farms": farms, "records": records, "rows": _rows(run_dir),
            "pending": pending,
            "summary": json.loads((run_dir / "summary.json").read_text()), "log": log.read_text(), "workers": workers,
-           "pool_b": pool_b, "left": left, "mid_episode": mid_episode}
+           "pool_b": pool_b, "left": left, "mid_episode": mid_episode, "killed_rows": killed_rows}
 
 
 def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any]) -> None:
@@ -166,7 +178,8 @@ def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any])
     assert sorted({r["version"] for r in cluster["rows"]}) == list(range(1, UPDATES + 1))
     assert "rollouts go to the Celery queue" in cluster["log"]
     queue = cluster["summary"]["totals"]["queue"]
-    assert queue["sent"] >= UPDATES * BATCH and queue["timed"] >= UPDATES * BATCH
+    resumed = (UPDATES - KILL_TRAINER_AT) * BATCH  # summary.json: the resumed process's own jobs
+    assert queue["sent"] >= resumed and queue["timed"] >= resumed
     assert queue["overhead_ms"] is not None and 0 <= queue["overhead_ms"] < 60_000
     last = cluster["rows"][-1]  # the metrics rows (and Prometheus) carry the queue's figures and per-worker episodes
     assert last["queue_outstanding"] >= 0 and last["queue_overhead_ms"] is not None
@@ -174,12 +187,20 @@ def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any])
     assert "osfarm_train_queue_outstanding" in (cluster["dir"] / "metrics.prom").read_text()
 
 
+def test_a_killed_trainer_resumes_from_its_checkpoint_and_journal(cluster: dict[str, Any]) -> None:
+    assert "resumed from" in cluster["log"]
+    versions = [r["version"] for r in cluster["rows"]]
+    assert versions == sorted(set(versions)), versions  # no version trained twice across the crash
+    after = cluster["rows"][cluster["killed_rows"]:]
+    assert after and after[0]["version"] == cluster["rows"][cluster["killed_rows"] - 1]["version"] + 1
+
+
 def test_desktops_of_both_hosts_were_used(cluster: dict[str, Any]) -> None:
     farms = Counter(rec["worker"]["farm"] for rec in cluster["records"])
     assert set(farms) == {f.url for f in cluster["farms"].values()}, farms
     assert {u.split("//")[1].split(":")[0] for u in farms} == {"127.0.0.2", "127.0.0.3"}
-    by_worker = cluster["summary"]["totals"]["queue"]["by_worker"]
-    assert {w.split("@")[0] for w in by_worker} == {"b", "c"}, by_worker
+    per_worker = {k for r in cluster["rows"] for k in r if k.startswith("rollouts_worker_")}  # both processes' rows
+    assert {k.removeprefix("rollouts_worker_").split("@")[0] for k in per_worker} == {"b", "c"}, per_worker
 
 
 def test_every_episode_is_trained_at_most_once(cluster: dict[str, Any]) -> None:
