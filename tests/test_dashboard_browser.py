@@ -8,12 +8,13 @@ arrives: the file exists and the task scores 1), the take-over in the lease info
 TaskEnv's ``controlled_by``; a viewer cannot take control; the leaderboard sorted; a run, an
 episode with its screenshots, a comparison, training charts; an XSS probe and a path-traversal
 probe; pages at phone width. Screenshots of each page go to the test's tmp dir (``ui-shots``)
-and to /work/coord/ui-shots when that folder's parent exists."""
+and, when OSFARM_UI_SHOTS names a folder, there too (to look at them after the run)."""
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,7 +43,6 @@ CHROMIUM = Path("/usr/bin/chromium")
 VIEWER_TOKEN = "viewer-token-for-the-ui-tests-0001"
 MINI = Path(__file__).resolve().parent.parent / "suites" / "mini"
 HELLO = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a01"  # type a line into the terminal
-COORD_SHOTS = Path("/work/coord/ui-shots")
 DESKTOP = {"width": 1280, "height": 800}
 PHONE = {"width": 390, "height": 844}
 
@@ -70,10 +70,11 @@ def runs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def shots(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = tmp_path_factory.mktemp("ui-shots")
     yield d
-    if COORD_SHOTS.parent.is_dir():
-        COORD_SHOTS.mkdir(exist_ok=True)
+    keep = os.environ.get("OSFARM_UI_SHOTS")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
         for p in d.glob("*.png"):
-            shutil.copy2(p, COORD_SHOTS / p.name)
+            shutil.copy2(p, Path(keep) / p.name)
 
 
 @pytest.fixture(scope="module")
