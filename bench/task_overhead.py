@@ -8,7 +8,7 @@ reads the phase timings of every episode record:
   start, window waits) + evaluate (postconfig, getters, metric): everything but the agent;
 * agent = the replay agent's steps (actions and the settled observation after each).
 
-The comparison row is OSWorld's harness floor from ../shared/reference/osworld.md: 60 s fixed
+The comparison row is OSWorld's harness floor (its run scripts' fixed sleeps): 60 s fixed
 sleep after reset + 20 s before evaluating + 2 s after every step — waits alone, before its
 VM snapshot revert; not measured here.
 

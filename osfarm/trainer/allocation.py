@@ -1,7 +1,7 @@
 """How many rollouts each task gets, and how long they may run: DART's dynamic rollout number and
 trajectory length, and an XRPO-style allocator.
 
-DART (../shared/reference/rl.md, "DART's data curation"): a task whose success rate sr is below
+DART-GUI's data curation (its dynamic rollout number and trajectory length): a task whose success rate sr is below
 a threshold gets the full ``rollout_n`` (8); an easier one gets max(1, int(9/sr − 7)) — fewer
 rollouts where a group would mostly be all-success and carry no GRPO signal (sr = 1 → 2). With
 the default threshold 0.6 the two branches meet (9/0.6 − 7 = 8).

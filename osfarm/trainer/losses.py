@@ -2,7 +2,7 @@
 
 All tensors are ``[B, T]`` (batch of sequences × token positions) with a float ``mask`` of
 {0, 1} that is 1 on the model's own tokens (the ones that train) and 0 on prompt, observation,
-image and padding positions. See ../shared/reference/rl.md, "Decoupled PPO (AReaL)":
+image and padding positions. AReaL's decoupled PPO objective (Fu et al. 2025):
 
     r_t = π_θ / π_prox                 ratio to the proximal policy (the learner before this update)
     w_t = π_prox / π_b                 behaviour importance weight (π_b sampled the tokens)

@@ -1,5 +1,5 @@
 """AReaL's staleness control: how many rollouts may start now so no sample is more than η
-versions old when the learner uses it (../shared/reference/rl.md, "Staleness control").
+versions old when the learner uses it (AReaL, Fu et al. 2025, "staleness-aware" asynchronous PPO).
 
 Each learner update (version v → v + 1) consumes ``batch_size`` accepted rollouts. A rollout
 may start only while
