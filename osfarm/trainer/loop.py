@@ -86,7 +86,7 @@ from osfarm.trainer.seeding import TaskInfo, pick_exemplar
 from osfarm.trainer.update_row import Window, staleness_of, update_row
 from osfarm.trainer.weight_sync import SyncResult, WeightSync
 
-EpisodeRecord = dict[str, Any]  # an osfarm.episode/1 record (osfarm.schema.episode checks it)
+RecordDict = dict[str, Any]  # an osfarm.episode/1 record as JSON (osfarm.schema.episode.EpisodeRecord is its model)
 
 CHECKPOINTS = "checkpoints"
 DM_STATE = "data_manager.json"
@@ -211,7 +211,7 @@ class Trainer:
                 raise TrainError(f"pool_from: {e}") from None
             self.console.print(f"experience pool: {n} successful episode(s) from {src}", highlight=False)
 
-        scheduler: RolloutScheduler[Rollout, EpisodeRecord] = RolloutScheduler(self._run_one_factory(
+        scheduler: RolloutScheduler[Rollout, RecordDict] = RolloutScheduler(self._run_one_factory(
             by_id, eval_by_id, suite_cache(suite, Path(cfg.suite), None, self.run_dir, True), eval_cache, url, token,
             servers, sync, EpisodeConfig(max_steps=ro.max_steps, time_limit_s=ro.episode_time_limit_s,
                                          infra_retries=0, work_dir=self.run_dir / ".work"),
@@ -258,7 +258,7 @@ class Trainer:
         filler.cancel()
         await self._drain_eval(consumer)
 
-    async def _stop_rollouts(self, scheduler: RolloutScheduler[Rollout, EpisodeRecord], filler: asyncio.Task[None],
+    async def _stop_rollouts(self, scheduler: RolloutScheduler[Rollout, RecordDict], filler: asyncio.Task[None],
                              consumer: asyncio.Task[None]) -> None:
         """The rollouts' teardown, before anything they use stops: no new ones, the running ones
         cancelled and waited for."""
@@ -335,7 +335,7 @@ class Trainer:
                 n += 1
         return n
 
-    def _start_eval(self, version: int, scheduler: RolloutScheduler[Rollout, EpisodeRecord]) -> None:
+    def _start_eval(self, version: int, scheduler: RolloutScheduler[Rollout, RecordDict]) -> None:
         for task_id in self.eval.start(version):
             self.rollout_seq += 1
             scheduler.submit(Rollout(task_id, self.rollout_seq, version, kind=EVAL))
@@ -352,8 +352,8 @@ class Trainer:
     def _run_one_factory(self, by_id: dict[str, Task], eval_by_id: dict[str, Task], cache: FileCache,
                          eval_cache: FileCache | None, url: str, token: str, servers: list[PolicyServer],
                          sync: WeightSync, ecfg: EpisodeConfig, blobs: BlobStore, sink: JsonlSink,
-                         eval_sink: JsonlSink) -> Callable[[Rollout], Awaitable[EpisodeRecord]]:
-        async def run_one(item: Rollout) -> EpisodeRecord:
+                         eval_sink: JsonlSink) -> Callable[[Rollout], Awaitable[RecordDict]]:
+        async def run_one(item: Rollout) -> RecordDict:
             key = id(item)
             if self.draining and item.kind == TRAIN:  # queued before the end: nothing will train on it
                 raise Aborted(f"rollout {item.seq}: the run is over")
@@ -418,7 +418,7 @@ class Trainer:
             raise RuntimeError("metrics logged before _train opened the metrics sinks")
         return self.metrics
 
-    async def _consume(self, scheduler: RolloutScheduler[Rollout, EpisodeRecord], dm: DataManager,
+    async def _consume(self, scheduler: RolloutScheduler[Rollout, RecordDict], dm: DataManager,
                        controller: RolloutController) -> None:
         async for done in scheduler.results():
             item, rec = done.item, done.result
@@ -435,7 +435,7 @@ class Trainer:
             self._report(item, rec, dm.add(rec, self.run_dir) if rec is not None else done.error or Aborted(),
                          done.started, done.finished)
 
-    def _report(self, item: Rollout | None, rec: EpisodeRecord | None, outcome: str | BaseException, started: float,
+    def _report(self, item: Rollout | None, rec: RecordDict | None, outcome: str | BaseException, started: float,
                 finished: float) -> None:
         """A training rollout ended: ``rec`` with the data manager's ``outcome``, or no record and
         the error (``Aborted``, a revoked job: the trainer cancelled it). None: a queued job of an
@@ -462,7 +462,7 @@ class Trainer:
             self.stop.set()
 
     async def _learn(self, learner: Learner, dm: DataManager, controller: RolloutController, sync: WeightSync,
-                     scheduler: RolloutScheduler[Rollout, EpisodeRecord], consumer: asyncio.Task[None]) -> None:
+                     scheduler: RolloutScheduler[Rollout, RecordDict], consumer: asyncio.Task[None]) -> None:
         cfg, eta, res = self.cfg, self.cfg.rollout.eta, self.resources
         while learner.version < cfg.updates and not self.stop.is_set():
             get = asyncio.create_task(dm.get_batch(cfg.rollout.batch_size, flush=controller.blocked))
