@@ -8,15 +8,18 @@ The native calls go to the desktop's guest server over :class:`~osfarm.farm.gues
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import time
-from typing import Annotated
+from collections.abc import Coroutine
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query, Response
+from fastapi import APIRouter, Body, Query, Request, Response
 
 from osfarm.farm.error_responses import DESKTOP_ERRORS
 from osfarm.farm.errors import ApiError
-from osfarm.farm.metrics import STEP_SECONDS
-from osfarm.farm.pool import Lease
+from osfarm.farm.metrics import LEASES_ABANDONED, STEP_SECONDS
+from osfarm.farm.pool import Lease, LeasePool
 from osfarm.farm.state import LeaseOf, Leaser, Pool, State
 from osfarm.http.principals import Principal
 from osfarm.schema.actions import ActionError, parse_actions
@@ -26,6 +29,8 @@ from osfarm.schema.observation import ImageFormat, Observation, ObserveOptions
 from osfarm.schema.service import ErrorBody
 
 router = APIRouter(tags=["desktops"])
+log = logging.getLogger("osfarm.farm.api")
+DISCONNECT_POLL_S = 0.25  # how often a waiting lease request looks for its client's hang-up
 
 
 def lease_info(lease: Lease) -> LeaseInfo:
@@ -70,14 +75,40 @@ def allowed_ttl(principal: Principal, ttl_s: float | None, default_s: float) -> 
                         429: {"model": ErrorBody, "description": "every desktop is leased (retry after Retry-After), "
                               "or the token's lease quota is reached (max_leases; no Retry-After)"},
                         503: {"model": ErrorBody, "description": "desktops cannot be started"}})
-async def lease_desktop(pool: Pool, state: State, principal: Leaser,
+async def lease_desktop(request: Request, pool: Pool, state: State, principal: Leaser,
                         req: Annotated[LeaseRequest | None, Body()] = None) -> LeaseInfo:
     req = req or LeaseRequest()
     ttl = allowed_ttl(principal, req.ttl_s, state.settings.lease_ttl_s)
-    lease = await pool.lease(owner=req.owner, ttl_s=ttl, wait_s=req.wait_s, principal=principal.name,
-                             max_leases=principal.max_leases)
+    lease = await while_connected(request, pool, pool.lease(owner=req.owner, ttl_s=ttl, wait_s=req.wait_s,
+                                                            principal=principal.name, max_leases=principal.max_leases))
     lease.task_id = req.task_id
     return lease_info(lease)
+
+
+async def while_connected(request: Request, pool: LeasePool, leasing: Coroutine[Any, Any, Lease]) -> Lease:
+    """The lease ``leasing`` grants, unless the client hangs up first.
+
+    uvicorn does not cancel a handler whose client went away, so without this a client that gave
+    up waiting (its own timeout, a killed worker) would still be granted the next free desktop,
+    which then sits leased to nobody until its TTL ends while live clients queue behind it. The
+    wait is cancelled instead (the pool hands a desktop that was already on its way back to the
+    ready set), and a lease granted in the same instant the client left is released at once."""
+    task = asyncio.ensure_future(leasing)
+    while not task.done():
+        await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            break
+    lease = task.result() if not task.cancelled() else None
+    if lease is not None and not await request.is_disconnected():
+        return lease
+    if lease is not None:
+        await pool.release(lease.id)
+    LEASES_ABANDONED.inc()
+    log.info("lease request abandoned: the client went away while it waited")
+    raise ApiError(499, "the client closed the connection before a desktop was leased")
 
 
 @router.get("/v1/desktops/{lease_id}", response_model=LeaseInfo, summary="Lease details", responses=DESKTOP_ERRORS)

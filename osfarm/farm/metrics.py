@@ -61,3 +61,8 @@ WARM_FALLBACKS = Counter(
     "osfarm_warm_reset_fallbacks_total", "warm resets that fell back to a cold restart, by reason", ["reason"],
     registry=REGISTRY,
 )
+# Lease requests whose client hung up while they waited: their wait was cancelled (or the lease
+# granted in that instant released) instead of holding a desktop for nobody until its TTL.
+LEASES_ABANDONED = Counter(
+    "osfarm_leases_abandoned_total", "lease requests whose client went away before the lease", registry=REGISTRY
+)

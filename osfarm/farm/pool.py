@@ -233,7 +233,13 @@ class LeasePool:
         d.lease_id = lease.id
         self._leases[lease.id] = lease
         if self.registry is not None:  # on disk before the client learns the id
-            await asyncio.wrap_future(self._save_lease(lease, d.handle))
+            try:  # shielded: a write cancelled half-way would break the registry's write order
+                await asyncio.shield(asyncio.wrap_future(self._save_lease(lease, d.handle)))
+            except asyncio.CancelledError:
+                # The requester went away while its lease was written: nobody can learn the id,
+                # so the desktop goes back now instead of at the end of the lease's TTL.
+                self._end_and_recycle(lease, f"lease {lease.id} was abandoned: its requester went away")
+                raise
         metrics.LEASE_WAIT.observe(lease.wait_s)
         self._boxes.replenish()  # keep pool_min ready now that one is leased
         log.info(
@@ -251,11 +257,7 @@ class LeasePool:
             lease = self.get(lease_id)
         except LeaseGone:
             return  # it expired just now; expiry already recycles the desktop
-        d = self._desktops.get(lease.desktop_id)
-        self._episode_cpu(lease, d)
-        self._end_lease(lease, f"lease {lease_id} was released; lease a new desktop")
-        if d is not None and d.state == LEASED:
-            self._boxes.recycle(d)
+        self._end_and_recycle(lease, f"lease {lease_id} was released; lease a new desktop")
         if self.registry is not None:  # a restart must not bring the lease back
             await self.registry.flush()
         log.info("lease released lease=%s desktop=%s", lease_id[:8], lease.desktop_id)
@@ -363,6 +365,13 @@ class LeasePool:
         d = self._desktops.get(lease.desktop_id)
         if d is not None:
             self._boxes.fail(d, reason, kind="unreachable")
+
+    def _end_and_recycle(self, lease: Lease, message: str) -> None:
+        d = self._desktops.get(lease.desktop_id)
+        self._episode_cpu(lease, d)
+        self._end_lease(lease, message)
+        if d is not None and d.state == LEASED:
+            self._boxes.recycle(d)
 
     def _end_lease(self, lease: Lease, message: str) -> None:
         self._leases.pop(lease.id, None)
