@@ -16,7 +16,7 @@ from osfarm.runner.executors.celery_exec import RemoteEpisodeError
 from osfarm.trainer.config import TrainConfig
 from osfarm.trainer.data_manager import ACCEPTED, DataConfig, DataManager
 from osfarm.trainer.loop import Rollout, Trainer
-from osfarm.trainer.queued_rollouts import JobLost, Outstanding, QueuedRollouts, rollout_episode_id
+from osfarm.trainer.queued_rollouts import JobLost, JobRevoked, Outstanding, QueuedRollouts, rollout_episode_id
 from osfarm.trainer.rollout_controller import ControllerConfig, RolloutController
 
 pytestmark = pytest.mark.unit
@@ -69,7 +69,7 @@ def test_backend_states_give_one_report_each(tmp_path: Path) -> None:
         (jobs[3], ("STARTED", None)), (jobs[4], ("PENDING", None))]
     assert q.judge(polled, sent + 1, dm, tmp_path, seen) == []
     assert [i for i, _r, _o in seen.got] == ["rollout-1", "rollout-2"]
-    assert isinstance(seen.got[0][2], RemoteEpisodeError) and seen.got[1][2].state == "REVOKED"
+    assert isinstance(seen.got[0][2], RemoteEpisodeError) and isinstance(seen.got[1][2], JobRevoked)
     # the finished job's record has not come on the stream yet: wait for it, within the grace
     assert q.judge(polled[2:], sent + 4, dm, tmp_path, seen) == [] and len(seen.got) == 2
     # past the grace (the stream was full, the record spilled): taken from the result, once

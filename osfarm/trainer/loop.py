@@ -68,7 +68,7 @@ from osfarm.trainer.distributed import DistContext
 from osfarm.trainer.evaluation import EvalTracker
 from osfarm.trainer.learner import Learner, UpdateStats
 from osfarm.trainer.metrics import TrainMetrics
-from osfarm.trainer.queued_rollouts import QueuedRollouts, open_queue
+from osfarm.trainer.queued_rollouts import JobRevoked, QueuedRollouts, open_queue
 from osfarm.trainer.rollout_controller import ABORTED, REJECTED, ControllerConfig, RolloutController
 from osfarm.trainer.routing import RoutedAgent
 from osfarm.trainer.run_wiring import (
@@ -444,7 +444,7 @@ class Trainer:
         if item is None or controller is None:
             return
         if isinstance(outcome, BaseException):
-            aborted = isinstance(outcome, Aborted) or getattr(outcome, "state", None) == "REVOKED"
+            aborted = isinstance(outcome, Aborted | JobRevoked)
             text = "aborted" if aborted else f"error: {type(outcome).__name__}: {outcome}"
             if aborted:
                 self.totals["aborted"] += 1

@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from osfarm.errors import InfraError
+from osfarm.errors import InfraError, OsfarmError
 from osfarm.runner.episode import episode_id
 from osfarm.runner.executors.celery_app import hard_limit_s, visibility_timeout_s
 from osfarm.runner.executors.celery_exec import CeleryExecutor, worker_failure
@@ -55,6 +55,11 @@ FAILED_STATES = ("FAILURE", "REVOKED")
 
 class JobLost(InfraError, RuntimeError):
     """A job that neither finished nor failed within any delivery's time: its worker host is gone."""
+
+
+class JobRevoked(OsfarmError):
+    """The trainer revoked the job before a worker ran it (ROLL's abort): the rollout is aborted,
+    not failed."""
 
 
 def rollout_name(task_id: str, seq: int) -> str:
@@ -230,9 +235,10 @@ class QueuedRollouts(Generic[T]):
                 self.jobs.pop(j.episode_id)
                 if state == "REVOKED":
                     self.counts.revoked += 1
+                    report(j.item, None, JobRevoked(f"job {j.task_id} was revoked before it ran"), j.sent, now)
                 else:
                     self.counts.failed += 1
-                report(j.item, None, worker_failure(state, result), j.sent, now)
+                    report(j.item, None, worker_failure(state, result), j.sent, now)
             elif state == "SUCCESS":
                 j.succeeded_at = j.succeeded_at or now
                 if now - j.succeeded_at > self.record_grace_s and isinstance(result, dict) and "record" in result:
