@@ -186,9 +186,10 @@ class QueuedRollouts(Generic[T]):
 
     def blob_root(self, rec: dict[str, Any], run_dir: Path) -> Path:
         """Where a record's blobs are: the run dir the job named (a filesystem the workers share
-        at the same path), or ``worker_out``/<the record's run id> (the workers' OSFARM_WORKER_OUT
-        as the trainer sees it)."""
-        return self.worker_out / str(rec.get("run_id")) if self.worker_out is not None else run_dir
+        at the same path), or ``worker_out``/<this run's id> (the workers' OSFARM_WORKER_OUT as the
+        trainer sees it; the workers write this run's jobs there). The trainer's own run id, not the
+        record's: a path is never built from what arrives on the stream."""
+        return self.worker_out / self.run_id if self.worker_out is not None else run_dir
 
     async def consume(self, dm: DataManager, run_dir: Path, report: Report[T]) -> None:
         """Feed the data manager from the stream and report every job once, until :meth:`stop`."""
