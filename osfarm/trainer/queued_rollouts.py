@@ -142,7 +142,7 @@ class QueuedRollouts(Generic[T]):
         full = {**job, "run_id": self.run_id, "task_id": task_id, "rollout": seq, "stream": self.stream}
         j = self.track(item, task_id, seq)
         try:
-            await self.executor._retry(lambda: self.executor._send(full, j.task_id))
+            await self.executor.send(full, j.task_id)
         except BaseException:
             self.jobs.pop(j.episode_id, None)
             raise
@@ -216,7 +216,7 @@ class QueuedRollouts(Generic[T]):
             jobs = list(self.jobs.values())
             if not jobs:
                 continue
-            states = await self.executor._retry(functools.partial(self._states, [j.task_id for j in jobs]))
+            states = await self.executor.broker_call(functools.partial(self._states, [j.task_id for j in jobs]))
             lost = self.judge(list(zip(jobs, states, strict=True)), time.monotonic(), dm, run_dir, report)
             if lost:
                 with contextlib.suppress(Exception):  # a lost job that comes back later finds itself revoked

@@ -59,19 +59,24 @@ class CeleryExecutor:
             return True, ar.result, state
         return False, None, state
 
+    async def send(self, job: dict[str, Any], task_id: str) -> None:
+        """Queue ``job`` as Celery task ``task_id``, riding out a broker outage up to ``outage_s``."""
+        await self.broker_call(lambda: self._send(job, task_id))
+
     async def run(self, job: dict[str, Any]) -> dict[str, Any]:
         """Queue ``job`` and wait for ``{"row": ..., "record": ...}``; a worker-side failure raises."""
         task_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm-job:{job['run_id']}:{job['task_id']}"))
-        await self._retry(lambda: self._send(job, task_id))
+        await self.send(job, task_id)
         while True:
-            done, result, state = await self._retry(lambda: self._poll(task_id))
+            done, result, state = await self.broker_call(lambda: self._poll(task_id))
             if done:
                 if state == "SUCCESS":
                     return result
                 raise worker_failure(state, result)
             await asyncio.sleep(self.poll_s)
 
-    async def _retry(self, fn: Any) -> Any:
+    async def broker_call(self, fn: Any) -> Any:
+        """``fn()`` (a blocking broker call) in a thread, tried again while the broker is down, up to ``outage_s``."""
         down_since: float | None = None
         attempt = 0
         while True:
