@@ -198,6 +198,33 @@ def test_compare_table_pivot_table_without_pivots(tmp_path: Path) -> None:
     assert table_m.compare_table(result, gold, rules=rules) == 1.0
 
 
+def test_compare_table_pivot_and_chart_on_a_sheet_the_result_lacks(tmp_path: Path) -> None:
+    # OSWorld 30e3e107's first rule, scored on an untouched file: the result has no Sheet2 and
+    # the gold Sheet2 has no pivot table. Upstream reads a missing sheet as one without pivot
+    # tables (or charts), so neither side has any and the rule holds; osfarm used to fail it.
+    base = {"Sheet1": [["sex", "n"], ["f", 1], ["m", 2]]}
+    untouched = make_xlsx(tmp_path / "r.xlsx", base)
+    gold = make_xlsx(tmp_path / "g.xlsx", {**base, "Sheet2": [["Demographic Profile"]]})
+    pivots = {"type": "pivot_table", "sheet_idx0": "RNSheet2", "sheet_idx1": "ENSheet2",
+              "pivot_props": ["col_fields", "filter", "row_fields", "data_fields"]}
+    assert table_m.compare_table(untouched, gold, rules=[pivots]) == 1.0
+    assert table_m.compare_table(untouched, gold, rules=[dict(pivots, sheet_idx0="RI5")]) == 1.0
+    charts = {"type": "chart", "sheet_idx0": "RNSheet2", "sheet_idx1": "ENSheet2", "chart_props": ["type"]}
+    assert table_m.compare_table(untouched, gold, rules=[charts]) == 1.0
+
+    def bar_chart(wb: Any) -> None:
+        from openpyxl.chart import BarChart, Reference
+
+        ws = wb["Sheet2"]
+        ch = BarChart()
+        ch.add_data(Reference(wb["Sheet1"], min_col=2, min_row=1, max_row=3), titles_from_data=True)
+        ws.add_chart(ch, "D2")
+
+    # a missing sheet is one without charts, not a wildcard: gold's chart still has to be there
+    gold_chart = make_xlsx(tmp_path / "gc.xlsx", {**base, "Sheet2": [["x"]]}, bar_chart)
+    assert table_m.compare_table(untouched, gold_chart, rules=[charts]) == 0.0
+
+
 def test_compare_table_missing_and_bad_inputs(books: dict[str, str], tmp_path: Path) -> None:
     rules = [sheet_data(0)]
     assert table_m.compare_table(None, books["gold"], rules=rules) == 0.0

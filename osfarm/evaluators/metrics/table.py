@@ -190,6 +190,16 @@ def _sheet(idx: int | str, result: _Book, expected: _Book | None) -> Worksheet:
     return book.xl[name]
 
 
+def _sheet_if_any(idx: int | str, result: _Book, expected: _Book | None) -> Worksheet | None:
+    """The sheet, or None where the book has no such sheet (a name it lacks, an index past its
+    last sheet). OSWorld's chart and pivot loaders read a missing sheet as one without charts or
+    pivot tables, so a rule comparing two sheets that both lack them holds."""
+    try:
+        return _sheet(idx, result, expected)
+    except (KeyError, IndexError):
+        return None
+
+
 # --------------------------------------------------------------------------------------------
 # rules: each returns bool; exceptions become a failed rule
 
@@ -369,11 +379,11 @@ def _ref_formula(ref: Any) -> str:
     return ""
 
 
-def _charts(ws: Worksheet, props: Iterable[str]) -> dict[str, dict[str, Any]]:
+def _charts(ws: Worksheet | None, props: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Charts keyed by their data series, with the requested properties (OSWorld chart_props)."""
     props = set(props)
     out: dict[str, dict[str, Any]] = {}
-    for ch in ws._charts:
+    for ch in ws._charts if ws is not None else ():
         key = ";".join(f"{_ref_formula(s.val)},{_ref_formula(s.cat)}" for s in ch.series)
         info: dict[str, Any] = {}
         if "title" in props:
@@ -397,7 +407,8 @@ def _charts(ws: Worksheet, props: Iterable[str]) -> dict[str, dict[str, Any]]:
 
 def _rule_chart(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bool:
     props = r.get("chart_props", [])
-    return _charts(_sheet(r["sheet_idx0"], res, exp), props) == _charts(_sheet(r["sheet_idx1"], res, exp), props)
+    a = _charts(_sheet_if_any(r["sheet_idx0"], res, exp), props)
+    return a == _charts(_sheet_if_any(r["sheet_idx1"], res, exp), props)
 
 
 def _trim_empty(rows: list[list[Any]]) -> tuple[list[list[Any]], int, int]:
@@ -411,13 +422,13 @@ def _trim_empty(rows: list[list[Any]]) -> tuple[list[list[Any]], int, int]:
     return rows[start:end], start, len(rows) - end
 
 
-def _pivots(ws: Worksheet, props: Iterable[str]) -> dict[str, dict[str, Any]]:
+def _pivots(ws: Worksheet | None, props: Iterable[str]) -> dict[str, dict[str, Any]]:
     """Pivot tables keyed by their source range, with the requested properties (OSWorld
     pivot_props). Source columns whose fields select no items are trimmed from the range, and
     field indices are shifted to match, so an over-wide source does not change the key."""
     props = set(props)
     out: dict[str, dict[str, Any]] = {}
-    for pvt in ws._pivots:
+    for pvt in ws._pivots if ws is not None else ():
         per_field = [[(it.h, it.x) for it in f.items if it.x is not None] for f in pvt.pivotFields]
         selection, left, right = _trim_empty(per_field)
         src = pvt.cache.cacheSource
@@ -436,10 +447,12 @@ def _pivots(ws: Worksheet, props: Iterable[str]) -> dict[str, dict[str, Any]]:
             info["selection"] = selection if "ordered" in props else [set(s) for s in selection]
         if "filter" in props:
             info["filter_fields"] = {f.fld for f in pvt.pageFields}
+        # ignore_special_fields drops negative indices (-2 is the "Values" pseudo-field)
+        keep_special = "ignore_special_fields" not in props
         if "col_fields" in props:
-            info["col_fields"] = [f.x - left for f in pvt.colFields]
+            info["col_fields"] = [f.x - left for f in pvt.colFields if keep_special or f.x - left >= 0]
         if "row_fields" in props:
-            info["row_fields"] = [f.x - left for f in pvt.rowFields]
+            info["row_fields"] = [f.x - left for f in pvt.rowFields if keep_special or f.x - left >= 0]
         if "data_fields" in props:
             named = "data_fields_name" in props
             info["data_fields"] = [
@@ -450,10 +463,11 @@ def _pivots(ws: Worksheet, props: Iterable[str]) -> dict[str, dict[str, Any]]:
 
 
 def _rule_pivot_table(r: Mapping[str, Any], res: _Book, exp: _Book | None) -> bool:
-    # sheets without pivot tables on both sides compare equal ({} == {}), as upstream
+    # sheets without pivot tables on both sides compare equal ({} == {}), as upstream; a sheet
+    # the book lacks has none (a noop on "make Sheet2 with pivots" whose gold Sheet2 has none)
     props = r.get("pivot_props", [])
-    a = _pivots(_sheet(r["sheet_idx0"], res, exp), props)
-    return a == _pivots(_sheet(r["sheet_idx1"], res, exp), props)
+    a = _pivots(_sheet_if_any(r["sheet_idx0"], res, exp), props)
+    return a == _pivots(_sheet_if_any(r["sheet_idx1"], res, exp), props)
 
 
 _RULES: dict[str, Callable[[Mapping[str, Any], _Book, _Book | None], bool]] = {
