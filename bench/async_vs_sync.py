@@ -12,12 +12,20 @@ other CPUs, in every setting: the machine is split the way a cluster splits trai
 devices, so a mode that leaves one side idle pays for it (``--learner-cpus none`` shares all
 CPUs: on a 2-core machine rollouts and learner then slow each other down and async gains little).
 
+A real learner's update takes as long as the rollouts or longer (a 7B VLM on 15-step episodes);
+the tiny model's takes 0.5 s. ``--update-ratios`` models it the way ``--delay-ms`` models the
+policy's latency: a first η = 0 run measures a batch's rollout time R (wall per update minus the
+update), then every η runs with each update held r × R (``learner.simulated_update_s``, a sleep on
+the learner's thread) for each ratio r. With the update as long as the rollouts, synchronous
+training waits for both in turn and asynchronous overlaps them: up to 2x the samples/s.
+
 Throughput is measured from the first update to the last (the start-up and the first batch,
 identical in all settings, are left out): learner samples/s = samples trained / wall seconds;
 environment utilisation = busy desktop-seconds / (desktops × wall seconds).
 
     python bench/async_vs_sync.py [--updates 5 --envs 8 --batch-size 8 --delay-ms 4000 --delay-sigma 1]
-        [--etas 0,1,2,4] [--learner-cpus 0|none] [--suite DIR --max-steps N] [--out figures.json]
+        [--etas 0,1,2,4] [--update-ratios 0.5,1,2 [--update-s 20]]
+        [--learner-cpus 0|none] [--suite DIR --max-steps N] [--out figures.json]
 
 Default workload: the 5-step choice task of ``bench/fixtures/multistep_suite`` (each step a policy
 call with lognormal latency, median 4 s, σ 1, as a GPU server's generation time varies with the
@@ -60,8 +68,14 @@ def measure(rows: list[dict[str, Any]], envs: int) -> dict[str, float]:
             "staleness_max": max(r["staleness_max"] for r in steady)}
 
 
-def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console) -> dict[str, float]:
-    run_dir = root / f"eta{eta}"
+def rollout_seconds(res: dict[str, float], updates: int) -> float:
+    """A batch's rollout time in a synchronous run: its wall per update less the update itself."""
+    return max(res["wall_s"] / (updates - 1) - res["update_s_mean"], 0.0)
+
+
+def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console, update_s: float = 0.0,
+            name: str = "") -> dict[str, float]:
+    run_dir = root / (name or f"eta{eta}")
     cfg = load_train_config(args.config, run_dir=run_dir, updates=args.updates, resume=False)
     cfg = cfg.model_copy(update={
         "rollout": cfg.rollout.model_copy(update={"eta": eta, "envs": args.envs, "batch_size": args.batch_size,
@@ -75,12 +89,12 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console) ->
         "metrics": cfg.metrics.model_copy(update={"plot": False}),
         # a small step keeps the choice task from saturating: an all-success group has no GRPO
         # signal and is dropped, which would stall the run (throughput is measured, not learning)
-        "learner": cfg.learner.model_copy(update={"lr": args.lr}),
+        "learner": cfg.learner.model_copy(update={"lr": args.lr, "simulated_update_s": update_s}),
         "farm": cfg.farm.model_copy(update={"overrides": {**cfg.farm.overrides, "reset_mode": args.reset_mode}}),
         "max_episodes": args.max_episodes,
         "learner_cpus": args.learner_cpus,
     })
-    console.rule(f"η = {eta}")
+    console.rule(f"η = {eta}, update held {update_s:.1f} s")
     t0 = time.time()
     train(cfg, console)
     res = measure(read_rows(run_dir / "metrics.jsonl"), args.envs)
@@ -114,21 +128,46 @@ def main() -> None:
     ap.add_argument("--reset-mode", choices=("cold", "warm"), default="warm",
                     help="the in-process farm's reset_mode in every setting (the farm's default is warm; run once "
                          "with each to compare)")
+    ap.add_argument("--update-ratios", default="",
+                    help="model a real learner: update held r × a batch's rollout time (measured by a first η=0 "
+                         "run) for each r, e.g. 0.5,1,2 (default: the tiny model's own update time)")
+    ap.add_argument("--update-s", type=float, default=None,
+                    help="with --update-ratios: a batch's rollout time in seconds (skips the measuring run)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     args.learner_cpus = None if args.learner_cpus == "none" else [int(c) for c in args.learner_cpus.split(",")]
     os.environ.setdefault("OSFARM_STATE_DIR", "/tmp/of-bench-async")
     console = Console(stderr=True)
     etas = [int(x) for x in args.etas.split(",")]
-    results: dict[int, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(prefix="osfarm-async-bench-") as tmp:
-        for eta in etas:
-            results[eta] = run_one(eta, args, Path(tmp), console)
-    base = results.get(0)
+    ratios = [float(x) for x in args.update_ratios.split(",") if x]
     split = f"learner on CPUs {args.learner_cpus}, rollouts on the rest" if args.learner_cpus else "shared CPUs"
-    table = Table(title=f"async vs sync: {args.updates} updates, {args.envs} desktops, batch {args.batch_size}, "
-                        f"policy latency {args.delay_ms:g} ms σ {args.delay_sigma:g}, {split}, "
-                        f"{args.reset_mode} resets")
+    title = (f"async vs sync: {args.updates} updates, {args.envs} desktops, batch {args.batch_size}, policy latency "
+             f"{args.delay_ms:g} ms σ {args.delay_sigma:g}, {split}, {args.reset_mode} resets")
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="osfarm-async-bench-") as tmp:
+        if not ratios:
+            results = {eta: run_one(eta, args, Path(tmp), console) for eta in etas}
+            show(results, title)
+            figures = {str(k): v for k, v in results.items()}
+        else:
+            rollout_s = args.update_s
+            if rollout_s is None:
+                base = run_one(0, args, Path(tmp), console, name="measure")
+                rollout_s = rollout_seconds(base, args.updates)
+                figures["measured"] = base
+            figures["rollout_s"] = rollout_s
+            for r in ratios:
+                held = r * rollout_s
+                results = {eta: run_one(eta, args, Path(tmp), console, held, f"r{r:g}-eta{eta}") for eta in etas}
+                show(results, f"{title}; update held {held:.1f} s = {r:g} × a batch's rollout time {rollout_s:.1f} s")
+                figures[f"ratio {r:g}"] = {str(k): v for k, v in results.items()}
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=2))
+
+
+def show(results: dict[int, dict[str, float]], title: str) -> None:
+    base = results.get(0)
+    table = Table(title=title)
     for col in ("η", "samples/s", "× sync", "episodes/s", "env utilisation", "update s", "max staleness", "wall s"):
         table.add_column(col, justify="right")
     for eta, r in results.items():
@@ -137,8 +176,6 @@ def main() -> None:
                       f"{r['env_utilisation']:.2f}", f"{r['update_s_mean']:.1f}", str(r["staleness_max"]),
                       f"{r['wall_s']:.0f}")
     Console().print(table)
-    if args.out:
-        args.out.write_text(json.dumps({str(k): v for k, v in results.items()}, indent=2))
 
 
 if __name__ == "__main__":

@@ -547,3 +547,30 @@ def test_the_entropy_term_builds_no_graph_when_its_coefficient_is_0(model_dir: P
     on = Learner(model_dir, LearnerOptions(lr=1e-3, loss=LossOptions(entropy_coef=0.01)))
     b = on.update([s])
     assert grads == [False, True] and b.entropy == pytest.approx(a.entropy, rel=1e-5)
+
+
+def test_a_simulated_update_time_holds_the_learner_thread_not_the_event_loop(learner: Learner) -> None:
+    """bench/async_vs_sync.py models a real learner's update with ``simulated_update_s``: the
+    update takes that much longer on the learner's thread while the event loop (the rollouts)
+    keeps running, as it does while a GPU trains."""
+    import asyncio
+
+    s = _sample(learner, [101, 102], 1.0)
+    saved = learner.opts
+    learner.opts = saved.model_copy(update={"simulated_update_s": 1.0})
+    ticks = 0
+
+    async def tick_while_updating() -> float:
+        nonlocal ticks
+        job = asyncio.get_running_loop().run_in_executor(None, learner.update, [s])
+        while not job.done():
+            await asyncio.sleep(0.05)
+            ticks += 1
+        return (await job).seconds
+
+    try:
+        seconds = asyncio.run(tick_while_updating())
+    finally:
+        learner.opts = saved
+    assert seconds >= 1.0
+    assert ticks >= 15  # the loop was free the whole time

@@ -443,6 +443,8 @@ class Learner:
             self.counters["skipped_updates"] += 1
             log.warning("update skipped: every optimizer step had a non-finite gradient (version stays %d)",
                         self.version)
+        if self.opts.simulated_update_s:  # the learner's thread, never the event loop, waits here
+            time.sleep(self.opts.simulated_update_s)
         extra = {f"loss/{k}": v for k, v in stat_sums.items()}
         extra["steps_taken"] = float(taken)
         finite = [g for g in grad_norms if math.isfinite(g)]

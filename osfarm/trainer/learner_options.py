@@ -72,6 +72,9 @@ class LearnerOptions(BaseModel):
                                    "model the run started from; with LoRA: the base without adapters)")
     reference_device: str | None = Field(default=None,
                                          description="device of the KL reference (default: the learner's)")
+    simulated_update_s: float = Field(default=0.0, ge=0.0, description="benchmarks: each update also holds the "
+                                      "learner this many seconds, off the CPUs (a real model's GPU update time on "
+                                      "the tiny model, as policy.delay_ms models the policy server's)")
     seed: int = 0
 
 
