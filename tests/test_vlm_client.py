@@ -4,6 +4,7 @@ model), with faults injected by a real HTTP proxy in front of it."""
 from __future__ import annotations
 
 import io
+import math
 import random
 from collections.abc import Iterator
 
@@ -205,3 +206,24 @@ async def test_a11y_observations_reach_the_model_as_a_table(policy: str) -> None
     assert "save the file" in system["content"] and '"action_type"' in system["content"]
     kinds = [p["type"] for p in user["content"]]
     assert kinds == ["text", "image_url"] and "push-button\tSave\t" in user["content"][0]["text"]
+
+
+async def test_top_logprobs_are_recorded_for_top_k_entropy(policy: str) -> None:
+    """Entropy selection ranks steps by the policy's top-k entropy, which needs each token's k
+    likeliest log-probs in the record: asked for, kept by the client and written by the agent."""
+    from osfarm.trainer.selection import logprobs_as_floats, topk_entropy
+
+    agent = make_agent("vlm", base_url=policy, model="tiny", prompt_format="pyautogui", max_tokens=6,
+                       temperature=1.0, top_logprobs=4, **FAST)
+    agent.reset(None)
+    obs = {"screenshot": _png(), "accessibility_tree": None, "terminal": None, "instruction": "open the terminal"}
+    await agent.apredict("open the terminal", obs)
+    call = agent.last_model_call
+    assert call is not None and call.response_logprobs and call.response_token_ids
+    assert len(call.response_logprobs) == len(call.response_token_ids)
+    assert all(len(t["top_logprobs"]) == 4 for t in call.response_logprobs)
+    # the sampled token's log-prob is still there for the learner's behaviour log-probs
+    assert all(lp <= 0.0 for lp in logprobs_as_floats(call.response_logprobs))
+    h = topk_entropy(call.response_logprobs)
+    assert h is not None and 0.0 < h <= math.log(4) + 1e-9
+    assert "top_logprobs" not in ChatClient(policy, "tiny").payload([], logprobs=True)

@@ -80,10 +80,16 @@ def token_ids_from_logprob_tokens(tokens: list[str]) -> list[int] | None:
     return ids
 
 
+class _TopLogprob(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    logprob: float
+
+
 class _TokenLogprob(BaseModel):
     model_config = ConfigDict(extra="allow")
     token: str
     logprob: float
+    top_logprobs: list[_TopLogprob] = []
 
 
 class _Logprobs(BaseModel):
@@ -128,6 +134,9 @@ class ChatResult:
     t_ms: float  # wall time of the whole call, retries included
     attempts: int
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    # per token, the log-probs of the k likeliest tokens (asked with ``top_logprobs=k``): the
+    # policy's entropy at that token, which the sampled token's log-prob alone does not give
+    top_logprobs: list[list[float]] | None = None
 
 
 def _base(url: str) -> str:
@@ -158,12 +167,13 @@ def read_completion(data: Any, headers: httpx.Headers) -> ChatResult:
     ch = body.choices[0]
     lp = ch.logprobs.content if ch.logprobs is not None and ch.logprobs.content is not None else None
     logprobs = [t.logprob for t in lp] if lp is not None else None
+    tops = [[x.logprob for x in t.top_logprobs] for t in lp] if lp and all(t.top_logprobs for t in lp) else None
     ids = ch.token_ids if ch.token_ids is not None else (
         token_ids_from_logprob_tokens([t.token for t in lp]) if lp else None)
     return ChatResult(text=ch.message.content or "", token_ids=ids, logprobs=logprobs,
                       policy_version=_version(body, headers),
                       finish_reason=ch.finish_reason, usage=body.usage, t_ms=0.0, attempts=1,
-                      raw=data if isinstance(data, dict) else {})
+                      raw=data if isinstance(data, dict) else {}, top_logprobs=tops)
 
 
 class ChatClient:
@@ -203,7 +213,7 @@ class ChatClient:
         await self.aclose()
 
     def payload(self, messages: list[dict[str, Any]], *, temperature: float = 1.0, top_p: float = 1.0,
-                max_tokens: int = 512, seed: int | None = None, logprobs: bool = False,
+                max_tokens: int = 512, seed: int | None = None, logprobs: bool = False, top_logprobs: int = 0,
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
         p: dict[str, Any] = {"model": self.model, "messages": messages, "temperature": temperature, "top_p": top_p,
                              "max_tokens": max_tokens, "n": 1}
@@ -212,6 +222,8 @@ class ChatClient:
         if logprobs:
             p["logprobs"] = True
             p["return_tokens_as_token_ids"] = True
+            if top_logprobs:
+                p["top_logprobs"] = top_logprobs
         p.update(extra or {})
         return p
 

@@ -62,6 +62,9 @@ class VLMOptions(BaseModel):
     backoff_s: float = Field(1.0, ge=0)
     backoff_max_s: float = Field(30.0, ge=0)
     capture_logprobs: bool = True
+    top_logprobs: int = Field(0, ge=0, le=20, description="with capture_logprobs: also record each token's k "
+                              "likeliest log-probs (the trainer's entropy selection ranks steps by their top-k "
+                              "entropy; 0: the sampled token's only)")
     api_key: str | None = Field(default_factory=lambda: os.environ.get("OSFARM_POLICY_TOKEN") or None,
                                 description="bearer token of the policy server (default: $OSFARM_POLICY_TOKEN)")
     a11y_max_chars: int = Field(20_000, ge=100)
@@ -160,11 +163,15 @@ class VLMAgent(BaseAgent):
         self.last_model_call = call
         try:
             res = await self.client.complete(messages, temperature=o.temperature, top_p=o.top_p,
-                                             max_tokens=o.max_tokens, seed=o.seed, logprobs=o.capture_logprobs)
+                                             max_tokens=o.max_tokens, seed=o.seed, logprobs=o.capture_logprobs,
+                                             top_logprobs=o.top_logprobs if o.capture_logprobs else 0)
         except PolicyError as e:
             call.error = str(e)
             raise
         call.response_text, call.response_token_ids, call.response_logprobs = res.text, res.token_ids, res.logprobs
+        if res.logprobs is not None and res.top_logprobs is not None:  # the record's {logprob, top_logprobs} shape
+            call.response_logprobs = [{"logprob": lp, "top_logprobs": [{"logprob": x} for x in top]}
+                                      for lp, top in zip(res.logprobs, res.top_logprobs, strict=True)]
         call.policy_version, call.t_ms, call.finish_reason, call.usage = (res.policy_version, res.t_ms,
                                                                           res.finish_reason, res.usage)
         current.response = res.text

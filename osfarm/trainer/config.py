@@ -69,6 +69,9 @@ class AgentSection(_Strict):
     timeout_s: float = Field(default=120.0, gt=0)
     choices: list[str] = Field(default_factory=list, description="choice agent: the actions (default: the suite's)")
     screenshot: bool = Field(default=True, description="choice agent: send the screenshot with the menu")
+    top_logprobs: int = Field(default=0, ge=0, le=20, description="vlm agent: record each token's k likeliest "
+                              "log-probs, so data.options.entropy_fraction ranks steps by top-k entropy (0: by the "
+                              "sampled tokens' surprisal, near 0 at a low temperature)")
 
     def reply_tokens(self) -> int:
         """``max_tokens``, or the prompt format's default budget."""

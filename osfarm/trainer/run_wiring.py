@@ -122,7 +122,8 @@ def rollout_agent_options(a: AgentSection, base_url: str, name: str, seed: int |
                 "timeout_s": a.timeout_s, "screenshot": a.screenshot, "seed": seed}
     return {"base_url": base_url, "model": name, "prompt_format": a.prompt_format, "observation": a.observation,
             "history_turns": a.history_turns, "history_images": a.history_images, "temperature": a.temperature,
-            "max_tokens": a.reply_tokens(), "timeout_s": a.timeout_s, "capture_logprobs": True, "seed": seed}
+            "max_tokens": a.reply_tokens(), "timeout_s": a.timeout_s, "capture_logprobs": True, "seed": seed,
+            "top_logprobs": a.top_logprobs}
 
 
 def rollout_agent(a: AgentSection, base_url: str, name: str, seed: int | None = None) -> Agent:
