@@ -484,6 +484,11 @@ class SyncTaskEnv:
             raise RuntimeError("this SyncTaskEnv is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the env's loop and wait for it (for wrappers that add calls of their own:
+        the OSWorld drop-in, ``osfarm.osworld``)."""
+        return self._call(coro)
+
     def reset(self, task: Task | dict[str, Any]) -> tuple[AgentObservation, dict[str, Any]]:
         return self._call(self.env.reset(task))
 

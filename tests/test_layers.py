@@ -5,7 +5,7 @@ documented direction, an import cycle, or a function-local import that is not on
 The layers, lowest first (a module may import its own layer and any lower one)::
 
     schema (the wire models) -> desktop (runs inside the box) -> images -> providers
-      -> tasks, evaluators -> farm -> client -> env -> agents, policy, stream -> runner -> trainer
+      -> tasks, evaluators -> farm -> client -> env -> agents, policy, stream, osworld -> runner -> trainer
       -> dashboard -> testing -> osfarm.cli (the command)
 
 ``schema`` is the one typed wire layer: actions, observations, the guest's step models, leases,
@@ -25,7 +25,8 @@ Desktop), under ``warm`` (fingerprint, warm reset), under ``guest`` (the guest H
 under ``launch`` (the launcher and the box template that start it all). The ``client`` sits on the farm (it raises the
 farm's errors and speaks its routes; the models are ``schema``'s). ``stream`` (trajectory record sinks)
 imports nothing of osfarm but ``schema`` and the error base; it sits beside ``agents`` and ``policy``, where the
-runner and the trainer use it, and none of the three imports another. The ``dashboard`` (web UI) sits on top,
+runner and the trainer use it, and none of the three imports another; ``osworld`` (OSWorld's
+DesktopEnv over the env) sits beside them too and imports none of them. The ``dashboard`` (web UI) sits on top,
 under the command only: it reads the farm's pool and guest links (live view), the stream's records
 and the runner's results layout (run pages), so nothing below imports it; the farm serves it
 because whoever builds the farm app hands its routers in (``farm.api.create_app(...,
@@ -88,7 +89,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("osfarm.farm",),
     ("osfarm.client",),
     ("osfarm.env",),
-    ("osfarm.agents", "osfarm.policy", "osfarm.stream"),
+    ("osfarm.agents", "osfarm.policy", "osfarm.stream", "osfarm.osworld"),
     ("osfarm.runner",),
     ("osfarm.trainer",),
     ("osfarm.dashboard",),
