@@ -90,3 +90,39 @@ def export_command(
         err.print(f"[yellow]skipped[/] {s}", highlight=False, soft_wrap=True)
     if len(report.skipped) > 20:
         err.print(f"[yellow]... and {len(report.skipped) - 20} more skipped files[/]")
+
+
+@report_app.command("compare")
+def compare_command(
+    run_a: Annotated[Path, typer.Argument(help="the first eval run dir (its results.json), e.g. the baseline")],
+    run_b: Annotated[Path, typer.Argument(help="the second eval run dir, compared against the first")],
+    alpha: Annotated[float, typer.Option("--alpha", min=0.0, max=1.0, help="significance level of the verdict")] = 0.05,
+) -> None:
+    """Is RUN_B's score different from RUN_A's? The paired test over the tasks both ran, with each
+    run's mean ± s.e. across repeats, pass@k, pass^k and flip rate (docs/evaluation.md)."""
+    from osfarm.dashboard.compare import compare
+    from osfarm.dashboard.confined import Refused
+    from osfarm.dashboard.runs import EvalRun, RunsRoot
+
+    def load(path: Path, name: str) -> EvalRun:
+        if not (path / "results.json").is_file():
+            raise _fail(f"{name} {path}: no results.json there (an `osfarm eval --out` dir)", 2)
+        try:
+            run = RunsRoot(path.resolve()).eval_run(".")
+        except Refused as e:
+            raise _fail(f"{name} {path}: {e}", 2) from None
+        if run.error:
+            raise _fail(f"{name} {path}: {run.error}", 2)
+        return run
+
+    a, b = load(run_a, "RUN_A"), load(run_b, "RUN_B")
+    for name, path, run in (("A", run_a, a), ("B", run_b, b)):
+        line = run.repeats.text() if run.repeats else f"{run.summary.overall.text()} (one episode per task)"
+        out.print(f"[bold]{name}[/] {path} ({run.agent}): {line}", highlight=False, soft_wrap=True)
+    cmp = compare(a, b)
+    out.print(f"common tasks: {cmp.common}; success A {cmp.rate_a.short()}, B {cmp.rate_b.short()}; "
+              f"B gained {len(cmp.gained)}, lost {len(cmp.lost)}"
+              + (f"; only in A {len(cmp.only_a)}, only in B {len(cmp.only_b)}" if cmp.only_a or cmp.only_b else ""),
+              highlight=False, soft_wrap=True)
+    out.print(cmp.test.text(), highlight=False, soft_wrap=True)
+    out.print(f"[bold]{cmp.test.verdict(alpha)}[/]", highlight=False, soft_wrap=True)

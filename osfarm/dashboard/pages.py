@@ -92,7 +92,8 @@ def leaderboard(root: RunsRoot, frame: Frame, compare_pairs: list[tuple[str, str
     groups = [g for g in GROUPS if any(g in r.summary.by_group for r in runs)]
     domains = sorted({d for r in runs for d in r.summary.by_domain})
     return render("leaderboard.html", frame, runs=runs, groups=groups, domains=domains,
-                  trainings=root.training_runs(), compare_pairs=compare_pairs)
+                  trainings=root.training_runs(), compare_pairs=compare_pairs,
+                  repeated=any(r.repeats is not None for r in runs))
 
 
 def run_page(root: RunsRoot, frame: Frame, key: str) -> str:
@@ -138,7 +139,7 @@ def _ref_path(ref: Any) -> str | None:
 
 def episode_steps(root: RunsRoot, key: str, rec: dict[str, Any]) -> tuple[list[StepView], str | None, list[str]]:
     """The step views of an episode record, its recording and the run files the page shows."""
-    files = root.task_files(key, rec.get("domain", ""), rec["task_id"])
+    files = root.task_files(key, rec.get("domain", ""), rec["task_id"], rec.get("repeat"))
     shown: list[str] = []
     steps = []
     for s in rec.get("steps") or []:

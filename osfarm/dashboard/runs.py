@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from osfarm.dashboard.confined import ConfinedDir, Refused, clean_parts
 from osfarm.dashboard.stats import Rate
 from osfarm.runner.results import GROUPS
+from osfarm.runner.variance import Outcome, RepeatStats, repeat_stats
 from osfarm.schema.episode import SchemaError, check_record
 
 MAX_DEPTH = 4
@@ -54,6 +55,7 @@ class TaskRow(BaseModel):
     attempts: int | None = None
     seconds: float | None = None
     episode_id: str | None = None
+    repeat: int | None = Field(default=None, ge=1)  # which of the run's --repeats; None without repeats
 
     @property
     def ok(self) -> bool:
@@ -120,9 +122,12 @@ class EvalRun:
     in_progress: bool = False
     mtime: float = 0.0
     summary: Summary = field(init=False)
+    repeats: RepeatStats | None = field(init=False)  # mean ± s.e., pass@k, pass^k, flips; None without repeats
 
     def __post_init__(self) -> None:
         self.summary = Summary.of(self.rows)
+        repeated = any(r.repeat is not None for r in self.rows)
+        self.repeats = repeat_stats(outcomes(self.rows)) if repeated else None
 
     @property
     def agent(self) -> str:
@@ -154,6 +159,11 @@ class EvalRun:
 
     def row(self, task_id: str) -> TaskRow | None:
         return next((r for r in self.rows if r.task_id == task_id), None)
+
+
+def outcomes(rows: list[TaskRow]) -> list[Outcome]:
+    """A run's rows as the variance module reads them (a row without a repeat is repeat 1)."""
+    return [Outcome(r.task_id, r.repeat or 1, r.ok) for r in rows]
 
 
 @dataclass
@@ -283,7 +293,7 @@ class RunsRoot:
 
     def _read_partial(self, key: str, st: Any) -> EvalRun:
         """A run still going (no results.json yet): its rows from the records written so far."""
-        rows: dict[str, TaskRow] = {}
+        rows: dict[tuple[str, int | None], TaskRow] = {}
         agent = model = None
         errors = 0
         for _off, rec in self._records(key):
@@ -293,7 +303,8 @@ class RunsRoot:
             agent = agent or rec.get("agent")
             name = (rec.get("policy") or {}).get("name")
             model = model or (name if name and name != rec.get("agent") else None)
-            rows[rec["task_id"]] = row_of_record(rec)
+            row = row_of_record(rec)
+            rows[row.task_id, row.repeat] = row
         res = ResultsFile(run_id=key, agent=agent or "?", tasks=list(rows.values()))
         err = f"{errors} unreadable episode record(s)" if errors else None
         return EvalRun(key, res.tasks, res, error=err, model=model, in_progress=True, mtime=st.st_mtime if st else 0.0)
@@ -342,10 +353,11 @@ class RunsRoot:
         except (ValueError, SchemaError) as e:
             raise Refused(f"episode {episode_id!r}: {_short(e)}") from None
 
-    def task_files(self, key: str, domain: str, task_id: str) -> dict[str, Any]:
+    def task_files(self, key: str, domain: str, task_id: str, repeat: int | None = None) -> dict[str, Any]:
         """What OSWorld's per-task folder holds for the episode page: the screenshot file after
-        each step (from traj.jsonl) and whether a recording exists. Paths are relative to the run."""
-        d = "/".join([domain or "_", task_id])
+        each step (from traj.jsonl) and whether a recording exists. Paths are relative to the run;
+        a repeat's folder is under ``repeat-<r>/``."""
+        d = "/".join([*([f"repeat-{int(repeat)}"] if repeat is not None else []), domain or "_", task_id])
         after: dict[int, str] = {}
         try:
             clean_parts(d)
@@ -410,7 +422,7 @@ def row_of_record(rec: dict[str, Any]) -> TaskRow:
         pass
     return TaskRow(task_id=rec["task_id"], domain=rec.get("domain", ""), status=rec["status"], score=rec.get("score"),
                    error=rec.get("error"), steps=len(rec.get("steps") or []), attempts=rec.get("attempt"),
-                   seconds=seconds, episode_id=rec.get("episode_id"), agent=rec.get("agent"))
+                   seconds=seconds, episode_id=rec.get("episode_id"), agent=rec.get("agent"), repeat=rec.get("repeat"))
 
 
 def _short(e: BaseException) -> str:

@@ -94,12 +94,14 @@ class EpisodeResult:
     action_timing: ActionTiming = "osworld"  # how the actions were paced (EpisodeConfig.action_timing)
     controlled_by: list[ControlInfo] = field(default_factory=list)  # dashboard take-overs (TaskEnv.controlled_by)
     desktop_usage: DesktopUsage = field(default_factory=DesktopUsage)  # CPU-seconds, reset (TaskEnv.desktop_usage)
+    repeat: int | None = None  # which of a run's --repeats (1-based); None in a run without repeats
 
 
-def episode_id(run_id: str, task_id: str) -> str:
-    """Idempotent: a task of a run always names the same episode, whichever attempt, retry or
-    redelivery (another worker running it again) produced its one record."""
-    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{run_id}:{task_id}"))
+def episode_id(run_id: str, task_id: str, repeat: int | None = None) -> str:
+    """Idempotent: a task of a run (a repeat of it, with --repeats) always names the same episode,
+    whichever attempt, retry or redelivery (another worker running it again) produced its one record."""
+    suffix = f"#{repeat}" if repeat is not None else ""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm:{run_id}:{task_id}{suffix}"))
 
 
 def _ts() -> str:
@@ -174,22 +176,23 @@ async def _attempt(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, 
 
 
 async def run_episode(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, cfg: EpisodeConfig,
-                      run_id: str) -> EpisodeResult:
-    """Run ``task`` to a final status, retrying infra errors up to ``cfg.infra_retries`` times."""
+                      run_id: str, repeat: int | None = None) -> EpisodeResult:
+    """Run ``task`` to a final status, retrying infra errors up to ``cfg.infra_retries`` times;
+    ``repeat`` names which of the run's repeats this episode is (each leases its own desktop)."""
     try:
-        return await _run_attempts(farm, task, agent, cache, cfg, run_id)
+        return await _run_attempts(farm, task, agent, cache, cfg, run_id, repeat)
     finally:
         await agent.aclose()  # agents holding connections (vlm) release them
 
 
 async def _run_attempts(farm: AsyncFarm, task: Task, agent: Agent, cache: FileCache, cfg: EpisodeConfig,
-                        run_id: str) -> EpisodeResult:
+                        run_id: str, repeat: int | None) -> EpisodeResult:
     errors: list[str] = []
     attempt = 0
     while True:
         attempt += 1
         res = EpisodeResult(task=task, status=FAILURE, score=0.0, error=None,
-                            episode_id=episode_id(run_id, task.id), attempt=attempt,
+                            episode_id=episode_id(run_id, task.id, repeat), attempt=attempt, repeat=repeat,
                             infra_retries=len(errors), steps=[], started_at=time.time(), finished_at=0.0,
                             agent=agent.name, errors=list(errors), action_timing=cfg.action_timing)
         try:

@@ -7,6 +7,12 @@ error: what ``--resume`` reads back). Per run: ``episodes.jsonl`` (one ``osfarm.
 record per finished episode, screenshots as content-addressed blobs under ``blobs/``),
 ``results.json`` (every task in the denominator), ``report.html``. The record schema and the
 blob store live in ``osfarm.stream`` (imported here under their old names).
+
+With ``--repeats K`` (K > 1) each repeat is a whole OSWorld layout of its own,
+``<out>/repeat-<r>/<domain>/<task_id>/``; rows and records carry ``repeat`` (1..K), the episodes
+and blobs stay one per run, and results.json adds ``repeats``, per-task success counts
+(``task_counts``) and the numbers across repeats (``variance``, see :mod:`osfarm.runner.variance`).
+A run without repeats has no ``repeat`` field and the layout it always had.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from rich.table import Table
 
 from osfarm.agents.prompts.messages import strip_images
 from osfarm.runner.episode import INFRA_ERROR, SUCCESS, TIMEOUT, EpisodeResult, episode_id
+from osfarm.runner.variance import Outcome, repeat_stats, task_counts
 from osfarm.schema.episode import SCHEMA, ModelCall, SchemaError, check_record
 from osfarm.stream.blobs import BlobStore
 from osfarm.stream.jsonl import JsonlSink
@@ -44,8 +51,9 @@ def _iso(t: float) -> str:
     return datetime.fromtimestamp(t, tz=UTC).isoformat(timespec="milliseconds")
 
 
-def task_dir(out: Path, domain: str, task_id: str) -> Path:
-    return out / (domain or "_") / task_id
+def task_dir(out: Path, domain: str, task_id: str, repeat: int | None = None) -> Path:
+    base = out / f"repeat-{repeat}" if repeat is not None else out
+    return base / (domain or "_") / task_id
 
 
 def step_model(call: ModelCall | None, response: str, blobs: BlobStore) -> dict[str, Any]:
@@ -97,6 +105,7 @@ def episode_record(res: EpisodeResult, run_id: str, blobs: BlobStore) -> dict[st
         "desktop": {"provider": res.desktop.provider if res.desktop else "sandbox",
                     "image": res.desktop.image if res.desktop else None,
                     "session": res.desktop.desktop if res.desktop else None},
+        **({"repeat": res.repeat} if res.repeat is not None else {}),
         "status": res.status,
         "score": res.score,
         "error": res.error,
@@ -129,7 +138,7 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
                emit: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
     """Write one finished task's files; returns its row for results.json. The episode record is
     appended to ``episodes.jsonl``, or handed to ``emit`` instead (a Celery worker returns it)."""
-    d = task_dir(out, res.task.domain, res.task.id)
+    d = task_dir(out, res.task.domain, res.task.id, res.repeat)
     d.mkdir(parents=True, exist_ok=True)
     for old in list(d.glob("step_*.png")) + [d / "traj.jsonl", d / "result.txt", d / "recording.mp4"]:
         old.unlink(missing_ok=True)  # a re-run (resume after an infra error) starts clean
@@ -155,6 +164,8 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
            "error": res.error, "steps": len(res.steps), "attempts": res.attempt,
            "seconds": round(res.finished_at - res.started_at, 2), "episode_id": res.episode_id,
            "action_timing": res.action_timing, "desktop": res.desktop.desktop if res.desktop else None}
+    if res.repeat is not None:
+        row["repeat"] = res.repeat
     if res.timings:
         row["timings"] = res.timings
     if res.recording_error:
@@ -200,9 +211,9 @@ def write_refused(out: Path, refused: RefusedTask, run_id: str, agent: str, acti
     return row
 
 
-def finished_row(out: Path, domain: str, task_id: str) -> dict[str, Any] | None:
-    """The row of a task finished by an earlier run (its result.txt exists), for --resume."""
-    d = task_dir(out, domain, task_id)
+def finished_row(out: Path, domain: str, task_id: str, repeat: int | None = None) -> dict[str, Any] | None:
+    """The row of a task (a repeat of it) finished by an earlier run (its result.txt exists), for --resume."""
+    d = task_dir(out, domain, task_id, repeat)
     rt = d / "result.txt"
     if not rt.is_file():
         return None
@@ -216,7 +227,29 @@ def finished_row(out: Path, domain: str, task_id: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         row = {"status": "success" if sc == 1.0 else "failure", "error": None}
     row.update(task_id=task_id, domain=domain, score=sc, resumed=True)
+    if repeat is not None:
+        row["repeat"] = repeat
     return row
+
+
+def outcomes(rows: list[dict[str, Any]]) -> list[Outcome]:
+    """The rows as the variance module reads them (a row without ``repeat`` is repeat 1)."""
+    return [Outcome(str(r["task_id"]), int(r.get("repeat") or 1), r["status"] == SUCCESS) for r in rows]
+
+
+def repeats_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """results.json's part for a run with repeats: per-task success counts and the numbers across repeats."""
+    outs = outcomes(rows)
+    counts = task_counts(outs)
+    domains = {str(r["task_id"]): r["domain"] for r in rows}
+    stats = repeat_stats(outs)
+    return {
+        "task_counts": {t: {"domain": domains[t], "episodes": tc.n, "successes": tc.c} for t, tc in counts.items()},
+        "variance": None if stats is None else {
+            "tasks": stats.tasks, "repeats": stats.repeats, "k": stats.k, "mean_success_rate": stats.mean,
+            "standard_error": stats.se, "pass_at_k": stats.pass_at_k, "pass_hat_k": stats.pass_hat_k,
+            "flip_rate": stats.flip_rate, "flipped_tasks": stats.flipped},
+    }
 
 
 def summarize(
@@ -282,7 +315,19 @@ def results_table(summary: dict[str, Any]) -> Table:
     t.add_section()
     t.add_row("[bold]total[/]", "", str(summary["n_tasks"]), str(summary["n_success"]),
               f"[bold]{summary['success_rate']:.1%}[/]", str(summary["infra_errors"]))
+    var = summary.get("variance")
+    if var:
+        t.caption = repeats_caption(var)
     return t
+
+
+def repeats_caption(var: dict[str, Any]) -> str:
+    """One line of a results.json's ``variance`` part (the tasks column above counts episodes)."""
+    se = f" ± {var['standard_error']:.1%} (s.e.)" if var.get("standard_error") is not None else ""
+    flips = f"{var['flip_rate']:.1%}" if var.get("flip_rate") is not None else "–"
+    k = var["k"]
+    return (f"{var['repeats']} repeats of {var['tasks']} tasks: success {var['mean_success_rate']:.1%}{se}, "
+            f"pass@{k} {var['pass_at_k']:.1%}, pass^{k} {var['pass_hat_k']:.1%}, flip rate {flips}")
 
 
 def print_table(summary: dict[str, Any], console: Console | None = None) -> None:
@@ -311,14 +356,16 @@ def write_report(out: Path, summary: dict[str, Any]) -> Path:
              f"<h1>osfarm eval: {e(summary['agent'])}</h1>",
              (f"<p>run {e(summary['run_id'])}: {summary['n_success']}/{summary['n_tasks']} tasks succeeded "
               f"({summary['success_rate']:.1%}), {summary['infra_errors']} infra errors.</p>"),
+             (f"<p class=repeats>{e(repeats_caption(summary['variance']))}</p>" if summary.get("variance") else ""),
              "<table><tr><th>domain</th><th>tasks</th><th>success rate</th></tr>"]
     for dom, d in summary["by_domain"].items():
         parts.append(f"<tr><td>{e(dom)}</td><td>{d['n']}</td><td>{d['success_rate']:.1%}</td></tr>")
     parts.append("</table><h2>Tasks</h2>")
     for r in summary["tasks"]:
-        d = task_dir(out, r["domain"], r["task_id"])
+        d = task_dir(out, r["domain"], r["task_id"], r.get("repeat"))
         rel = d.relative_to(out).as_posix()
-        head = (f"<summary><b>{e(r['domain'])}/{e(r['task_id'])}</b> — <span class='{e(r['status'])}'>"
+        which = f" (repeat {r['repeat']})" if r.get("repeat") else ""
+        head = (f"<summary><b>{e(r['domain'])}/{e(r['task_id'])}</b>{which} — <span class='{e(r['status'])}'>"
                 f"{e(r['status'])}</span>, score {float(r['score'] or 0):g}</summary>")
         body = []
         if r.get("error"):

@@ -6,7 +6,9 @@ process (episodes are asyncio tasks on one farm; without a farm URL an in-proces
 started with ``envs`` warm desktops and stopped at the end) or Celery (jobs queued on Redis and
 run by ``osfarm worker`` processes on their own farms; same rows and records). Each finished
 task is written at once (a killed run keeps what it finished, and ``resume`` skips tasks that
-have a ``result.txt``).
+have a ``result.txt``). With ``repeats`` K > 1 every task is run K times, each repeat an
+independent episode on a freshly reset desktop (repeats of a task may run at once), and each
+repeat written to its own ``repeat-<r>/`` layout (:mod:`osfarm.runner.results`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from osfarm.runner.episode import (
 from osfarm.runner.results import (
     BlobStore,
     finished_row,
+    repeats_summary,
     summarize,
     write_refused,
     write_report,
@@ -92,6 +95,16 @@ class RunOptions:
     stream: str = "osfarm:episodes"
     action_timing: ActionTiming = "osworld"  # OSWorld's pacing of agent actions, or "fast"
     allow_hosts: tuple[str, ...] | None = None  # --online: the download allow-list (None: $OSFARM_DOWNLOAD_ALLOW_HOSTS)
+    repeats: int = 1  # episodes per task (independent, each on a reset desktop); > 1 adds the variance numbers
+
+    def repeat_indices(self) -> list[int | None]:
+        """The repeats each task runs: [None] for a run without repeats (the layout it always had)."""
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
+        if self.repeats > 1 and self.executor != "inprocess":
+            raise ValueError("--repeats above 1 runs with --executor inprocess only (the Celery job names one "
+                             "episode per task)")
+        return [None] if self.repeats == 1 else list(range(1, self.repeats + 1))
 
     def concurrency(self, n_tasks: int = 1) -> int:
         """Episodes in flight: --max-concurrent, else --envs in process; with Celery every task is
@@ -122,26 +135,30 @@ class RunOptions:
         return kw
 
 
-def _failed_row(task: Any, done: Done[Any, Any], run_id: str) -> dict[str, Any]:
+def _failed_row(task: Any, repeat: int | None, done: Done[Any, Any], run_id: str) -> dict[str, Any]:
     """The row of an episode whose executor failed (a Celery worker error, a hard time limit)."""
     err = done.error
     status = TIMEOUT if isinstance(err, EpisodeTimeout) else INFRA_ERROR  # Celery's time limit stopped it
-    return {"task_id": task.id, "domain": task.domain, "status": status, "score": 0.0,
-            "error": f"{type(err).__name__}: {err}", "steps": 0, "attempts": 1,
-            "seconds": round(done.finished - done.started, 2), "episode_id": episode_id(run_id, task.id)}
+    row = {"task_id": task.id, "domain": task.domain, "status": status, "score": 0.0,
+           "error": f"{type(err).__name__}: {err}", "steps": 0, "attempts": 1,
+           "seconds": round(done.finished - done.started, 2), "episode_id": episode_id(run_id, task.id, repeat)}
+    if repeat is not None:
+        row["repeat"] = repeat
+    return row
 
 
 async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, suite: Suite, index: Path | None,
                           url: str | None, token: str | None, cache: FileCache, cfg: EpisodeConfig, run_id: str,
                           out: Path, blobs: BlobStore
                           ) -> Callable[[Any], Awaitable[tuple[dict[str, Any], dict[str, Any] | None]]]:
-    """``task -> (row, record)`` for the chosen executor."""
+    """``(task, repeat) -> (row, record)`` for the chosen executor."""
     if opts.executor == "inprocess":
         farm = await stack.enter_async_context(AsyncFarm(url, token))
 
-        async def in_process(task: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-            agent = make_agent(opts.agent, **opts.agent_options())
-            res = await run_episode(farm, task, agent, cache, cfg, run_id)
+        async def in_process(item: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+            task, repeat = item
+            agent = make_agent(opts.agent, **opts.agent_options())  # a fresh agent: repeats share no state
+            res = await run_episode(farm, task, agent, cache, cfg, run_id, repeat)
             recs: list[dict[str, Any]] = []
             row = write_task(out, res, run_id, blobs, emit=recs.append)
             return row, recs[0]
@@ -165,7 +182,8 @@ async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, su
                         "infra_retries": opts.infra_retries, "record": opts.record,
                         "action_timing": opts.action_timing}}
 
-    async def on_celery(task: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    async def on_celery(item: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        task, _repeat = item  # always None: repeat_indices() keeps repeats off this executor
         got = await ex.run({**base, "task_id": task.id})
         return got["row"], got["record"]
 
@@ -185,6 +203,7 @@ async def run_async(
     if index is None and (Path(opts.suite) / OSWORLD_INDEX).is_file():
         index = Path(opts.suite) / OSWORLD_INDEX  # a suite's own test_all.json fixes its tasks
     suite = load_suite(opts.suite, index, strict=False)  # a bad task file costs that task, not the run
+    repeats = opts.repeat_indices()  # bad --repeats fails before any file is written
     out = opts.out
     out.mkdir(parents=True, exist_ok=True)
     make_agent(opts.agent, **opts.agent_options())  # an unknown agent fails before any lease
@@ -195,14 +214,15 @@ async def run_async(
                         offline=opts.offline, work_dir=out / ".work", record=opts.record,
                         action_timing=opts.action_timing)
     blobs = BlobStore(out)
-    rows: dict[str, dict[str, Any]] = {}
+    rows: dict[tuple[str, int | None], dict[str, Any]] = {}
     todo = []
     for t in suite:
-        row = finished_row(out, t.domain, t.id) if opts.resume else None
-        if row is not None:
-            rows[t.id] = row
-        else:
-            todo.append(t)
+        for rep in repeats:
+            row = finished_row(out, t.domain, t.id, rep) if opts.resume else None
+            if row is not None:
+                rows[t.id, rep] = row
+            else:
+                todo.append((t, rep))
     started = time.time()
     counts = {"success": 0, "failure": 0, "infra_error": 0, "timeout": 0}
     jsonl = JsonlSink(out / "episodes.jsonl")
@@ -227,18 +247,18 @@ async def run_async(
             run_one = await _episode_runner(opts, stack, suite, index, url, token, cache, cfg, run_id, out, blobs)
             sched: RolloutScheduler[Any, tuple[dict[str, Any], dict[str, Any] | None]] = RolloutScheduler(
                 run_one, opts.concurrency(len(todo)), sync_batches=opts.sync_batches)
-            for t in todo:
-                sched.submit(t)
+            for item in todo:
+                sched.submit(item)
             sched.close()
             async for done in sched.results():
-                task = done.item
+                task, repeat = done.item
                 if done.error is not None:  # the executor itself failed: counted, never a crash
-                    row, rec = _failed_row(task, done, run_id), None
+                    row, rec = _failed_row(task, repeat, done, run_id), None
                 else:
                     if done.result is None:  # run_one returns its (row, record) whenever it does not raise
                         raise RuntimeError(f"task {task.id}: the episode runner returned nothing and raised nothing")
                     row, rec = done.result
-                rows[task.id] = row
+                rows[task.id, repeat] = row
                 if rec is not None:
                     jsonl.publish(rec)
                     if stream_sink is not None and opts.executor == "inprocess":  # workers publish their own
@@ -246,12 +266,14 @@ async def run_async(
                 counts[row["status"]] += 1
                 progress.update(bar, advance=1, description=describe())
 
-    ordered = [rows[t.id] for t in suite] + refused_rows
+    ran_rows = [rows[t.id, rep] for t in suite for rep in repeats]
+    ordered = ran_rows + refused_rows
     summary = summarize(ordered, run_id, opts.agent, {
         "suite": str(opts.suite), "index": str(index) if index else None, "envs": opts.envs,
         "executor": opts.executor, "max_concurrent": opts.concurrency(len(todo)), "sync_batches": opts.sync_batches,
         "action_timing": opts.action_timing,
-        "max_steps": opts.max_steps, "resumed": len(suite) - len(todo), "ran": len(todo),
+        "max_steps": opts.max_steps, "resumed": len(suite) * len(repeats) - len(todo), "ran": len(todo),
+        "repeats": opts.repeats, **(repeats_summary(ran_rows) if opts.repeats > 1 else {}),
         "refused": len(refused_rows),
         "started_at": started, "finished_at": time.time(), "seconds": round(time.time() - started, 2)})
     write_results(out, summary)
