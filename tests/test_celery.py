@@ -4,15 +4,20 @@ mid-episode, Redis killed and restarted mid-run."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 
@@ -20,6 +25,8 @@ from osfarm.farm.server import FarmServer
 from osfarm.stream.jsonl import read_jsonl
 from osfarm.testing.redis_server import RedisServer
 from osfarm.testing.waiting import wait_until
+from osfarm.trainer.data_manager import DataConfig, DataManager
+from osfarm.trainer.queued_rollouts import QueuedRollouts, rollout_episode_id
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "suites" / "mini"
@@ -255,3 +262,115 @@ def test_time_limits_and_the_visibility_timeout_check(monkeypatch: pytest.Monkey
         CeleryExecutor.check_limits(600, 2)
     monkeypatch.setenv("OSFARM_CELERY_VISIBILITY_S", "1837")
     CeleryExecutor.check_limits(600, 2)
+
+
+class AdapterServer:
+    """A policy endpoint that answers as vLLM serving LoRA adapters does (a real HTTP server on
+    loopback): every chat completion is WAIT, with no policy version in the answer; it logs the
+    model (adapter) each request named and holds request number ``hold_at`` until ``release()``."""
+
+    def __init__(self, hold_at: int) -> None:
+        self.models: list[str] = []
+        self.hold_at = hold_at
+        self.held = threading.Event()
+        self.go_on = threading.Event()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.models.append(body["model"])
+                if len(outer.models) == outer.hold_at:
+                    outer.held.set()
+                    outer.go_on.wait(60)
+                data = json.dumps({"choices": [{"message": {"role": "assistant", "content": "WAIT"},
+                                                "finish_reason": "stop"}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def hold(self, at: int) -> None:
+        self.hold_at = len(self.models) + at
+        self.held.clear()
+        self.go_on.clear()
+
+    def close(self) -> None:
+        self.go_on.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.timeout(300)
+def test_a_running_training_rollout_moves_to_the_newest_adapter_and_stops_when_aborted(
+        farm: FarmServer, broker: RedisServer, workers: Workers, tmp_path: Path) -> None:
+    """Issue 29, item 1: the trainer's queue side (QueuedRollouts) against a real worker. An
+    interruptible rollout asks for the adapter the trainer published at its next step, and its
+    steps record the version of the adapter that answered each; an aborted rollout that is
+    running stops at its next step, releases its desktop and comes back as aborted, with no record."""
+    workers.start("w1")
+    policy = AdapterServer(hold_at=0)
+    q: QueuedRollouts[str] = QueuedRollouts(broker.url, workers.stream, "run-ctl", time_limit_s=TIME_LIMIT_S,
+                                            poll_s=0.2)
+    task_id = json.loads(next((SUITE / "os").glob("*.json")).read_text())["id"]
+    reports: list[tuple[str | None, object]] = []
+
+    def job(steps: int, interruptible: bool) -> dict:
+        return {"suite": str(SUITE), "index": None, "agent": "vlm",
+                "agent_options": {"base_url": policy.url, "model": "policy-v1", "temperature": 0.0, "timeout_s": 60},
+                "episode": {"max_steps": steps, "time_limit_s": TIME_LIMIT_S, "infra_retries": 0},
+                "out": str(tmp_path / "run"), "cache": None, "offline": True, "policy_version": 1,
+                "interruptible": interruptible}
+
+    async def finished(seq: int) -> tuple[str, object]:
+        tid = q.jobs[rollout_episode_id("run-ctl", task_id, seq)].task_id
+        for _ in range(600):
+            ((state, result),) = await asyncio.to_thread(q.states, [tid])
+            if state in ("SUCCESS", "FAILURE", "REVOKED"):
+                return state, result
+            await asyncio.sleep(0.2)
+        raise AssertionError(f"job {seq} did not end")
+
+    async def scenario() -> tuple[dict, list[str], int]:
+        policy.hold(2)  # step 2's call waits while the trainer moves on to version 2
+        await q.submit("moved", task_id, 1, job(4, interruptible=True))
+        await asyncio.to_thread(policy.held.wait, 120)
+        await q.publish_routes({policy.url: ("policy-v2", 2)})
+        policy.go_on.set()
+        state, moved = await finished(1)
+        assert state == "SUCCESS", moved
+        moved_models = list(policy.models)
+        policy.hold(2)
+        await q.submit("aborted", task_id, 2, job(8, interruptible=False))
+        await asyncio.to_thread(policy.held.wait, 120)
+        assert await q.revoke(lambda item: item == "aborted") == 1
+        policy.go_on.set()
+        j = q.jobs[rollout_episode_id("run-ctl", task_id, 2)]
+        state, result = await finished(2)
+        q.judge([(j, (state, result))], time.monotonic(), DataManager(DataConfig()), tmp_path,
+                lambda item, _rec, outcome, _sent, _done: reports.append((item, outcome)))
+        assert state == "FAILURE", result
+        return moved, moved_models, len(policy.models) - len(moved_models)
+
+    try:
+        result, moved_models, aborted_calls = asyncio.run(scenario())
+    finally:
+        policy.close()
+    assert moved_models == ["policy-v1", "policy-v1", "policy-v2", "policy-v2"]
+    versions = [s["model"]["policy_version"] for s in result["record"]["steps"]]
+    assert versions == [1, 1, 2, 2]
+    assert aborted_calls == 2  # stopped at its third step: no model call after the abort
+    assert [(i, type(o).__name__) for i, o in reports] == [("aborted", "JobRevoked")] and q.counts.stopped == 1
+    on_stream = [r["episode_id"] for r in stream_records(broker, workers.stream, "run-ctl")]
+    assert on_stream == [rollout_episode_id("run-ctl", task_id, 1)]  # the aborted one left no record
+    with httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {farm.token}"}) as c:
+        wait_until(lambda: c.get("/v1/pool").json()["counts"].get("leased", 0) == 0, 30, "the desktop released")
+    assert "aborted by the trainer at a step" in workers.log("w1")

@@ -188,7 +188,7 @@ class Trainer:
         self.metrics = res.open_metrics()
         servers = await res.start_policy(model_dir(ckpt) if ckpt is not None else learner.model_path, learner.version)
         sync = await res.start_weight_sync(servers, ckpt, learner)
-        queue = self.queue = self._open_queue()
+        queue = self.queue = self._open_queue(servers, sync)
         url, token = await res.start_farm() if queue is None else ("", "")  # workers bring their own farms
 
         dcfg = self.data_config()
@@ -285,7 +285,7 @@ class Trainer:
         solved = {t: eps[-1].record for t, eps in dm.pool.items() if eps and t != task_id}
         return pick_exemplar(infos[task_id], infos, solved)
 
-    def _open_queue(self) -> QueuedRollouts[Rollout] | None:
+    def _open_queue(self, servers: list[PolicyServer], sync: WeightSync) -> QueuedRollouts[Rollout] | None:
         """rollout.executor celery: the queue the rollouts go to (None: in process)."""
         ro = self.cfg.rollout
         if ro.executor != "celery":
@@ -293,10 +293,10 @@ class Trainer:
         if self.cfg.eval_every is not None:
             raise TrainError("eval_every with rollout.executor celery is not supported yet: evaluate the "
                              "checkpoints with `osfarm eval --executor celery`")
-        if ro.interruptible:
-            raise TrainError("rollout.interruptible with rollout.executor celery is not supported yet")
         queue: QueuedRollouts[Rollout] = open_queue(ro.broker or os.environ.get("OSFARM_BROKER"), ro.stream,
                                                     self.run_id, ro.episode_time_limit_s, TrainError, ro.worker_out)
+        if ro.interruptible:  # a running rollout moves to the newest adapter at its next step
+            queue.routes = lambda: {s.url: sync.route(s) for s in servers}
         self.console.print(f"rollouts go to the Celery queue at {queue.broker}; records come back on stream "
                            f"{queue.stream}", highlight=False)
         return queue
@@ -316,6 +316,7 @@ class Trainer:
                "episode": {"max_steps": item.max_steps or ro.max_steps, "time_limit_s": ro.episode_time_limit_s,
                            "infra_retries": 0},
                "out": str(self.run_dir), "cache": None, "offline": True, "policy_version": version,
+               "interruptible": ro.interruptible,
                "record_fields": {"group_id": item.group_id, "seeded": bool(item.exemplar)},
                "instruction_suffix": item.exemplar}
         await queue.submit(item, item.task_id, item.seq, job)

@@ -18,8 +18,11 @@ one episode id and trains once) and reports every job exactly once to the rollou
 A worker killed mid-episode leaves its job unacknowledged: Redis hands it to another worker after
 the visibility timeout, which runs it again under the same episode id (worker_task.py). AReaL's
 capacity counts every job sent and not reported, queued or running alike (the controller's
-``running``). ROLL's abort revokes the selected jobs still queued; a job already running finishes
-and its record is judged by the data manager's version window.
+``running``). ROLL's abort revokes the selected jobs still queued and marks every selected episode
+aborted in Redis (rollout_control.py): a running one stops at its next step and releases its
+desktop, a queued one that reaches a worker anyway does not start; both come back as aborted.
+Interruptible rollouts: the trainer publishes the adapter each policy server's rollouts may use
+(:meth:`QueuedRollouts.publish_routes`), and a running rollout moves to it at its next step.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ from osfarm.errors import InfraError, OsfarmError
 from osfarm.runner.episode import episode_id
 from osfarm.runner.executors.celery_app import hard_limit_s, visibility_timeout_s
 from osfarm.runner.executors.celery_exec import CeleryExecutor, worker_failure
+from osfarm.runner.executors.rollout_control import RolloutAborted, publish_abort, publish_routes
 from osfarm.runner.executors.worker_task import rollout_name as worker_rollout_name
-from osfarm.stream.redis_stream import RedisStreamSource
+from osfarm.stream.redis_stream import RedisStreamSource, connect
 from osfarm.trainer.data_manager import DataManager
 from osfarm.trainer.stream_intake import STREAM_JOURNAL, consume_redis
 
@@ -58,8 +62,8 @@ class JobLost(InfraError, RuntimeError):
 
 
 class JobRevoked(OsfarmError):
-    """The trainer revoked the job before a worker ran it (ROLL's abort): the rollout is aborted,
-    not failed."""
+    """The trainer revoked the job before a worker ran it, or stopped it at a step (ROLL's abort):
+    the rollout is aborted, not failed."""
 
 
 def rollout_name(task_id: str, seq: int) -> str:
@@ -93,6 +97,7 @@ class QueueCounts:
     records: int = 0
     failed: int = 0
     revoked: int = 0
+    stopped: int = 0  # aborted while running: stopped by their worker at a step
     lost: int = 0
     from_backend: int = 0  # records taken from the result backend (never came on the stream)
     foreign: int = 0  # records of jobs this process did not send (an earlier trainer process)
@@ -122,6 +127,10 @@ class QueuedRollouts(Generic[T]):
         self.jobs: dict[str, Outstanding[T]] = {}  # by episode id
         self.counts = QueueCounts()
         self._stopped = False
+        self._redis = connect(broker)  # the run's abort set and routes (rollout_control.py); dials on first use
+        self._routes: dict[str, tuple[str, int | None]] = {}  # as last published
+        # interruptible rollouts: the routes to publish, read at every poll (None: not interruptible)
+        self.routes: Callable[[], dict[str, tuple[str, int | None]]] | None = None
 
     def outstanding(self) -> int:
         return len(self.jobs)
@@ -133,7 +142,7 @@ class QueuedRollouts(Generic[T]):
         c = self.counts
         queued = sum(1 for j in self.jobs.values() if j.state == "PENDING")
         return {"queue_outstanding": len(self.jobs), "queue_queued": queued, "queue_running": len(self.jobs) - queued,
-                "queue_failed": c.failed, "queue_revoked": c.revoked, "queue_lost": c.lost,
+                "queue_failed": c.failed, "queue_revoked": c.revoked, "queue_stopped": c.stopped, "queue_lost": c.lost,
                 "queue_overhead_ms": c.overhead_ms(),
                 **{f"rollouts_worker_{w}": n for w, n in sorted(c.by_worker.items())}}
 
@@ -157,12 +166,25 @@ class QueuedRollouts(Generic[T]):
         return j
 
     async def revoke(self, which: Callable[[T], bool]) -> int:
-        """Revoke the selected jobs not known to run yet (a running one finishes: its record is
-        judged like any other); they come back as REVOKED, i.e. aborted."""
-        ids = [j.task_id for j in self.jobs.values() if j.state == "PENDING" and which(j.item)]
+        """Abort the selected jobs: those not known to run yet are revoked, and every one is marked
+        aborted in Redis, so a running one stops at its next step. They come back as aborted (a
+        running one that finishes before its next step brings its record, judged like any other)."""
+        chosen = [j for j in self.jobs.values() if which(j.item)]
+        if not chosen:
+            return 0
+        await self.executor.broker_call(functools.partial(publish_abort, self._redis, self.run_id,
+                                                          [j.episode_id for j in chosen]))
+        ids = [j.task_id for j in chosen if j.state == "PENDING"]
         if ids:
             await asyncio.to_thread(self.executor.app.control.revoke, ids)
-        return len(ids)
+        return len(chosen)
+
+    async def publish_routes(self, routes: dict[str, tuple[str, int | None]]) -> None:
+        """Interruptible rollouts: the adapter (model name, version) each policy server's running
+        rollouts move to at their next step; written only when it changed."""
+        if routes != self._routes:
+            await self.executor.broker_call(functools.partial(publish_routes, self._redis, self.run_id, routes))
+            self._routes = dict(routes)
 
     # ---------------------------------------------------------------- reports
 
@@ -213,10 +235,12 @@ class QueuedRollouts(Generic[T]):
     async def _watch(self, dm: DataManager, run_dir: Path, report: Report[T]) -> None:
         while not self._stopped:
             await asyncio.sleep(self.poll_s)
+            if self.routes is not None:
+                await self.publish_routes(self.routes())
             jobs = list(self.jobs.values())
             if not jobs:
                 continue
-            states = await self.executor.broker_call(functools.partial(self._states, [j.task_id for j in jobs]))
+            states = await self.executor.broker_call(functools.partial(self.states, [j.task_id for j in jobs]))
             lost = self.judge(list(zip(jobs, states, strict=True)), time.monotonic(), dm, run_dir, report)
             if lost:
                 with contextlib.suppress(Exception):  # a lost job that comes back later finds itself revoked
@@ -237,6 +261,10 @@ class QueuedRollouts(Generic[T]):
                 if state == "REVOKED":
                     self.counts.revoked += 1
                     report(j.item, None, JobRevoked(f"job {j.task_id} was revoked before it ran"), j.sent, now)
+                elif type(result).__name__ == RolloutAborted.__name__:  # Celery rebuilds it by name
+                    self.counts.stopped += 1
+                    report(j.item, None, JobRevoked(f"job {j.task_id} was stopped at a step: {result}"), j.sent,
+                           now)
                 else:
                     self.counts.failed += 1
                     report(j.item, None, worker_failure(state, result), j.sent, now)
@@ -254,7 +282,7 @@ class QueuedRollouts(Generic[T]):
                        now)
         return lost
 
-    def _states(self, task_ids: list[str]) -> list[tuple[str, Any]]:
+    def states(self, task_ids: list[str]) -> list[tuple[str, Any]]:
         """Each job's Celery state and, once it ended, its result (blocking: run in a thread)."""
         out = []
         for tid in task_ids:
@@ -272,6 +300,7 @@ class QueuedRollouts(Generic[T]):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.revoke(lambda _item: True), 10)
         self.executor.close()
+        self._redis.close()
 
 
 def _episode_seconds(rec: dict[str, Any]) -> float | None:

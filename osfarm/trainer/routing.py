@@ -23,6 +23,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from osfarm.agents import Agent
+from osfarm.runner.executors.rollout_control import tag_version
 from osfarm.schema.actions import AgentAction
 
 Route = Callable[[], tuple[str, int | None]]  # -> (model name to request, the version it stands for)
@@ -60,11 +61,7 @@ class RoutedAgent:
                     self._point(model)
                 self.model, self.version = model, version
             out = await self.agent.apredict(instruction, obs)
-        call = self.agent.last_model_call
-        if call is not None:
-            if call.policy_version is None and self.version is not None:
-                call.policy_version = self.version
-            self.step_versions.append(call.policy_version)
+        tag_version(self.agent, self.version, self.step_versions)
         return out
 
     def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:

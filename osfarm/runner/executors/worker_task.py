@@ -34,10 +34,11 @@ from typing import Any, Self
 import redis
 from celery.utils.log import get_task_logger
 
-from osfarm.agents import make_agent
+from osfarm.agents import Agent, make_agent
 from osfarm.client import AsyncFarm
 from osfarm.http.retry import backoff_s
 from osfarm.runner.episode import INFRA_ERROR, EpisodeConfig, EpisodeResult, episode_id, run_episode
+from osfarm.runner.executors.rollout_control import ControlledAgent, RolloutAborted, RolloutControl
 from osfarm.runner.results import BlobStore, episode_record, write_task
 from osfarm.stream.jsonl import JsonlSink
 from osfarm.stream.redis_stream import DEFAULT_STREAM, RedisStreamSink, connect, store_result
@@ -252,14 +253,32 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
                         action_timing=e.get("action_timing", "osworld"))
     if job.get("instruction_suffix"):  # XRPO's exemplar, seeded by the trainer
         task = task.model_copy(update={"instruction": task.instruction + job["instruction_suffix"]})
-    agent = make_agent(job["agent"], **job.get("agent_options", {}))
+    agent: Agent = make_agent(job["agent"], **job.get("agent_options", {}))
+    eid = episode_id(job["run_id"], rollout_name(job))  # a rollout of a task: its own episode
+    controlled: ControlledAgent | None = None
+    if job.get("rollout") is not None:  # a training rollout: the trainer may abort it or move its adapter
+        options = job.get("agent_options") or {}
+        control = RolloutControl(_redis(), job["run_id"], eid, options.get("base_url"))
+        if _retrying(control.poll, "read the rollout's abort flag")[0]:  # aborted while it was queued
+            raise RolloutAborted(f"episode {eid}: aborted by the trainer before it started")
+        agent = controlled = ControlledAgent(agent, control, model=str(options.get("model", "")),
+                                             version=job.get("policy_version"),
+                                             interruptible=bool(job.get("interruptible", False)))
 
     async def go() -> EpisodeResult:
         async with AsyncFarm(farm_url, token, expect_up=True) as farm:  # the worker's farm: ride out its restarts
-            return await run_episode(farm, task, agent, cache, cfg, job["run_id"])
+            episode = asyncio.ensure_future(run_episode(farm, task, agent, cache, cfg, job["run_id"]))
+            if controlled is not None:
+                controlled.on_abort = episode.cancel
+            try:
+                return await episode
+            except asyncio.CancelledError:
+                if controlled is not None and controlled.aborted:  # its desktop was released on the way out
+                    raise RolloutAborted(f"episode {eid}: aborted by the trainer at a step") from None
+                raise
 
     res = asyncio.run(go())
-    res.episode_id = episode_id(job["run_id"], rollout_name(job))  # a rollout of a task: its own episode
+    res.episode_id = eid
     version = job.get("policy_version")
     if version is not None:  # a server whose answers do not say which weights made them (vLLM)
         for s in res.steps:
