@@ -136,6 +136,9 @@ def test_osworld_runner_loop_writes_osworlds_results(farm_env: DesktopEnv, tmp_p
         assert agent.guest_answers[0][2] == b"\x89PNG\r\n\x1a\n"
         assert "todo_list_Jan_1" in json.loads(agent.guest_answers[1][2])["output"]
     assert scores == {"scripted-solve": [1.0, 1.0], "scripted-noop": [0.0, 0.0]}
+    assert env.action_history == ["DONE"] and env.instruction == examples[1]["instruction"]
+    with pytest.raises(ValueError, match="^action: action_space 'pyautogui' takes pyautogui code"):
+        env.step({"action_type": "CLICK", "parameters": {"x": 1, "y": 1}})  # a computer_13 action
     assert any("screen_size" in r.getMessage() for r in caplog.records)  # 1920x1080 asked, the farm's is not
     assert env.controller.get_vm_screen_size() == {"width": env.screen_size[0], "height": env.screen_size[1]}
     assert env.provider == "sandbox"  # what the farm gave, whatever provider_name said
@@ -169,3 +172,19 @@ def test_osworld_runner_loop_writes_osworlds_results(farm_env: DesktopEnv, tmp_p
 def test_what_osfarm_cannot_do_is_refused_naming_the_argument(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=f"^{field}: "):
         DesktopEnv(**kwargs, farm_url="http://127.0.0.1:9", farm_token="unused")
+
+
+def test_before_reset_the_guest_address_answers_503_and_step_is_refused() -> None:
+    env = DesktopEnv(action_space="computer_13", farm_url="http://127.0.0.1:9", farm_token="unused")  # never dialled
+    try:
+        assert env.vm_ip.startswith("127.") and env.server_port == 5000
+        r = httpx.get(f"http://{env.vm_ip}:{env.server_port}/screenshot", timeout=30)
+        assert r.status_code == 503 and "reset" in r.json()["detail"]
+        with pytest.raises(RuntimeError, match="reset"):
+            env.step({"action_type": "CLICK", "parameters": {"x": 1, "y": 1}})
+        with pytest.raises(RuntimeError, match="reset"):
+            env.controller.get_screenshot()
+    finally:
+        env.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        env.reset(task_config=json.loads(BLUETOOTH.read_text()))
