@@ -166,7 +166,6 @@ def test_osworld_runner_loop_writes_osworlds_results(farm_env: DesktopEnv, tmp_p
     ({"action_space": "som"}, "action_space"),
     ({"provider_name": "hyperv"}, "provider_name"),
     ({"os_type": "Windows"}, "os_type"),
-    ({"enable_proxy": True}, "enable_proxy"),
     ({"screen_size": (0, 1080)}, "screen_size"),
 ])
 def test_what_osfarm_cannot_do_is_refused_naming_the_argument(kwargs: dict[str, Any], field: str) -> None:

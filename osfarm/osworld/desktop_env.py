@@ -64,7 +64,7 @@ class DesktopEnv:
     (where task files are found: a ``url_map.json`` there maps URLs to files), ``screen_size``
     (compared with the leased desktop's, a warning when they differ: the farm sets it),
     ``require_a11y_tree``, ``require_terminal``, ``os_type`` (Ubuntu only), ``enable_proxy``
-    (refused). osfarm's: ``farm_url``, ``farm_token``, ``offline`` (never download a file the
+    (accepted; a farm has no proxy). osfarm's: ``farm_url``, ``farm_token``, ``offline`` (never download a file the
     cache lacks), ``action_timing`` (TaskEnv's), ``lease_wait_s``, ``code_timeout_s``.
     """
 
@@ -80,14 +80,12 @@ class DesktopEnv:
         if str(os_type).lower() not in ("ubuntu", "linux"):
             raise ValueError(f"os_type: osfarm's desktops are Ubuntu-like Linux; got {os_type!r} "
                              "(Windows and macOS tasks cannot run here)")
-        if enable_proxy:
-            raise ValueError("enable_proxy: osfarm's desktops do not run tasks behind OSWorld's proxy; "
-                             "leave it False (tasks with proxy: true are not hostable)")
         if (not isinstance(screen_size, (tuple, list)) or len(screen_size) != 2
                 or not all(isinstance(v, int) and v > 0 for v in screen_size)):
             raise ValueError(f"screen_size: expected (width, height) in pixels, got {screen_size!r}")
         self.region, self.path_to_vm, self.snapshot_name = region, path_to_vm, snapshot_name
         self.headless, self.client_password, self.os_type = headless, client_password, os_type
+        self.enable_proxy = bool(enable_proxy)  # OSWorld's run scripts pass True; a farm has no proxy (reset warns)
         self.screen_size: tuple[int, int] = (int(screen_size[0]), int(screen_size[1]))
         self.require_a11y_tree, self.require_terminal = bool(require_a11y_tree), bool(require_terminal)
         self.cache_dir = cache_dir
@@ -138,6 +136,9 @@ class DesktopEnv:
         elif self._task is None:
             self._task = parse_task(_NO_TASK, file="task_config")
         task = self._task
+        if self.enable_proxy and task.proxy:
+            log.warning("task %s: proxy: a farm desktop has no proxy; the task runs without one (as OSWorld "
+                        "runs it with enable_proxy=False)", task.id)
         self._forwarder.desktop = None
         self.controller.attach(None)
         obs, _info = self._sync.reset(task)
