@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from osfarm.config import read_yaml_mapping, validation_message
 from osfarm.errors import OsfarmError
 from osfarm.policy.client import PolicyServer
+from osfarm.trainer.curriculum import Curriculum
 from osfarm.trainer.learner import LearnerOptions
 from osfarm.trainer.metrics import WandbOptions
 
@@ -91,6 +92,8 @@ class RolloutSection(_Strict):
     seed_exemplars: bool = Field(default=False, description="XRPO: a task with no success yet gets a solved related "
                                  "task's episode as an exemplar in the prompt of some of its rollouts")
     seed_fraction: float = Field(default=0.5, gt=0, le=1, description="seed_exemplars: share of the group seeded")
+    curriculum: Curriculum = Field(default_factory=Curriculum, description="retire solved tasks, weight the rest "
+                                   "by difficulty (off by default)")
     options: dict[str, Any] = Field(default_factory=dict, description="rollout controller options: allocator "
                                     "(dart|fixed|xrpo), group_size, redundancy, max_retries, rollout_n, xrpo_*")
     executor: Literal["inprocess", "celery"] = Field(

@@ -36,6 +36,8 @@ class DataConfig:
     use_pool: bool = True
     image_mode: Literal["path", "data_url"] = "path"
     stats_window: int = 32  # recent episodes behind a task's success rate
+    parse_error_penalty: float = 0.0  # reward_shaping.py: subtracted per unparsable reply (0: off)
+    step_penalty: float = 0.0  # reward_shaping.py: subtracted per step (0: off)
 
     def __post_init__(self) -> None:
         if self.granularity not in ("step", "trajectory"):
@@ -44,6 +46,8 @@ class DataConfig:
             raise ValueError(f"image_mode must be 'path' or 'data_url', got {self.image_mode!r}")
         if not 0.0 <= self.entropy_fraction <= 1.0:
             raise ValueError(f"entropy_fraction must be in [0, 1], got {self.entropy_fraction}")
+        if self.parse_error_penalty < 0 or self.step_penalty < 0:
+            raise ValueError("parse_error_penalty and step_penalty must be >= 0")
         if self.novelty_lambda < 0:
             raise ValueError(f"novelty_lambda must be >= 0, got {self.novelty_lambda}")
         if self.episode_version not in ("start", "end"):

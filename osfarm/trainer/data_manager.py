@@ -47,6 +47,7 @@ from osfarm.trainer.episodes import (
 )
 from osfarm.trainer.experience_pool import eval_successes, keep_success, load_pool, write_task_file
 from osfarm.trainer.grouping import Group, PlannedGroup, canonical_order, choose, group_size_for, grpo_group
+from osfarm.trainer.reward_shaping import shaped_reward
 from osfarm.trainer.samples import Batch, EntropyFn, Sample, SampleBuilder
 from osfarm.trainer.staleness import in_version_window
 from osfarm.trainer.stream_intake import AddedFn, consume_records, consume_redis
@@ -145,7 +146,9 @@ class DataManager:
         else:
             self.task_stats.setdefault(task, TaskStats(window=self.config.stats_window)).add(
                 reward, success, len(record["steps"]))
-        ep = Episode(record, root, reward, success, episode_version(record), self._next_seq(),
+        shaped = shaped_reward(reward, record["steps"], parse_error_penalty=self.config.parse_error_penalty,
+                               step_penalty=self.config.step_penalty)  # the task stats above keep the score
+        ep = Episode(record, root, shaped, success, episode_version(record), self._next_seq(),
                      version_end=episode_version_end(record))
         if success and not seeded and self.config.use_pool and steps_with_request(record):
             self._pool_add(ep)

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from osfarm.trainer.allocation import TaskStats, dart_rollout_n, xrpo_allocate
+from osfarm.trainer.curriculum import Curriculum, round_tasks
 from osfarm.trainer.staleness import StalenessGate, StalenessState
 
 log = logging.getLogger("osfarm.trainer.rollouts")
@@ -77,6 +78,7 @@ class ControllerConfig:
     shuffle: bool = True  # task order within a round
     seed: int = 0
     retry_s: float = 2.0  # wait after a failed submit before trying again
+    curriculum: Curriculum | None = None  # curriculum.py: which tasks join a round (None: all)
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -195,7 +197,8 @@ class RolloutController:
         return self.gate.state.running == 0 and self.capacity() <= 0
 
     def _plan(self) -> None:
-        blocks = plan_round(self.tasks, self.task_stats, self.config, self.n_for_task, self._rng)
+        blocks = plan_round(round_tasks(self.tasks, self.task_stats, self.config.curriculum, self._rng),
+                            self.task_stats, self.config, self.n_for_task, self._rng)
         if not blocks:
             raise RuntimeError("the allocator planned no group for any task")
         for task, n in blocks:

@@ -156,7 +156,8 @@ def controller_config(cfg: TrainConfig, dcfg: DataConfig) -> ControllerConfig:
         copts.setdefault("allocator", "fixed")
         copts.setdefault("group_size", dcfg.group_size)
     try:
-        ccfg = ControllerConfig(batch_size=ro.batch_size, eta=ro.eta, max_concurrent=ro.envs, seed=cfg.seed, **copts)
+        ccfg = ControllerConfig(batch_size=ro.batch_size, eta=ro.eta, max_concurrent=ro.envs, seed=cfg.seed,
+                                curriculum=ro.curriculum, **copts)
     except (TypeError, ValueError) as e:
         raise TrainError(f"rollout.options: {e}") from None
     return ccfg
