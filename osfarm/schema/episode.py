@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from osfarm.errors import OsfarmError
+from osfarm.schema.guest import ActionTiming
 
 SCHEMA = "osfarm.episode/1"
 SCHEMA_MAJOR = 1
@@ -104,8 +105,9 @@ class EpisodeRecord(_Open):
     finished_at: str
     steps: list[Step]
     # how the agent's actions were paced: "osworld" (OSWorld's python -c per action, pyautogui's
-    # 0.1 s pause) or "fast"; absent in records written before it existed
-    action_timing: Literal["osworld", "fast"] | None = None
+    # 0.1 s pause), "settle" or "fast" (schema.guest.ActionTiming); absent in records written before it existed
+    action_timing: ActionTiming | None = None
+    repeat: int | None = Field(default=None, ge=1)  # which of `osfarm eval --repeats K` (1..K); absent without repeats
 
 
 def schema_major(schema: Any) -> int:

@@ -14,7 +14,7 @@ Routes (all need ``Authorization: Bearer <token>``):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -23,11 +23,17 @@ from osfarm.schema.observation import Observation, ObserveRequest, ScreenSize
 
 # How agent actions are paced (osfarm.desktop.box.coderunner): "osworld" = each pyautogui code action
 # in a new interpreter with pyautogui's default 0.1 s pause after every call (OSWorld's
-# `python -c` path), computer_13 actions followed by that pause; "fast" = one kept interpreter,
-# no pause (callers wait for the screen to settle instead).
-ActionTiming = Literal["osworld", "fast"]
+# `python -c` path), computer_13 actions followed by that pause; "settle" = OSWorld's semantics
+# (nothing kept between code actions, pyautogui's defaults) from a pre-imported interpreter forked
+# per action, each input event followed by a wait for the screen's answer capped at that pause
+# (osfarm.desktop.x11.input_settle); "fast" = one kept interpreter, no pause (callers wait for the
+# screen to settle instead).
+ActionTiming = Literal["osworld", "settle", "fast"]
+ACTION_TIMINGS: tuple[ActionTiming, ...] = get_args(ActionTiming)
 TIMING_FIELD_DESCRIPTION = ("how actions are paced: 'osworld' (default: OSWorld's python -c per code action, "
-                            "pyautogui's 0.1 s pause after each call) or 'fast' (one kept interpreter, no pause)")
+                            "pyautogui's 0.1 s pause after each call), 'settle' (OSWorld's semantics, each "
+                            "pause cut short once the screen answered the input) or 'fast' (one kept "
+                            "interpreter, no pause)")
 
 
 class Health(BaseModel):

@@ -171,17 +171,121 @@ def _patch_pyautogui_x11(pyautogui):
 
 
 _ns = {"__name__": "__main__", "__builtins__": __builtins__}
+_settle = None  # "settle": the module with InputSettle, shipped next to this file
 _boot_error = None
 try:
     exec("import time\nimport pyautogui\n" + ("pyautogui.PAUSE = 0\n" if _timing == "fast" else "")
          + "pyautogui.FAILSAFE = False\n", _ns)
-    _patch_pyautogui_x11(_ns["pyautogui"])
+    if _timing == "settle":
+        # A zygote: everything imported once, each action in a forked child (see _run_forked).
+        # The child patches pyautogui on its own X connection, so the zygote does not here.
+        import importlib.util
+        _spec = importlib.util.spec_from_file_location(
+            "osfarm_input_settle", os.path.join(os.path.dirname(os.path.abspath(__file__)), "osfarm_input_settle.py"))
+        _settle = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(_settle)
+        from Xlib import display as _xdisplay
+    else:
+        _patch_pyautogui_x11(_ns["pyautogui"])
 except BaseException:
     _boot_error = traceback.format_exc()
 _send({"ready": True, "error": _boot_error})
 
 
-def _run(run_id, code):
+def _die_with_zygote(zygote):
+    """The guest kills the zygote on a timeout: its child running the code must go with it."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except Exception:
+        pass
+    if os.getppid() != zygote:  # it died before the prctl took
+        os._exit(1)
+
+
+def _settled_child(run_id, code, zygote):
+    """In the forked child: OSWorld's fresh start for this code (pyautogui's defaults, globals
+    holding only pyautogui and time, as `python -c "import pyautogui; import time; ..."`), with
+    pyautogui's sleep of PAUSE after each call replaced by the settle wait (capped at PAUSE)."""
+    os.close(_rfd)
+    os.close(_wfd)
+    _die_with_zygote(zygote)
+    pyautogui = _ns["pyautogui"]
+    x11 = getattr(pyautogui, "platformModule", None)
+    if x11 is not None and hasattr(x11, "_display"):
+        # The inherited connection is the zygote's: its request sequence numbers went stale with
+        # every earlier child, so replies would be matched to the wrong requests.
+        x11._display = _xdisplay.Display(os.environ["DISPLAY"])
+    _patch_pyautogui_x11(pyautogui)
+    settle = _settle.InputSettle(os.environ["DISPLAY"])
+    default_pause, sleep_pause = pyautogui.PAUSE, pyautogui._handlePause
+    button = [False]  # whether the call being paused after pressed or released a mouse button
+
+    def flag_button(fn):
+        def pressed(*args, **kwargs):
+            button[0] = True
+            return fn(*args, **kwargs)
+        return pressed
+
+    if x11 is not None:
+        for name in ("_mouseDown", "_mouseUp", "_click"):
+            if hasattr(x11, name):
+                setattr(x11, name, flag_button(getattr(x11, name)))
+
+    def settled_pause(_pause):
+        after_button, button[0] = button[0], False
+        if _pause and pyautogui.PAUSE == default_pause:
+            settle.wait(default_pause, after_button)
+        else:  # the code set its own PAUSE: it gets the sleep it asked for, as under OSWorld
+            sleep_pause(_pause)
+
+    pyautogui._handlePause = settled_pause
+    return _run(run_id, code, {"__name__": "__main__", "__builtins__": __builtins__,
+                               "pyautogui": pyautogui, "time": _ns["time"]})
+
+
+def _run_forked(run_id, code):
+    """Run ``code`` in a child forked from this zygote; its error text (None: it ran)."""
+    d = getattr(getattr(_ns["pyautogui"], "platformModule", None), "_display", None)
+    if d is not None:  # the zygote never reads its connection: drop what the server queued on it
+        for _ in range(d.pending_events()):
+            d.next_event()
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    zygote = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            err = _settled_child(run_id, code, zygote)
+        except BaseException:
+            err = traceback.format_exc()
+        try:
+            # at most ~60 KB of JSON, under a pipe's buffer: the write never blocks
+            os.write(w, json.dumps(err if err is None else err[-10000:]).encode("utf-8"))
+        finally:
+            os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    os.set_blocking(r, False)
+    data = b""
+    try:
+        while True:
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:  # a process the code started holds the pipe open: we have it all
+        pass
+    os.close(r)
+    if not data:
+        code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+        return "code process exited (exit code %d)" % code
+    return json.loads(data.decode("utf-8"))
+
+
+def _run(run_id, code, ns):
     name = "<code-%d>" % run_id
     path = os.path.join(_outdir, "%d.out" % run_id)
     out_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # the guest reads it
@@ -199,9 +303,9 @@ def _run(run_id, code):
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             # Like a notebook cell: echo the value of a trailing expression.
             last = ast.Expression(tree.body.pop().value)
-        exec(compile(tree, name, "exec"), _ns)
+        exec(compile(tree, name, "exec"), ns)
         if last is not None:
-            value = eval(compile(last, name, "eval"), _ns)
+            value = eval(compile(last, name, "eval"), ns)
             if value is not None:
                 print(repr(value))
     except SystemExit as e:
@@ -231,7 +335,10 @@ while True:
         req = _recv()
     except EOFError:
         break
-    err = _run(req["id"], req["code"])
+    if _timing == "settle":
+        err = _run_forked(req["id"], req["code"])
+    else:
+        err = _run(req["id"], req["code"], _ns)
     _send({"id": req["id"], "error": err})
 '''
 
@@ -244,15 +351,22 @@ class CodeRunner:
 
     ``env`` is merged over ``os.environ`` for the interpreter (typically ``{"DISPLAY": ":5"}``);
     ``python`` defaults to ``sys.executable``; ``timing`` sets pyautogui's pause (``"fast"``: 0;
-    ``"osworld"``: its default 0.1 s, as in :func:`run_fresh`). With ``agent`` the interpreter
+    ``"osworld"``: its default 0.1 s, as in :func:`run_fresh`; ``"settle"``: a zygote that forks a
+    child per run, which starts from pyautogui's defaults and nothing else, like ``run_fresh``, and
+    waits for the screen to answer each call instead of sleeping; ``settle_source`` is then the
+    source of the module with that wait, :mod:`osfarm.desktop.x11.input_settle`, shipped into the
+    interpreter, which may be a python that cannot import osfarm). With ``agent`` the interpreter
     runs as the agent's user in its world (:mod:`osfarm.desktop.box.agent_world`): the code is the
     agent's, and everything it sends back (replies, output files) is read as untrusted.
     """
 
     def __init__(self, env: dict[str, str] | None = None, python: str | None = None,
-                 timing: ActionTiming = "fast", agent: AgentWorld | None = None):
+                 timing: ActionTiming = "fast", agent: AgentWorld | None = None, settle_source: str = ""):
         if timing not in TIMINGS:
             raise ValueError(f"timing must be one of {TIMINGS}, not {timing!r}")
+        if timing == "settle" and not settle_source:
+            raise ValueError("settle_source: the settle timing needs the source of its wait (input_settle)")
+        self._settle_source = settle_source
         self._env = dict(env or {})
         self._timing = timing
         self._python = python or sys.executable
@@ -278,6 +392,11 @@ class CodeRunner:
         with open(kernel_path, "w", encoding="utf-8") as f:
             f.write(_KERNEL)
         os.chmod(kernel_path, 0o644)
+        if self._settle_source:
+            settle_path = os.path.join(self._outdir, "osfarm_input_settle.py")
+            with open(settle_path, "w", encoding="utf-8") as f:
+                f.write(self._settle_source)
+            os.chmod(settle_path, 0o644)
         if self._agent is not None:
             # The agent's interpreter writes its output files here and reads the kernel; it may
             # not list the dir or remove the guest's files (sticky). Opened up only now that

@@ -24,7 +24,19 @@ from osfarm.desktop.warm.warm_reset_error import WarmResetError
 from osfarm.desktop.x11.capture import encode_frame
 from osfarm.desktop.x11.windows import wait_for_window as find_window_within
 from osfarm.http.principals import ADMIN_NAME, Principal
-from osfarm.schema.actions import Action, ActionError, CodeAction, is_terminal, parse_actions
+from osfarm.schema.actions import (
+    Action,
+    ActionError,
+    Click,
+    CodeAction,
+    DoubleClick,
+    DragTo,
+    MouseDown,
+    MouseUp,
+    RightClick,
+    is_terminal,
+    parse_actions,
+)
 from osfarm.schema.guest import (
     ActionResult,
     ActionTiming,
@@ -40,6 +52,8 @@ from osfarm.schema.guest import (
 from osfarm.schema.observation import ImageFormat, Observation, ObserveOptions, ScreenSize
 
 OSWORLD_PAUSE_S = 0.1  # pyautogui.PAUSE's default: OSWorld's pause after each pyautogui call
+# actions that press or release a mouse button: what moves the keyboard focus (input_settle)
+BUTTON_ACTIONS = (Click, RightClick, DoubleClick, MouseDown, MouseUp, DragTo)
 MEDIA_TYPES: dict[ImageFormat, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 router = APIRouter()
@@ -84,9 +98,12 @@ def observe(desk: Desktop, opts: ObserveOptions) -> Observation:
 
 
 def run_code(desk: Desktop, code: str, timeout: float, timing: ActionTiming) -> CodeResult:
-    """Agent code: OSWorld's fresh interpreter per action, or the kept one (``fast``)."""
+    """Agent code: OSWorld's fresh interpreter per action, a child forked from a pre-imported one
+    (``settle``), or the kept one (``fast``)."""
     if timing == "osworld":
         return desk.run_fresh(code, timeout)
+    if timing == "settle":
+        return desk.settle_runner.run(code, timeout=timeout)
     return desk.runner.run(code, timeout=timeout)
 
 
@@ -94,7 +111,7 @@ def run_actions(desk: Desktop, actions: list[Action], code_timeout: float,
                 timing: ActionTiming = "osworld") -> tuple[list[ActionResult], str | None]:
     """Run validated actions in order until the first failure or DONE/FAIL (blocking). With
     ``osworld`` timing a computer_13 action is followed by pyautogui's pause, as OSWorld runs each
-    one as a pyautogui call."""
+    one as a pyautogui call; with ``settle`` by a wait for the screen's answer, capped at that pause."""
     results: list[ActionResult] = []
     done: str | None = None
     with desk.step_lock:
@@ -115,10 +132,14 @@ def run_actions(desk: Desktop, actions: list[Action], code_timeout: float,
                 continue
             else:
                 try:
+                    if timing == "settle":
+                        desk.input_settle.arm()  # damage from here on is the app's answer
                     desk.input.execute(a)
                     results.append(ActionResult(index=i, ok=True))
                     if timing == "osworld":
                         time.sleep(OSWORLD_PAUSE_S)
+                    elif timing == "settle":
+                        desk.input_settle.wait(OSWORLD_PAUSE_S, after_button=isinstance(a, BUTTON_ACTIONS))
                 except ActionError as e:
                     results.append(ActionResult(index=i, ok=False, error=str(e)))
                 except Exception as e:  # an X error must not lose the step's results

@@ -21,7 +21,9 @@ from osfarm.desktop.box.agent_files import AGENT_PYTHON, AgentFileError, AgentFi
 from osfarm.desktop.box.agent_world import AgentWorld
 from osfarm.desktop.box.coderunner import CodeRunner, run_fresh
 from osfarm.desktop.session.a11y_bus import a11y_bus_ok
+from osfarm.desktop.x11 import input_settle
 from osfarm.desktop.x11.capture import ScreenCapture
+from osfarm.desktop.x11.input_settle import InputSettle
 from osfarm.desktop.x11.recording import Recorder
 from osfarm.desktop.x11.settle import total_cpu_seconds
 from osfarm.desktop.x11.windows import close_connections, list_windows
@@ -90,6 +92,8 @@ class Desktop:
         self._input = _OnFirstUse(lambda: InputController(self.display), self._lock)
         self._runner = _OnFirstUse(
             lambda: CodeRunner(env=self.env(), python=self.code_python, agent=self.agent), self._lock)
+        self._settle_runner = _OnFirstUse(self._new_settle_runner, self._lock)
+        self._input_settle = _OnFirstUse(lambda: InputSettle(self.display), self._lock)
         self._recorder = _OnFirstUse(
             lambda: Recorder(self.display, self.screen_size(), self.work_dir, env=self.env()), self._lock)
         self.step_lock = threading.Lock()
@@ -117,6 +121,20 @@ class Desktop:
         return self._runner.get()
 
     @property
+    def settle_runner(self) -> CodeRunner:
+        """The ``settle`` timing's zygote (OSWorld's semantics per code action, forked)."""
+        return self._settle_runner.get()
+
+    @property
+    def input_settle(self) -> InputSettle:
+        """The ``settle`` timing's wait after a computer_13 action."""
+        return self._input_settle.get()
+
+    def _new_settle_runner(self) -> CodeRunner:
+        return CodeRunner(env=self.env(), python=self.code_python, agent=self.agent, timing="settle",
+                          settle_source=Path(input_settle.__file__).read_text(encoding="utf-8"))
+
+    @property
     def recorder(self) -> Recorder:
         return self._recorder.get()
 
@@ -124,10 +142,12 @@ class Desktop:
         """Stop the interpreter, the recorder and the input controller (a warm reset); each is
         made again on its next use."""
         with self._lock:
-            for obj in (self._recorder, self._runner, self._input):
+            for obj in (self._recorder, self._runner, self._settle_runner, self._input_settle, self._input):
                 obj.close()
             self._runner = _OnFirstUse(
                 lambda: CodeRunner(env=self.env(), python=self.code_python, agent=self.agent), self._lock)
+            self._settle_runner = _OnFirstUse(self._new_settle_runner, self._lock)
+            self._input_settle = _OnFirstUse(lambda: InputSettle(self.display), self._lock)
             self._recorder = _OnFirstUse(
                 lambda: Recorder(self.display, self.screen_size(), self.work_dir, env=self.env()), self._lock)
             self._input = _OnFirstUse(lambda: InputController(self.display), self._lock)

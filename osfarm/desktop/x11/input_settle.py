@@ -1,0 +1,122 @@
+"""Wait after an input event until the screen shows the application's answer, capped at OSWorld's pause.
+
+OSWorld sleeps pyautogui's ``PAUSE`` (0.1 s) after every input call: a guess at how long an app
+needs to handle a click before the keys that follow it. The ``settle`` action timing waits for
+evidence instead, on its own X connection:
+
+1. an XSync round trip (``GetInputFocus``) first: the server has dispatched the fake events to the
+   app's queue before we look (the caller's connection sent them; this one orders after it);
+2. X DAMAGE on the root window (it reports drawing in every window below it too): the app's
+   answer to an input event is a repaint (a pressed button, a caret, a moved focus, a typed
+   character). We wait for the first damage after the event, then for the screen to stay quiet;
+   no damage at all within the cap (an app that answers late, or a click that changes nothing)
+   costs the full cap, as OSWorld's sleep.
+
+How long "quiet" is depends on the event. After keys and pointer motion: ``QUIET_S``, a frame or
+two. After a mouse button: ``QUIET_AFTER_BUTTON_S``, because a click is what moves the keyboard
+focus, and apps move it a moment after the click's own repaint (measured with the Tk dialog of
+bench/action_timing.py: the entry repaints 3-14 ms after the click, the focus moves 30-60 ms
+later, with no drawing in between); keys typed in that gap land in the old field. No X signal
+tells a pending app timer from an idle app, so only a wait covers it, and this one is what keeps
+``settle`` as right as OSWorld's fixed pause on that race.
+
+Why not more: ``_NET_WM_SYNC_REQUEST`` needs the SYNC extension's counters, which python-xlib
+does not wrap (no ``Xlib.ext.xsync``), and only GTK/Qt windows answer it (Tk, xterm and
+LibreOffice's own toolkit do not); AT-SPI focus events arrive over D-Bus with more latency than
+the damage they come with. DAMAGE sees every toolkit the same way.
+
+This module imports nothing but python-xlib and the standard library and runs on Python >= 3.8:
+the code runner (:mod:`osfarm.desktop.box.coderunner`) ships its source into the agent's
+interpreter, which may be the guest's system ``python3``.
+"""
+
+from __future__ import annotations
+
+import select
+import time
+
+from Xlib import display as xdisplay
+
+CAP_S = 0.1  # pyautogui.PAUSE's default: never wait longer than OSWorld would have slept
+# How long the screen must stay unchanged after the app's first repaint. Toolkits paint an answer
+# in one frame or a few back to back (GTK's frame clock: 16 ms apart at most when busy).
+QUIET_S = 0.012
+QUIET_AFTER_BUTTON_S = 0.07
+
+
+class InputSettle:
+    """One X connection watching the screen's damage; ``arm`` before an input event, ``wait``
+    after it. Not thread-safe: one user at a time (callers hold a step lock)."""
+
+    def __init__(self, display_name: str):
+        self._d = xdisplay.Display(display_name)
+        # the server's extension and python-xlib's wrapper of it (older ones have none)
+        self.damage_ok = self._d.has_extension("DAMAGE") and hasattr(self._d, "damage_subtract")
+        self._damage = 0
+        if self.damage_ok:
+            self._d.damage_query_version()  # the server must hear a version before DamageCreate
+            root = self._d.screen().root
+            # NonEmpty: one event when the damage region goes from empty to non-empty; subtracting
+            # it re-arms the report, so a burst of painting costs a few events, not one per rectangle.
+            self._damage = root.damage_create(3)
+            self.arm()
+
+    def _drain(self) -> bool:
+        """Read every queued event; True if any was damage (then the report is re-armed)."""
+        seen = False
+        while self._d.pending_events():
+            ev = self._d.next_event()
+            if type(ev).__name__ == "DamageNotify":
+                seen = True
+        if seen:
+            self._d.damage_subtract(self._damage)
+            self._d.flush()
+        return seen
+
+    def arm(self) -> None:
+        """Forget damage so far: what comes after this is the answer to the next event."""
+        if not self.damage_ok:
+            return
+        self._d.damage_subtract(self._damage)
+        self._d.sync()
+        self._drain()
+
+    def wait(self, cap: float = CAP_S, after_button: bool = False) -> float:
+        """Block until the app answered the last input event and went quiet, or ``cap`` seconds
+        passed; returns the seconds waited. ``after_button``: the event pressed or released a
+        mouse button (see the module docstring). Re-arms for the next event."""
+        t0 = time.monotonic()
+        deadline = t0 + cap
+        if not self.damage_ok:
+            time.sleep(cap)
+            return cap
+        quiet = QUIET_AFTER_BUTTON_S if after_button else QUIET_S
+        self._d.sync()  # XSync: the input is dispatched; damage it caused so far is queued
+        answered = self._drain()
+        quiet_until = time.monotonic() + quiet if answered else deadline
+        fd = self._d.fileno()
+        while True:
+            now = time.monotonic()
+            until = min(quiet_until, deadline)
+            if now >= until:
+                break
+            ready, _, _ = select.select([fd], [], [], until - now)
+            if ready and self._drain():
+                quiet_until = time.monotonic() + quiet
+        self._d.damage_subtract(self._damage)
+        self._d.sync()
+        self._drain_events_only()
+        return time.monotonic() - t0
+
+    def _drain_events_only(self) -> None:
+        while self._d.pending_events():
+            self._d.next_event()
+
+    def close(self) -> None:
+        try:
+            if self.damage_ok:
+                self._d.damage_destroy(self._damage)
+            self._d.close()
+        except Exception:  # the server may be gone already (a desktop shutting down)
+            pass
+
