@@ -91,4 +91,4 @@ def test_results_and_records_say_which_timing_ran(farm: FarmServer, tmp_path: Pa
     assert rec["action_timing"] == timing and rec["status"] == "success"
     assert rec["desktop"]["session"] == "light"
     bad = CliRunner().invoke(app, [*argv[:-2], "--out", str(tmp_path / "x"), "--action-timing", "slow"])
-    assert bad.exit_code == 2 and "--action-timing must be osworld or fast" in bad.output
+    assert bad.exit_code == 2 and "--action-timing must be one of osworld, settle, fast" in bad.output

@@ -50,7 +50,8 @@ def eval_command(
         str,
         typer.Option("--action-timing", envvar="OSFARM_ACTION_TIMING",
                      help="osworld: actions paced as OSWorld paces them (each code action a new python, pyautogui's "
-                     "0.1 s pause after every call), so scores mean what they mean there; fast: one kept interpreter, "
+                     "0.1 s pause after every call), so scores mean what they mean there; settle: OSWorld's semantics, "
+                     "each pause cut short once the screen answered; fast: one kept interpreter, "
                      "no pause, observations wait for the screen to settle (recorded in results.json and every "
                      "episode record)"),
     ] = "osworld",
@@ -125,14 +126,12 @@ def eval_command(
     from osfarm.tasks.model import TaskError
 
     err = Console(stderr=True)
-    timing: ActionTiming
-    if action_timing == "osworld":
-        timing = "osworld"
-    elif action_timing == "fast":
-        timing = "fast"
-    else:
-        err.print(f"[bold red]error:[/] --action-timing must be osworld or fast, got {action_timing!r}",
-                  highlight=False)
+    from osfarm.schema.guest import ACTION_TIMINGS
+
+    timing: ActionTiming | None = next((t for t in ACTION_TIMINGS if t == action_timing), None)
+    if timing is None:
+        err.print(f"[bold red]error:[/] --action-timing must be one of {', '.join(ACTION_TIMINGS)}, "
+                  f"got {action_timing!r}", highlight=False)
         raise typer.Exit(2)
     overrides = {k: v for k, v in (("width", width), ("height", height), ("provider", provider)) if v is not None}
     opts = RunOptions(suite=suite, agent=agent, out=out, index=index, envs=envs, max_steps=max_steps, resume=resume,
