@@ -28,6 +28,12 @@ def eval_command(
     max_steps: Annotated[int, typer.Option("--max-steps", min=1, help="agent steps per episode")] = 15,
     out: Annotated[Path, typer.Option("--out", help="run directory")] = Path("results"),
     resume: Annotated[bool, typer.Option("--resume", help="skip tasks whose result.txt exists in --out")] = False,
+    repeats: Annotated[
+        int,
+        typer.Option("--repeats", min=1, help="run each task K times, each an independent episode on a reset desktop "
+                     "(repeat r under <out>/repeat-<r>/); results.json adds per-task success counts, mean ± s.e. "
+                     "across repeats, pass@k, pass^k and the flip rate (in-process executor)"),
+    ] = 1,
     url: FarmUrlOpt = None,
     token: FarmTokenOpt = None,
     cache: Annotated[
@@ -139,7 +145,8 @@ def eval_command(
                       infra_retries=retries, action_space=action_space, progress=progress, record=record,
                       solutions=solutions, farm_overrides=overrides, executor=executor, broker=broker,
                       max_concurrent=max_concurrent, sync_batches=sync_batches, stream_url=stream_url, stream=stream,
-                      allow_hosts=tuple(allow_host) if allow_host else None, action_timing=timing)
+                      allow_hosts=tuple(allow_host) if allow_host else None, action_timing=timing,
+                      repeats=repeats)
     if executor not in ("inprocess", "celery"):
         err.print(f"[bold red]error:[/] --executor must be inprocess or celery, got {executor!r}", highlight=False)
         raise typer.Exit(2)
