@@ -574,3 +574,31 @@ def test_a_simulated_update_time_holds_the_learner_thread_not_the_event_loop(lea
         learner.opts = saved
     assert seconds >= 1.0
     assert ticks >= 15  # the loop was free the whole time
+
+
+def test_episode_weights_numbers() -> None:
+    from osfarm.trainer.advantages import episode_weights
+
+    # A: 3 step samples, B: 1; N = 4, E = 2: A's samples 4 / (2 · 3), B's 4 / (2 · 1)
+    w = episode_weights(["A", "A", "B", "A"])
+    assert w == pytest.approx([2 / 3, 2 / 3, 2.0, 2 / 3])
+    assert sum(w) == pytest.approx(4.0)  # mean weight 1
+    assert episode_weights(["A", "B"]) == [1.0, 1.0] and episode_weights([]) == []
+
+
+def test_episode_weighting_keeps_a_long_failure_from_outweighing_a_short_success(model_dir: Path) -> None:
+    """With ``episode_weighting`` a 3-step failure and a 1-step success count alike: the update's
+    loss is that of advantages scaled by hand by the weights above (lr ~0: the weights stay put)."""
+    import dataclasses
+
+    lrn = Learner(model_dir, LearnerOptions(lr=1e-12))
+    fail = [dataclasses.replace(_sample(lrn, [101 + i, 102], -1.0), episode_id="long", step_index=i + 1)
+            for i in range(3)]
+    win = dataclasses.replace(_sample(lrn, [120, 121], 1.0), episode_id="short")
+    plain = lrn.update([*fail, win]).loss
+    by_hand = lrn.update([dataclasses.replace(s, advantage=s.advantage * w)
+                          for s, w in zip([*fail, win], [2 / 3, 2 / 3, 2 / 3, 2.0], strict=True)]).loss
+    lrn.opts.loss.episode_weighting = True
+    weighted = lrn.update([*fail, win]).loss
+    assert weighted == pytest.approx(by_hand, rel=1e-4, abs=1e-6)
+    assert abs(weighted - plain) > 1e-3

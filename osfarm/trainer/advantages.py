@@ -101,3 +101,18 @@ def sharpen_advantages(advantages: Sequence[float], successes: Sequence[bool], l
             a = a * (1.0 + lam * math.tanh(max(0.0, mean - ll)))
         out.append(float(a))
     return out
+
+
+def episode_weights(episode_ids: Sequence[Hashable]) -> list[float]:
+    """Per-sample weights under which every episode of an update counts the same.
+
+    With one sample per step, a 15-step failure has 15 samples to a 3-step success's 3 and would
+    dominate the update's gradient; each sample instead gets ``N / (E · n_e)`` (N samples, E
+    episodes, n_e the samples of its episode): an episode's weights sum to N / E and their mean
+    over the update stays 1, so the learning rate means what it meant.
+    """
+    counts: dict[Hashable, int] = {}
+    for e in episode_ids:
+        counts[e] = counts.get(e, 0) + 1
+    n, eps = len(episode_ids), len(counts)
+    return [n / (eps * counts[e]) for e in episode_ids]

@@ -40,6 +40,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ import torch
 
 from osfarm.policy.processing import load_processor
 from osfarm.policy.progress import hf_progress_bars_off
+from osfarm.trainer.advantages import episode_weights
 from osfarm.trainer.batching import Encoded, MicroBatch, collate, encode_sample, plain_token, response_mask
 from osfarm.trainer.checkpoint import (
     ADAPTER_DIR,
@@ -351,6 +353,9 @@ class Learner:
         if not samples:
             raise ValueError("update needs at least one sample")
         t0 = time.perf_counter()
+        if self.opts.loss.episode_weighting:  # a positive weight on A scales that sample's PPO term alike
+            samples = [replace(s, advantage=s.advantage * w)
+                       for s, w in zip(samples, episode_weights([s.episode_id for s in samples]), strict=True)]
         rank, world = self.ctx.rank, self.ctx.world
         resp = [self.response_ids(s) for s in samples]
         lengths = [len(r) for r in resp]

@@ -39,6 +39,9 @@ class LossOptions(BaseModel):
     kl_coef: float = Field(default=0.0, ge=0.0,
                            description="weight of KL(π_θ ‖ π_ref) in the loss (0: off, no reference kept)")
     kl_kind: KLKind = Field(default="k3", description="KL estimator (Schulman's k1/k2/k3)")
+    episode_weighting: bool = Field(default=False, description="every episode of an update weighs the same, "
+                                    "however many step samples it has (advantages.episode_weights): a long "
+                                    "failure does not outweigh a short success")
 
 
 class LearnerOptions(BaseModel):
