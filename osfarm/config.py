@@ -49,6 +49,11 @@ class FarmSettings(BaseSettings):
     max_body_bytes: int = Field(
         default=16 << 20, ge=1024, description="largest request body of the farm API (413 above)"
     )
+    server_loop: Literal["asyncio", "uvloop"] = Field(
+        default="asyncio", description="the farm API's event loop. asyncio accepts every waiting connection at each "
+        "turn of the loop; uvloop accepts one per turn, so under load a burst of new connections waits tens of "
+        "seconds in the listen queue (bench/load.py, docs/farm.md)",
+    )
     max_upload_bytes: int = Field(
         default=1 << 30, ge=1024, description="largest request body through the guest passthrough (uploads; 413 above)"
     )

@@ -118,7 +118,7 @@ def serve(
     fapp = create_app(settings, prov, ui=farm_ui(settings.ui_runs_dir))
     server = uvicorn.Server(
         uvicorn.Config(fapp, log_config=None, log_level=log_level.lower(), lifespan="on", access_log=True,
-                       timeout_graceful_shutdown=10,
+                       timeout_graceful_shutdown=10, loop=settings.server_loop,
                        ssl_certfile=str(settings.tls_certfile) if settings.tls_certfile else None,
                        ssl_keyfile=str(settings.tls_keyfile) if settings.tls_keyfile else None)
     )  # fmt: skip

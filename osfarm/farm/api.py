@@ -36,6 +36,7 @@ from osfarm.http.auth import BearerAuth, BrowserLogin
 from osfarm.http.body_limit import BodyLimit, BodyRule
 from osfarm.http.openapi import allowed_methods
 from osfarm.http.principals import TokenTable
+from osfarm.http.server_timing import ServerTiming
 from osfarm.http.token_sources import build_token_table
 from osfarm.providers.base import Provider
 
@@ -93,6 +94,7 @@ def create_app(settings: FarmSettings, provider: Provider | None = None, ui: UiM
     app.state.tokens = tokens  # the dashboard's login form checks tokens against the same table
     app.add_middleware(BearerAuth, tokens=tokens, public=service_routes.PUBLIC_PATHS, basic=True, realm="osfarm",
                        browser=ui.browser if ui else None)
+    app.add_middleware(ServerTiming)  # added last = outermost: its duration covers auth and body checks too
     _add_error_handlers(app)
     openapi.install(app, service_routes.PUBLIC_PATHS)
     app.include_router(service_routes.router)

@@ -33,7 +33,8 @@ class FarmServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = host, self._sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, log_config=None, lifespan="on"))
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, log_config=None, lifespan="on",
+                                                     loop=settings.server_loop))
         self._thread: threading.Thread | None = None
 
     @property
@@ -44,6 +45,11 @@ class FarmServer:
     @property
     def token(self) -> str:
         return self.settings.token
+
+    @property
+    def open_connections(self) -> int:
+        """HTTP connections the server has accepted and holds now."""
+        return len(self._server.server_state.connections)
 
     def start(self, timeout: float = 120.0, warm: bool = True) -> str:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
