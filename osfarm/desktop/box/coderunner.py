@@ -172,6 +172,7 @@ def _patch_pyautogui_x11(pyautogui):
 
 _ns = {"__name__": "__main__", "__builtins__": __builtins__}
 _settle = None  # "settle": the module with InputSettle, shipped next to this file
+_spare = None  # "settle": X connections opened for the next forked child
 _boot_error = None
 try:
     exec("import time\nimport pyautogui\n" + ("pyautogui.PAUSE = 0\n" if _timing == "fast" else "")
@@ -212,12 +213,13 @@ def _settled_child(run_id, code, zygote):
     _die_with_zygote(zygote)
     pyautogui = _ns["pyautogui"]
     x11 = getattr(pyautogui, "platformModule", None)
+    conn, settle = _spare if _spare is not None else _connect()
+    settle.arm()  # what was drawn before this action is not its answer
     if x11 is not None and hasattr(x11, "_display"):
-        # The inherited connection is the zygote's: its request sequence numbers went stale with
-        # every earlier child, so replies would be matched to the wrong requests.
-        x11._display = _xdisplay.Display(os.environ["DISPLAY"])
+        # Not the zygote's own connection: its request sequence numbers went stale with every
+        # earlier child, so replies would be matched to the wrong requests.
+        x11._display = conn
     _patch_pyautogui_x11(pyautogui)
-    settle = _settle.InputSettle(os.environ["DISPLAY"])
     default_pause, sleep_pause = pyautogui.PAUSE, pyautogui._handlePause
     button = [False]  # whether the call being paused after pressed or released a mouse button
 
@@ -244,8 +246,23 @@ def _settled_child(run_id, code, zygote):
                                "pyautogui": pyautogui, "time": _ns["time"]})
 
 
+def _connect():
+    return _xdisplay.Display(os.environ["DISPLAY"]), _settle.InputSettle(os.environ["DISPLAY"])
+
+
+def _prepare_spare():
+    """Open the next child's two X connections now, between actions: connecting (python-xlib asks
+    the server about every extension) is most of a child's start-up otherwise."""
+    global _spare
+    try:
+        _spare = _connect()
+    except Exception:
+        _spare = None  # the child connects itself, and reports what fails
+
+
 def _run_forked(run_id, code):
     """Run ``code`` in a child forked from this zygote; its error text (None: it ran)."""
+    global _spare
     d = getattr(getattr(_ns["pyautogui"], "platformModule", None), "_display", None)
     if d is not None:  # the zygote never reads its connection: drop what the server queued on it
         for _ in range(d.pending_events()):
@@ -267,6 +284,10 @@ def _run_forked(run_id, code):
         finally:
             os._exit(0)
     os.close(w)
+    if _spare is not None:  # the child's now: let go of this process's end, telling the server nothing
+        _spare[0].display.socket.close()
+        _spare[1].forget()
+        _spare = None
     _, status = os.waitpid(pid, 0)
     os.set_blocking(r, False)
     data = b""
@@ -330,6 +351,8 @@ def _run(run_id, code, ns):
     return error
 
 
+if _timing == "settle" and _boot_error is None:
+    _prepare_spare()
 while True:
     try:
         req = _recv()
@@ -340,6 +363,8 @@ while True:
     else:
         err = _run(req["id"], req["code"], _ns)
     _send({"id": req["id"], "error": err})
+    if _timing == "settle" and _boot_error is None:
+        _prepare_spare()
 '''
 
 

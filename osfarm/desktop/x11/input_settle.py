@@ -112,6 +112,11 @@ class InputSettle:
         while self._d.pending_events():
             self._d.next_event()
 
+    def forget(self) -> None:
+        """Let go of this process's end of the connection without a word to the server: a forked
+        child took the connection over (osfarm.desktop.box.coderunner's zygote)."""
+        self._d.display.socket.close()
+
     def close(self) -> None:
         try:
             if self.damage_ok:
