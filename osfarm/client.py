@@ -249,7 +249,8 @@ class AsyncRemoteDesktop:
                    observe: ObserveOptions | dict[str, Any] | bool | None = None,
                    code_timeout: float = 30.0, timing: ActionTiming = "osworld") -> StepResult:
         """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
-        OSWorld paces them (``timing="osworld"``) or as fast as the desktop takes them (``"fast"``)."""
+        OSWorld paces them (``timing="osworld"``), with OSWorld's semantics but each pause cut short once the
+        screen answered (``"settle"``), or as fast as the desktop takes them (``"fast"``)."""
         body = _step_body(actions, observe, code_timeout, timing)
         r = await self.farm._request("POST", self._path("/step"), json=body, headers=self._headers,
                                      timeout=_step_timeout(body))
@@ -435,7 +436,8 @@ class RemoteDesktop:
              observe: ObserveOptions | dict[str, Any] | bool | None = None,
              code_timeout: float = 30.0, timing: ActionTiming = "osworld") -> StepResult:
         """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
-        OSWorld paces them (``timing="osworld"``) or as fast as the desktop takes them (``"fast"``)."""
+        OSWorld paces them (``timing="osworld"``), with OSWorld's semantics but each pause cut short once the
+        screen answered (``"settle"``), or as fast as the desktop takes them (``"fast"``)."""
         body = _step_body(actions, observe, code_timeout, timing)
         r = self.farm._request("POST", self._path("/step"), json=body, headers=self._headers,
                                timeout=_step_timeout(body))

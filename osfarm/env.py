@@ -166,7 +166,8 @@ class TaskEnv:
         code_timeout_s: the limit of each pyautogui code action.
         action_timing: ``"osworld"`` (default): actions paced as OSWorld paces them (each code
             action in a new interpreter, pyautogui's 0.1 s pause after every call), so an agent
-            scores what it would on OSWorld; ``"fast"``: one kept interpreter, no pause, the
+            scores what it would on OSWorld; ``"settle"``: the same semantics, each pause cut short
+            once the screen answered the input; ``"fast"``: one kept interpreter, no pause, the
             observation waits for the screen to settle instead.
 
     After ``reset``: :attr:`task`, :attr:`desktop` (the :class:`~osfarm.schema.lease.LeaseInfo`:
