@@ -51,8 +51,9 @@ class FarmProcess:
 
     def _argv(self) -> list[str]:
         if self.provider == "memory":
-            return [sys.executable, "-m", "osfarm.testing.memory_farm", "--port", str(self.port), "--token", self.token,
-                    "--state-dir", str(self.state_dir), "--pool-min", str(self.pool_min),
+            # --token=: a token may start with "-", which argparse takes for an option after a bare --token
+            return [sys.executable, "-m", "osfarm.testing.memory_farm", "--port", str(self.port),
+                    f"--token={self.token}", "--state-dir", str(self.state_dir), "--pool-min", str(self.pool_min),
                     "--pool-max", str(self.pool_max)]
         return [sys.executable, "-m", "osfarm.cli", "serve", "--provider", self.provider, "--port", str(self.port),
                 "--token", self.token, "--state-dir", str(self.state_dir), "--pool-size", str(self.pool_min),
