@@ -12,8 +12,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import subprocess
-import sys
 from collections.abc import Iterator
 from fractions import Fraction
 from pathlib import Path
@@ -130,6 +128,7 @@ def test_compare_pairs_tasks_over_their_repeats() -> None:
     assert EvalRun("k1", [TaskRow(task_id="t", status="success")]).repeats is None  # no repeats, no numbers
 
 
+@pytest.mark.unit  # names the celery executor, starts nothing
 def test_bad_repeats_is_refused_naming_the_option(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--repeats must be at least 1"):
         RunOptions(suite=MINI, agent="noop", out=tmp_path, repeats=0).repeat_indices()
@@ -143,16 +142,16 @@ def test_bad_repeats_is_refused_naming_the_option(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def repeated_runs(farm: FarmServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """suites/mini (3 tasks) twice per task on the session's farm: the replay agent (solves all)
-    through the command line, the noop agent (one step, solves none) through run_eval."""
+    """suites/mini (3 tasks) on the session's farm: the replay agent (solves all) twice per task
+    through ``osfarm eval --repeats 2``, the noop agent (one step, solves none) once per task through
+    run_eval (a run without repeats, compared against one with them)."""
     runs = tmp_path_factory.mktemp("repeat-runs")
-    res = subprocess.run([str(Path(sys.executable).parent / "osfarm"), "eval", "--suite", str(MINI), "--agent",
-                          "replay", "--out", str(runs / "replay-x2"), "--url", farm.url, "--token", farm.token,
-                          "--no-progress", "--repeats", "2", "--envs", "2"],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr
-    run_eval(RunOptions(suite=MINI, agent="noop", out=runs / "noop-x2", max_steps=1, url=farm.url, token=farm.token,
-                        progress=False, repeats=2, max_concurrent=2), console=Console(file=io.StringIO()))
+    res = CliRunner().invoke(app, ["eval", "--suite", str(MINI), "--agent", "replay", "--out", str(runs / "replay-x2"),
+                                   "--url", farm.url, "--token", farm.token, "--no-progress", "--repeats", "2",
+                                   "--envs", "2"])  # the command itself, in this process (no second interpreter)
+    assert res.exit_code == 0, res.output
+    run_eval(RunOptions(suite=MINI, agent="noop", out=runs / "noop-x1", max_steps=1, url=farm.url, token=farm.token,
+                        progress=False, max_concurrent=2), console=Console(file=io.StringIO()))
     return runs
 
 
@@ -172,16 +171,19 @@ def test_eval_repeats_keeps_every_episode(repeated_runs: Path) -> None:
     assert len({r["episode_id"] for r in records}) == 6  # each repeat is its own episode
     for r in summary["tasks"]:  # and its own OSWorld folder
         assert (out / f"repeat-{r['repeat']}" / r["domain"] / r["task_id"] / "result.txt").read_text() == "1.0\n"
-    noop = json.loads((repeated_runs / "noop-x2" / "results.json").read_text())["variance"]
-    assert (noop["mean_success_rate"], noop["pass_at_k"], noop["flip_rate"]) == (0.0, 0.0, 0.0)
+    noop = json.loads((repeated_runs / "noop-x1" / "results.json").read_text())
+    assert noop["repeats"] == 1 and "variance" not in noop and "repeat" not in noop["tasks"][0]  # as before
+    first = noop["tasks"][0]
+    assert (repeated_runs / "noop-x1" / first["domain"] / first["task_id"] / "result.txt").is_file()
 
 
 def test_report_compare_prints_the_paired_test(repeated_runs: Path) -> None:
-    res = CliRunner().invoke(app, ["report", "compare", str(repeated_runs / "noop-x2"),
+    res = CliRunner().invoke(app, ["report", "compare", str(repeated_runs / "noop-x1"),
                                    str(repeated_runs / "replay-x2")])
     assert res.exit_code == 0, res.output
     text = " ".join(res.stdout.split())
     assert "pass@2 100.0%, pass^2 100.0%, flip rate 0.0% (0/3)" in text
+    assert "0.0% [0.0%, 56.1%] (one episode per task)" in text  # noop: no repeats, its Wilson interval
     # 3 tasks, each +1: exact sign-flip p = 2/8; three tasks cannot reach 0.05
     assert "exact paired sign-flip permutation over 3 tasks: B - A = +100.0%" in text and "p = 0.25" in text
     assert "not significant at 0.05" in text
@@ -215,10 +217,11 @@ def test_leaderboard_and_compare_page_show_repeats(repeated_runs: Path, browser:
         assert row.locator("td.pass-at-k").inner_text() == "pass@2 100.0%"
         assert row.locator("td.pass-hat-k").inner_text() == "pass^2 100.0%"
         assert row.locator("td.flip-rate").inner_text().startswith("0.0%")
-        noop = page.locator("#leaderboard tbody tr", has_text="noop-x2")
-        assert noop.locator("td.mean-se").inner_text() == "0.0% ± 0.0"
+        noop = page.locator("#leaderboard tbody tr", has_text="noop-x1")
+        assert noop.locator("td.repeats").inner_text() == "1"  # one repeat; no repeat numbers
+        assert noop.locator("td.mean-se").count() == 0
 
-        page.select_option("select[name=a]", "noop-x2")
+        page.select_option("select[name=a]", "noop-x1")
         page.select_option("select[name=b]", "replay-x2")
         page.click("form.compare button")
         page.wait_for_selector("#paired-test")
