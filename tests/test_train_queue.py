@@ -13,6 +13,7 @@ import pytest
 from test_data_manager import make_record
 
 from osfarm.runner.executors.celery_exec import RemoteEpisodeError
+from osfarm.runner.executors.rollout_control import RolloutAborted
 from osfarm.trainer.config import TrainConfig
 from osfarm.trainer.data_manager import ACCEPTED, DataConfig, DataManager
 from osfarm.trainer.loop import Rollout, Trainer
@@ -63,6 +64,11 @@ def test_backend_states_give_one_report_each(tmp_path: Path) -> None:
     dm = DataManager(DataConfig(entropy_fraction=1.0), blob_root=tmp_path)
     jobs = [q.track(f"rollout-{i}", "t1", i) for i in range(1, 6)]
     sent = jobs[0].sent
+    # a running job the trainer aborted, stopped by its worker at a step: aborted, not failed
+    stopped = q.track("rollout-0", "t1", 0)
+    assert q.judge([(stopped, ("FAILURE", RolloutAborted("episode e: aborted by the trainer at a step")))],
+                   sent + 1, dm, tmp_path, seen) == []
+    assert isinstance(seen.got.pop()[2], JobRevoked) and q.counts.stopped == 1 and q.counts.failed == 0
     done = {"record": record(tmp_path, 3, status="success"), "row": {}}
     polled: list[tuple[Outstanding[str], tuple[str, Any]]] = [
         (jobs[0], ("FAILURE", RuntimeError("boom"))), (jobs[1], ("REVOKED", None)), (jobs[2], ("SUCCESS", done)),

@@ -121,7 +121,10 @@ class ControlledAgent:
         return self.agent.predict(instruction, obs)
 
     async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
-        aborted, route = await asyncio.to_thread(self.control.poll)
+        try:
+            aborted, route = await asyncio.to_thread(self.control.poll)
+        except redis.RedisError:  # Redis out for longer than the client's retries: go on as the job said
+            aborted, route = False, None
         if aborted:
             self.aborted = True
             if self.on_abort is None:
