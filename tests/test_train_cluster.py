@@ -4,9 +4,11 @@ Host A is the trainer on 127.0.0.1 with Redis (broker, result backend, record st
 spawned CPU policy server; hosts B and C are each a farm (``osfarm serve``, sandbox provider, the
 light desktop) bound to its own loopback address, 127.0.0.2 and 127.0.0.3, and an ``osfarm worker``
 running episodes on it. The trainer has no farm: every rollout is a Celery job, every record comes
-back on the stream. Worker C is SIGKILLed (its whole process group: a lost machine) after the first
-update; its unacknowledged job goes to worker B after the visibility timeout, under the same
-episode id, and the run still reaches its last version.
+back on the stream. Host C is lost after the first update: its worker is SIGKILLed (its whole
+process group) and its farm too (its desktops die with it); its unacknowledged job goes to worker
+B after the visibility timeout, under the same episode id, and the run still reaches its last
+version: nothing waits on the dead host's desktops. The trainer is SIGKILLed after version 2 and
+started again; it aborts the jobs its first life left out (its capacity does not count them).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ import redis
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from osfarm.dashboard import pages  # noqa: E402
+from osfarm.dashboard.runs import RunsRoot  # noqa: E402
+from osfarm.runner.executors.celery_app import QUEUE  # noqa: E402
 from osfarm.testing.host_farm import HostFarm  # noqa: E402
 from osfarm.testing.redis_server import RedisServer  # noqa: E402
 from osfarm.testing.waiting import wait_until  # noqa: E402
@@ -142,9 +147,13 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             except AssertionError:  # none caught in 30 s: killed between episodes
                 mid_episode = False
             _stop_group(workers["c"], signal.SIGKILL)
+            farms["c"].kill()  # the whole host is gone: its farm and desktops with it
             # the trainer crashes after version 2 and is started again: it resumes from its checkpoint
             # and its stream journal while jobs of its first life are still out
             _wait_version(trainer, run_dir, KILL_TRAINER_AT, log)
+            # killed while jobs it sent still wait in the queue (one live worker, capacity for more)
+            r = redis.Redis.from_url(broker.url)
+            queued_at_kill = wait_until(lambda: r.llen(QUEUE) > 0, 30, interval=0.05)
             trainer.kill()
             trainer.wait(30)
             killed_rows = len(_rows(run_dir))
@@ -170,7 +179,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     yield {"dir": run_dir, "worker_out": worker_out, "farms": farms, "records": records, "rows": _rows(run_dir),
            "pending": pending,
            "summary": json.loads((run_dir / "summary.json").read_text()), "log": log.read_text(), "workers": workers,
-           "pool_b": pool_b, "left": left, "mid_episode": mid_episode, "killed_rows": killed_rows}
+           "pool_b": pool_b, "left": left, "mid_episode": mid_episode, "killed_rows": killed_rows,
+           "queued_at_kill": queued_at_kill}
 
 
 def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any]) -> None:
@@ -189,6 +199,11 @@ def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any])
 
 def test_a_killed_trainer_resumes_from_its_checkpoint_and_journal(cluster: dict[str, Any]) -> None:
     assert "resumed from" in cluster["log"]
+    # the jobs the first life left queued (one live worker, capacity for more) are aborted, not left
+    # to run uncounted next to the resumed process's own
+    assert cluster["queued_at_kill"]
+    assert "job(s) an earlier trainer process left queued or running" in cluster["log"]
+    assert cluster["summary"]["totals"]["queue"]["earlier_aborted"] >= 1
     versions = [r["version"] for r in cluster["rows"]]
     assert versions == sorted(set(versions)), versions  # no version trained twice across the crash
     after = cluster["rows"][cluster["killed_rows"]:]
@@ -232,9 +247,29 @@ def test_the_staleness_bound_held(cluster: dict[str, Any]) -> None:
 def test_nothing_is_left_running(cluster: dict[str, Any]) -> None:
     print(f"worker c killed mid-episode: {cluster['mid_episode']}")
     assert cluster["workers"]["c"].returncode == -signal.SIGKILL
+    assert cluster["farms"]["c"].proc.returncode == -signal.SIGKILL  # host C was lost, and nothing waited on it
     assert cluster["workers"]["b"].returncode == 0
     assert cluster["pool_b"].get("leased", 0) == 0, cluster["pool_b"]  # the live host's desktops all came back
     assert cluster["pending"] == [0]  # every record the trainer read was acknowledged
     assert cluster["left"] == []  # no farm, desktop or worker process of the cluster survives it
     for f in cluster["farms"].values():
         assert f.proc is not None and f.proc.returncode is not None
+
+
+def test_prometheus_and_the_dashboard_show_the_cluster(cluster: dict[str, Any]) -> None:
+    """Issue 29, item 7's second half: per-worker rollouts, queue depth, stream lag and the
+    staleness histogram, in Prometheus's text file and on the dashboard's training page."""
+    prom = (cluster["dir"] / "metrics.prom").read_text()
+    assert 'osfarm_train_worker_rollouts{worker="b@test"}' in prom, prom
+    assert "osfarm_train_queue_queued" in prom and "osfarm_train_queue_stream_lag" in prom
+    assert "osfarm_train_queue_stream_pending" in prom
+    assert 'osfarm_train_sample_staleness_bucket{le="1.0"}' in prom
+    rows = cluster["rows"]
+    assert all(0 < sum(r["staleness_hist"].values()) <= r["samples"] - r["pool_samples"] for r in rows)
+    assert all(int(k) <= ETA for r in rows for k in r["staleness_hist"])
+    assert any(r["queue_stream_lag"] is not None for r in rows)
+    run = RunsRoot(cluster["dir"].parent).training_run(cluster["dir"].name)
+    charts = {c["key"]: c for c in pages.training_data(run.rows, run.eval_rows)["charts"]}
+    assert {"queue", "workers", "staleness_hist"} <= set(charts), sorted(charts)
+    assert {ln["name"].split("@")[0] for ln in charts["workers"]["lines"]} == {"b", "c"}
+    assert {ln["name"] for ln in charts["queue"]["lines"]} >= {"queued", "running", "stream lag"}

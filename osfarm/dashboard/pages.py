@@ -37,7 +37,11 @@ TRAINING_CHARTS: list[tuple[str, list[tuple[str, str, str]]]] = [
     ("loss", [("loss", "train", "loss")]),
     ("KL", [("kl", "train", "kl"), ("kl to behaviour", "train", "kl_behav")]),
     ("entropy", [("entropy", "train", "entropy")]),
+    # a cluster run (rollout.executor celery): jobs out and the records not yet taken from the stream
+    ("queue", [("queued", "train", "queue_queued"), ("running", "train", "queue_running"),
+               ("stream lag", "train", "queue_stream_lag"), ("stream pending", "train", "queue_stream_pending")]),
 ]
+WORKER_PREFIX = "rollouts_worker_"  # a cluster run's row: the episodes each worker ran (one chart, a line each)
 _SHOWN_KEYS = {k for _t, lines in TRAINING_CHARTS for _n, src, k in lines if src == "train"} | {"version", "time"}
 
 
@@ -206,8 +210,19 @@ def training_data(rows: list[dict[str, Any]], eval_rows: list[dict[str, Any]]) -
         got = [g for g in got if g["points"]]
         if got:
             charts.append({"key": title, "title": title, "lines": got})
+    workers = sorted({k for r in rows for k in r if k.startswith(WORKER_PREFIX)})
+    if workers:
+        charts.append({"key": "workers", "title": "rollouts per worker",
+                       "lines": [{"name": k.removeprefix(WORKER_PREFIX), "points": points(rows, k)} for k in workers]})
+    # the staleness histogram over the run: a line per staleness, the samples of each update at it
+    stale = sorted({int(k) for r in rows for k in (r.get("staleness_hist") or {})})
+    if stale:
+        hist = [{**r, **{f"stale_{k}": n for k, n in (r.get("staleness_hist") or {}).items()}} for r in rows]
+        charts.append({"key": "staleness_hist", "title": "samples by staleness",
+                       "lines": [{"name": f"{k} behind", "points": points(hist, f"stale_{k}")} for k in stale]})
     others = sorted({k for r in rows for k, v in r.items()
-                     if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _SHOWN_KEYS})
+                     if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _SHOWN_KEYS
+                     and not k.startswith(WORKER_PREFIX)})
     for k in others:
         pts = points(rows, k)
         if pts:

@@ -189,6 +189,8 @@ class Trainer:
         servers = await res.start_policy(model_dir(ckpt) if ckpt is not None else learner.model_path, learner.version)
         sync = await res.start_weight_sync(servers, ckpt, learner)
         queue = self.queue = self._open_queue(servers, sync)
+        if queue is not None and (n := await queue.abort_earlier()):  # a crashed process's: not counted here
+            self.console.print(f"aborted {n} job(s) an earlier trainer process left queued or running", highlight=False)
         url, token = await res.start_farm() if queue is None else ("", "")  # workers bring their own farms
 
         dcfg = self.data_config()

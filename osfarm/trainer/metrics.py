@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge, start_http_server, write_to_textfile
+from prometheus_client import CollectorRegistry, Gauge, Histogram, start_http_server, write_to_textfile
 from pydantic import BaseModel, ConfigDict, Field
 from rich.console import Console
 
@@ -44,6 +44,9 @@ class WandbOptions(BaseModel):
 PLOTTED = ("reward", "success_rate", "staleness_max", "loss", "kl", "entropy", "episodes_per_s", "samples_per_s")
 EVAL_NEXT_TO = ("reward", "success_rate")
 # Keys shown in the one-line console summary of an update.
+# a queued run's row: rollouts_worker_<name> is the episodes worker <name> ran
+WORKER_PREFIX = "rollouts_worker_"
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 8, 16, 32)
 CONSOLE = ("version", "reward", "success_rate", "staleness_max", "loss", "kl", "entropy", "episodes_per_s")
 
 
@@ -66,6 +69,13 @@ class TrainMetrics:
         self.console = console or Console(stderr=True)
         self.registry = CollectorRegistry(auto_describe=True)
         self.gauges: dict[str, Gauge] = {}
+        # a cluster run's figures as labelled series and a distribution, next to the per-key gauges
+        self.worker_rollouts = Gauge("osfarm_train_worker_rollouts", "trainer: episodes each queue worker ran "
+                                     "(records taken from the stream, this process)", ["worker"],
+                                     registry=self.registry)
+        self.staleness = Histogram("osfarm_train_sample_staleness", "trainer: versions between a trained "
+                                   "sample's policy and the learner's, per sample", buckets=STALENESS_BUCKETS,
+                                   registry=self.registry)
         self.server: Any = None
         self.port: int | None = None
         if prometheus_port is not None:
@@ -119,6 +129,11 @@ class TrainMetrics:
         for k, v in row.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 self._gauge(k).set(float(v))
+                if k.startswith(WORKER_PREFIX):
+                    self.worker_rollouts.labels(worker=k.removeprefix(WORKER_PREFIX)).set(float(v))
+        for stale, n in (row.get("staleness_hist") or {}).items():
+            for _ in range(int(n)):
+                self.staleness.observe(float(stale))
         write_to_textfile(str(self.run_dir / "metrics.prom"), self.registry)
         self._scalars("train", row)
         parts = []

@@ -21,6 +21,10 @@ capacity counts every job sent and not reported, queued or running alike (the co
 ``running``). ROLL's abort revokes the selected jobs still queued and marks every selected episode
 aborted in Redis (rollout_control.py): a running one stops at its next step and releases its
 desktop, a queued one that reaches a worker anyway does not start; both come back as aborted.
+A trainer that crashed leaves its jobs out: every job sent is listed in the hash
+``<stream>:jobs`` (one trainer per stream), and a restarted trainer aborts those of earlier
+processes that have not ended (:meth:`QueuedRollouts.abort_earlier`) before it sends its own, so
+capacity is never exceeded by jobs it does not count.
 Interruptible rollouts: the trainer publishes the adapter each policy server's rollouts may use
 (:meth:`QueuedRollouts.publish_routes`), and a running rollout moves to it at its next step.
 """
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import time
 import uuid
@@ -39,13 +44,15 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+import redis
+
 from osfarm.errors import InfraError, OsfarmError
 from osfarm.runner.episode import episode_id
 from osfarm.runner.executors.celery_app import hard_limit_s, visibility_timeout_s
 from osfarm.runner.executors.celery_exec import CeleryExecutor, worker_failure
 from osfarm.runner.executors.rollout_control import RolloutAborted, publish_abort, publish_routes
 from osfarm.runner.executors.worker_task import rollout_name as worker_rollout_name
-from osfarm.stream.redis_stream import RedisStreamSource, connect
+from osfarm.stream.redis_stream import RedisStreamSource, connect, groups
 from osfarm.trainer.data_manager import DataManager
 from osfarm.trainer.stream_intake import STREAM_JOURNAL, consume_redis
 
@@ -101,6 +108,7 @@ class QueueCounts:
     lost: int = 0
     from_backend: int = 0  # records taken from the result backend (never came on the stream)
     foreign: int = 0  # records of jobs this process did not send (an earlier trainer process)
+    earlier_aborted: int = 0  # jobs of an earlier trainer process still out at the start: aborted
     by_worker: dict[str, int] = field(default_factory=dict)
     # the queue's cost: a job's time from sent to its record here, less the episode's own time on
     # the worker (with no more jobs than desktops, none waits in the queue for a free worker)
@@ -128,9 +136,13 @@ class QueuedRollouts(Generic[T]):
         self.counts = QueueCounts()
         self._stopped = False
         self._redis = connect(broker)  # the run's abort set and routes (rollout_control.py); dials on first use
+        self.jobs_key = f"{stream}:jobs"  # every job sent by a trainer on this stream: episode id -> [run, task id]
         self._routes: dict[str, tuple[str, int | None]] = {}  # as last published
         # interruptible rollouts: the routes to publish, read at every poll (None: not interruptible)
         self.routes: Callable[[], dict[str, tuple[str, int | None]]] | None = None
+        self.group = "trainer"  # the stream's consumer group the trainer reads through
+        self.stream_lag: int | None = None  # entries not yet delivered to the trainer's group, at the last poll
+        self.stream_pending: int | None = None  # delivered and not yet acknowledged (journaled), at the last poll
 
     def outstanding(self) -> int:
         return len(self.jobs)
@@ -142,6 +154,7 @@ class QueuedRollouts(Generic[T]):
         c = self.counts
         queued = sum(1 for j in self.jobs.values() if j.state == "PENDING")
         return {"queue_outstanding": len(self.jobs), "queue_queued": queued, "queue_running": len(self.jobs) - queued,
+                "queue_stream_lag": self.stream_lag, "queue_stream_pending": self.stream_pending,
                 "queue_failed": c.failed, "queue_revoked": c.revoked, "queue_stopped": c.stopped, "queue_lost": c.lost,
                 "queue_overhead_ms": c.overhead_ms(),
                 **{f"rollouts_worker_{w}": n for w, n in sorted(c.by_worker.items())}}
@@ -151,6 +164,8 @@ class QueuedRollouts(Generic[T]):
         full = {**job, "run_id": self.run_id, "task_id": task_id, "rollout": seq, "stream": self.stream}
         j = self.track(item, task_id, seq)
         try:
+            await self.executor.broker_call(functools.partial(
+                self._redis.hset, self.jobs_key, j.episode_id, json.dumps([self.run_id, j.task_id])))
             await self.executor.send(full, j.task_id)
         except BaseException:
             self.jobs.pop(j.episode_id, None)
@@ -178,6 +193,26 @@ class QueuedRollouts(Generic[T]):
         if ids:
             await asyncio.to_thread(self.executor.app.control.revoke, ids)
         return len(chosen)
+
+    async def abort_earlier(self) -> int:
+        """Abort the jobs an earlier trainer process on this stream sent and that have not ended
+        (it crashed: nothing counts them); returns how many. Their records, if one still comes, are
+        judged by the data manager as records of no job of this process."""
+        sent = await self.executor.broker_call(functools.partial(self._redis.hgetall, self.jobs_key))
+        earlier = {eid: json.loads(v) for eid, v in sent.items() if eid not in self.jobs}
+        if not earlier:
+            return 0
+        states = await self.executor.broker_call(functools.partial(self.states, [t for _r, t in earlier.values()]))
+        out = [(eid, run, tid) for (eid, (run, tid)), (state, _res) in zip(earlier.items(), states, strict=True)
+               if state not in (*FAILED_STATES, "SUCCESS")]
+        for run in {run for _e, run, _t in out}:
+            await self.executor.broker_call(functools.partial(publish_abort, self._redis, run,
+                                                              [e for e, r, _t in out if r == run]))
+        if out:
+            await asyncio.to_thread(self.executor.app.control.revoke, [t for _e, _r, t in out])
+        await self.executor.broker_call(functools.partial(self._redis.hdel, self.jobs_key, *earlier))
+        self.counts.earlier_aborted += len(out)
+        return len(out)
 
     async def publish_routes(self, routes: dict[str, tuple[str, int | None]]) -> None:
         """Interruptible rollouts: the adapter (model name, version) each policy server's running
@@ -215,7 +250,7 @@ class QueuedRollouts(Generic[T]):
 
     async def consume(self, dm: DataManager, run_dir: Path, report: Report[T]) -> None:
         """Feed the data manager from the stream and report every job once, until :meth:`stop`."""
-        source = await asyncio.to_thread(RedisStreamSource, self.broker, self.stream, "trainer")
+        source = await asyncio.to_thread(RedisStreamSource, self.broker, self.stream, self.group)
         intake = asyncio.create_task(consume_redis(
             dm, source, run_dir, journal=run_dir / STREAM_JOURNAL, stop=lambda: self._stopped,
             on_added=lambda rec, outcome: self.take(rec, outcome, report),
@@ -237,6 +272,7 @@ class QueuedRollouts(Generic[T]):
             await asyncio.sleep(self.poll_s)
             if self.routes is not None:
                 await self.publish_routes(self.routes())
+            await self._read_lag()
             jobs = list(self.jobs.values())
             if not jobs:
                 continue
@@ -245,6 +281,17 @@ class QueuedRollouts(Generic[T]):
             if lost:
                 with contextlib.suppress(Exception):  # a lost job that comes back later finds itself revoked
                     await asyncio.to_thread(self.executor.app.control.revoke, lost)
+
+    async def _read_lag(self) -> None:
+        """The stream's lag and pending entries for the trainer's group (XINFO GROUPS): records
+        the workers published that the trainer has not taken yet."""
+        try:
+            infos = await asyncio.to_thread(groups, self._redis, self.stream, 100_000)
+        except redis.RedisError:
+            self.stream_lag = self.stream_pending = None  # unknown this poll; the next one tries again
+            return
+        mine = next((g for g in infos if g.name == self.group), None)
+        self.stream_lag, self.stream_pending = (mine.lag, mine.pending) if mine is not None else (None, None)
 
     def judge(self, polled: list[tuple[Outstanding[T], tuple[str, Any]]], now: float, dm: DataManager, run_dir: Path,
               report: Report[T]) -> list[str]:
@@ -299,6 +346,7 @@ class QueuedRollouts(Generic[T]):
         self._stopped = True
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.revoke(lambda _item: True), 10)
+            await asyncio.wait_for(asyncio.to_thread(self._redis.delete, self.jobs_key), 10)
         self.executor.close()
         self._redis.close()
 

@@ -76,6 +76,7 @@ def update_row(w: Window, now: float, running_since: Iterable[float], stats: Upd
         "pool_samples": sum(1 for s in samples if s.from_pool),
         "staleness_max": max(stale) if stale else 0,
         "staleness_mean": sum(stale) / len(stale) if stale else 0.0,
+        "staleness_hist": {str(k): stale.count(k) for k in sorted(set(stale))},  # samples per staleness
         "sample_versions": sorted({s.policy_version for s in samples
                                    if s.policy_version is not None and not s.from_pool}),
         "loss": stats.loss,
