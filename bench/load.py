@@ -53,8 +53,9 @@ from osfarm.testing.farm_process import FarmProcess
 DOCUMENTED = {429, 503}  # every desktop leased / the farm cannot start desktops: retry after Retry-After
 # where a lease's time goes, in order: the client's own pool, TCP connect, writing the request,
 # the answer (network + the farm's accept queue + its handling), the farm's handling (Server-Timing),
-# the farm's wait for a free desktop (the lease's wait_s, part of its handling)
-PHASES = ("pool", "connect", "sent", "answer", "server", "desktop wait")
+# the farm's wait for a free desktop (the lease's wait_s, part of its handling); "outside the farm"
+# is the answer less the farm's handling: the network, the listen queue, a request not yet read
+PHASES = ("pool", "connect", "sent", "answer", "server", "outside the farm", "desktop wait")
 
 
 class PhaseTimer(httpx.AsyncBaseTransport):
@@ -125,7 +126,9 @@ def _client_proc(url: str, token: str, clients: int, duration: float, seed: int,
                     await asyncio.sleep(e.retry_after_s or 1.0)
                     continue
                 lat["POST /v1/desktops"].append(time.perf_counter() - t)
-                lease_phases.append({**transport.last, "desktop wait": desk.info.wait_s,
+                phases = transport.last
+                lease_phases.append({**phases, "outside the farm": max(0.0, phases["answer"] - phases["server"]),
+                                     "desktop wait": desk.info.wait_s,
                                      "total": lat["POST /v1/desktops"][-1]})
                 status["POST /v1/desktops 201"] += 1
                 for _ in range(rng.randint(3, 8)):
@@ -181,10 +184,10 @@ def phase_table(leases: list[dict[str, float]]) -> list[str]:
     tail = [x for x in leases if x["total"] >= cut]
     lines = [f"where a lease's time goes ({len(leases)} leases; tail = the {len(tail)} at or over p99 "
              f"{cut * 1000:.0f} ms)",
-             f"  {'phase':<14} {'p50 ms':>8} {'p99 ms':>8} {'tail median ms':>15}"]
+             f"  {'phase':<16} {'p50 ms':>8} {'p99 ms':>8} {'tail median ms':>15}"]
     for phase in (*PHASES, "total"):
         xs = [x.get(phase, 0.0) for x in leases]
-        lines.append(f"  {phase:<14} {pct(xs, 0.5):>8.1f} {pct(xs, 0.99):>8.1f} "
+        lines.append(f"  {phase:<16} {pct(xs, 0.5):>8.1f} {pct(xs, 0.99):>8.1f} "
                      f"{pct([x.get(phase, 0.0) for x in tail], 0.5):>15.1f}")
     return lines
 
@@ -273,7 +276,7 @@ def run(a: argparse.Namespace, server_loop: str) -> dict[str, Any]:
         print("  ", e)
     leasing = lat.get("POST /v1/desktops", [])
     return {"server_loop": server_loop, "clients": a.clients, "duration_s": a.duration, "pool_max": a.pool_max,
-            "wall_s": wall,
+            "wall_s": wall, "requests_per_s": sum(len(x) for x in lat.values()) / wall,
             "routes": {r: {"calls": len(x), "p50_ms": pct(x, 0.5), "p99_ms": pct(x, 0.99), "max_ms": max(x) * 1000}
                        for r, x in lat.items()},
             "lease_ms": {"p50": pct(leasing, 0.5), "p99": pct(leasing, 0.99),
@@ -301,11 +304,13 @@ def main() -> int:
     if len(runs) > 1:
         base = runs[0]["lease_ms"]
         print(f"\nPOST /v1/desktops, {a.clients} clients, same machine, one after the other (not a quiet machine)")
-        print(f"  {'farm loop':<10} {'p50 ms':>8} {'p99 ms':>9} {'max ms':>9} {'p99 vs uvloop':>14}")
+        print(f"  {'farm loop':<10} {'p50 ms':>8} {'p99 ms':>9} {'max ms':>9} {'p99 vs uvloop':>14} "
+              f"{'outside farm p99':>17} {'farm p99':>9} {'requests/s':>11}")
         for r in runs:
-            m = r["lease_ms"]
+            m, ph = r["lease_ms"], r["lease_phases_p99_ms"]
             print(f"  {r['server_loop']:<10} {m['p50']:>8.1f} {m['p99']:>9.1f} {m['max']:>9.1f} "
-                  f"{m['p99'] / base['p99']:>13.2f}x")
+                  f"{m['p99'] / base['p99']:>13.2f}x {ph['outside the farm']:>17.1f} {ph['server']:>9.1f} "
+                  f"{r['requests_per_s']:>11.0f}")
     if a.json:
         a.json.write_text(json.dumps(runs if len(runs) > 1 else runs[0], indent=1))
     return 1 if any(r["errors"] for r in runs) else 0
