@@ -221,6 +221,12 @@ def test_leaderboard_and_compare_page_show_repeats(repeated_runs: Path, browser:
         assert noop.locator("td.repeats").inner_text() == "1"  # one repeat; no repeat numbers
         assert noop.locator("td.mean-se").count() == 0
 
+        page.click("#leaderboard a:text('replay-x2')")  # the run page: every repeat, labelled
+        page.wait_for_selector("#tasks tbody tr")
+        assert page.locator("#tasks tbody tr").count() == 6
+        assert page.locator("#tasks .tag.repeat").all_inner_texts().count("#2") == 3
+        assert "pass@2 100.0%" in page.locator("dd.repeats").inner_text()
+        page.goto("/ui/runs")
         page.select_option("select[name=a]", "noop-x1")
         page.select_option("select[name=b]", "replay-x2")
         page.click("form.compare button")
