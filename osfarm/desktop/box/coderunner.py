@@ -221,23 +221,26 @@ def _settled_child(run_id, code, zygote):
         x11._display = conn
     _patch_pyautogui_x11(pyautogui)
     default_pause, sleep_pause = pyautogui.PAUSE, pyautogui._handlePause
-    button = [False]  # whether the call being paused after pressed or released a mouse button
+    focus = [False]  # whether the call being paused after may move the focus (input_settle.focus_key)
 
-    def flag_button(fn):
-        def pressed(*args, **kwargs):
-            button[0] = True
+    def flag(fn, when):
+        def flagged(*args, **kwargs):
+            if when(*args):
+                focus[0] = True
             return fn(*args, **kwargs)
-        return pressed
+        return flagged
 
     if x11 is not None:
         for name in ("_mouseDown", "_mouseUp", "_click"):
             if hasattr(x11, name):
-                setattr(x11, name, flag_button(getattr(x11, name)))
+                setattr(x11, name, flag(getattr(x11, name), lambda *a: True))
+        if hasattr(x11, "_keyDown"):
+            x11._keyDown = flag(x11._keyDown, lambda key, *a: isinstance(key, str) and _settle.focus_key(key))
 
     def settled_pause(_pause):
-        after_button, button[0] = button[0], False
+        focus_may_move, focus[0] = focus[0], False
         if _pause and pyautogui.PAUSE == default_pause:
-            settle.wait(default_pause, after_button)
+            settle.wait(default_pause, focus_may_move)
         else:  # the code set its own PAUSE: it gets the sleep it asked for, as under OSWorld
             sleep_pause(_pause)
 

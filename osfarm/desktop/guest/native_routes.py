@@ -22,6 +22,7 @@ from osfarm.desktop.session.guest_state import Desktop, DesktopDep
 from osfarm.desktop.warm import warm
 from osfarm.desktop.warm.warm_reset_error import WarmResetError
 from osfarm.desktop.x11.capture import encode_frame
+from osfarm.desktop.x11.input_settle import focus_key
 from osfarm.desktop.x11.windows import wait_for_window as find_window_within
 from osfarm.http.principals import ADMIN_NAME, Principal
 from osfarm.schema.actions import (
@@ -31,9 +32,13 @@ from osfarm.schema.actions import (
     CodeAction,
     DoubleClick,
     DragTo,
+    Hotkey,
+    KeyDown,
     MouseDown,
     MouseUp,
+    Press,
     RightClick,
+    Typing,
     is_terminal,
     parse_actions,
 )
@@ -54,6 +59,15 @@ from osfarm.schema.observation import ImageFormat, Observation, ObserveOptions, 
 OSWORLD_PAUSE_S = 0.1  # pyautogui.PAUSE's default: OSWorld's pause after each pyautogui call
 # actions that press or release a mouse button: what moves the keyboard focus (input_settle)
 BUTTON_ACTIONS = (Click, RightClick, DoubleClick, MouseDown, MouseUp, DragTo)
+
+
+def focus_may_move(a: Action) -> bool:
+    """Whether the settle wait after ``a`` gives the app the longer quiet (input_settle)."""
+    if isinstance(a, BUTTON_ACTIONS + (Hotkey,)):
+        return True
+    if isinstance(a, (Press, KeyDown)):
+        return focus_key(a.parameters.key)
+    return isinstance(a, Typing) and any(c in a.parameters.text for c in "\n\r\t")
 MEDIA_TYPES: dict[ImageFormat, str] = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
 
 router = APIRouter()
@@ -139,7 +153,7 @@ def run_actions(desk: Desktop, actions: list[Action], code_timeout: float,
                     if timing == "osworld":
                         time.sleep(OSWORLD_PAUSE_S)
                     elif timing == "settle":
-                        desk.input_settle.wait(OSWORLD_PAUSE_S, after_button=isinstance(a, BUTTON_ACTIONS))
+                        desk.input_settle.wait(OSWORLD_PAUSE_S, focus_may_move=focus_may_move(a))
                 except ActionError as e:
                     results.append(ActionResult(index=i, ok=False, error=str(e)))
                 except Exception as e:  # an X error must not lose the step's results

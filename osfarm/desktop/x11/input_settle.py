@@ -12,13 +12,16 @@ evidence instead, on its own X connection:
    no damage at all within the cap (an app that answers late, or a click that changes nothing)
    costs the full cap, as OSWorld's sleep.
 
-How long "quiet" is depends on the event. After keys and pointer motion: ``QUIET_S``, a frame or
-two. After a mouse button: ``QUIET_AFTER_BUTTON_S``, because a click is what moves the keyboard
-focus, and apps move it a moment after the click's own repaint (measured with the Tk dialog of
-bench/action_timing.py: the entry repaints 3-14 ms after the click, the focus moves 30-60 ms
-later, with no drawing in between); keys typed in that gap land in the old field. No X signal
-tells a pending app timer from an idle app, so only a wait covers it, and this one is what keeps
-``settle`` as right as OSWorld's fixed pause on that race.
+How long "quiet" is depends on the event. After plain keys and pointer motion: ``QUIET_S``, a
+frame or two. After an event that may move the keyboard focus or run a command (a mouse button;
+a key with a modifier held, Enter, Tab, Escape: :func:`focus_key`): ``QUIET_AFTER_FOCUS_S``,
+because apps act on these a moment after their own first repaint. Measured: the Tk dialog of
+bench/action_timing.py repaints its entry 3-14 ms after a click and moves the focus 30-60 ms
+later, with no drawing in between; LibreOffice Calc runs Ctrl+Home from its idle loop, so arrow
+keys sent 12 ms after its first repaint were applied before it (the offline suite's Calc replays
+failed that way). Keys sent in that gap land in the old place. No X signal tells a pending app
+timer from an idle app, so only a wait covers it, and this one is what keeps ``settle`` as right
+as OSWorld's fixed pause there.
 
 Why not more: ``_NET_WM_SYNC_REQUEST`` needs the SYNC extension's counters, which python-xlib
 does not wrap (no ``Xlib.ext.xsync``), and only GTK/Qt windows answer it (Tk, xterm and
@@ -41,7 +44,18 @@ CAP_S = 0.1  # pyautogui.PAUSE's default: never wait longer than OSWorld would h
 # How long the screen must stay unchanged after the app's first repaint. Toolkits paint an answer
 # in one frame or a few back to back (GTK's frame clock: 16 ms apart at most when busy).
 QUIET_S = 0.012
-QUIET_AFTER_BUTTON_S = 0.07
+QUIET_AFTER_FOCUS_S = 0.07
+# pyautogui key names (lower case) that run commands or move the focus; with them, any key
+# pressed while a modifier is held (a hotkey)
+FOCUS_KEYS = frozenset({"enter", "return", "\n", "\r", "tab", "\t", "esc", "escape"})
+MODIFIER_KEYS = frozenset({"ctrl", "ctrlleft", "ctrlright", "alt", "altleft", "altright", "option", "optionleft",
+                           "optionright", "win", "winleft", "winright", "super", "meta", "command", "cmd"})
+
+
+def focus_key(key: str) -> bool:
+    """Whether pressing ``key`` (a pyautogui key name) may move the focus or run a command."""
+    k = key.lower() if len(key) > 1 else key
+    return k in FOCUS_KEYS or k in MODIFIER_KEYS
 
 
 class InputSettle:
@@ -81,16 +95,16 @@ class InputSettle:
         self._d.sync()
         self._drain()
 
-    def wait(self, cap: float = CAP_S, after_button: bool = False) -> float:
+    def wait(self, cap: float = CAP_S, focus_may_move: bool = False) -> float:
         """Block until the app answered the last input event and went quiet, or ``cap`` seconds
-        passed; returns the seconds waited. ``after_button``: the event pressed or released a
-        mouse button (see the module docstring). Re-arms for the next event."""
+        passed; returns the seconds waited. ``focus_may_move``: the event was a mouse button
+        or a :func:`focus_key` (see the module docstring). Re-arms for the next event."""
         t0 = time.monotonic()
         deadline = t0 + cap
         if not self.damage_ok:
             time.sleep(cap)
             return cap
-        quiet = QUIET_AFTER_BUTTON_S if after_button else QUIET_S
+        quiet = QUIET_AFTER_FOCUS_S if focus_may_move else QUIET_S
         self._d.sync()  # XSync: the input is dispatched; damage it caused so far is queued
         answered = self._drain()
         quiet_until = time.monotonic() + quiet if answered else deadline
