@@ -5,6 +5,7 @@ solves exactly the infeasible ones."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -14,8 +15,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from osfarm.farm.server import FarmServer
 from osfarm.runner.cli import eval_command
 from osfarm.tasks.suite import load_suite
+from osfarm.testing.backend_parity import offline_tasks, remember, scores_of
 
 SUITE = Path(__file__).resolve().parent.parent / "suites" / "osfarm-offline"
 
@@ -37,14 +40,28 @@ def test_committed_suite_matches_its_generator() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def run_suite(agent: str, out: Path, monkeypatch: pytest.MonkeyPatch, index: Path | None = None) -> dict:
+def run_suite(agent: str, out: Path, monkeypatch: pytest.MonkeyPatch, index: dict[str, list[str]] | None = None,
+              farm: FarmServer | None = None) -> dict:
+    """`osfarm eval --agent AGENT` on the suite (or ``index``'s tasks): on ``farm`` when given (the
+    session's warm farm: no desktop boots), else on a farm of the eval's own. Its scores are kept
+    for the session: tests/test_provider_conformance.py compares other backends with them."""
     monkeypatch.setenv("OSFARM_STATE_DIR", tempfile.mkdtemp(prefix="ofo", dir="/tmp"))
+    if index is None:
+        index = {}
+        for t in load_suite(SUITE).tasks:
+            index.setdefault(t.domain, []).append(t.id)
+    index_file = out.parent / f"{out.name}-index.json"
+    index_file.write_text(json.dumps(index))
+    where = ["--url", farm.url, "--token", farm.token] if farm is not None else []
     app = typer.Typer()
     app.command()(eval_command)
-    res = CliRunner().invoke(app, ["--suite", str(SUITE), "--agent", agent, "--envs", "2",
-                                   "--out", str(out), "--no-progress", *(["--index", str(index)] if index else [])])
+    res = CliRunner().invoke(app, ["--suite", str(SUITE), "--agent", agent, "--envs", "2", *where,
+                                   "--out", str(out), "--no-progress", "--index", str(index_file)])
     assert res.exit_code == 0, res.output
-    return json.loads((out / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
+    desktop = farm.settings.desktop if farm is not None and farm.settings.desktop else os.environ["OSFARM_DESKTOP"]
+    remember("sandbox", desktop, agent, offline_tasks(index), scores_of(results))
+    return results
 
 
 @pytest.mark.acceptance
@@ -74,9 +91,11 @@ def test_replay_solves_every_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_noop_solves_nothing_and_fail_solves_exactly_the_infeasible_tasks(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, farm: FarmServer) -> None:
+    """...on the session's warm farm (light desktops, as the eval's own farm would start), both
+    runs: two farms' desktop boots saved."""
     infeasible = {t.id for t in load_suite(SUITE).tasks if t.evaluator.func == "infeasible"}
-    noop = run_suite("noop", tmp_path / "noop", monkeypatch)
+    noop = run_suite("noop", tmp_path / "noop", monkeypatch, farm=farm)
     assert noop["infra_errors"] == 0
     assert [t["task_id"] for t in noop["tasks"] if t["status"] == "success"] == []
     # FAIL on a feasible task scores 0 by the scoring rule, before any getter runs: one feasible
@@ -89,9 +108,7 @@ def test_noop_solves_nothing_and_fail_solves_exactly_the_infeasible_tasks(
             subset.setdefault(t.domain, []).append(t.id)
             if t.id not in infeasible:
                 feasible_taken.add(t.domain)
-    index = tmp_path / "fail-index.json"
-    index.write_text(json.dumps(subset))
-    fail = run_suite("fail", tmp_path / "fail", monkeypatch, index)
+    fail = run_suite("fail", tmp_path / "fail", monkeypatch, subset, farm=farm)
     assert fail["infra_errors"] == 0
     assert {t["task_id"] for t in fail["tasks"]} == {i for ids in subset.values() for i in ids}
     assert {t["task_id"] for t in fail["tasks"] if t["status"] == "success"} == infeasible

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import re
 import shutil
 import tarfile
@@ -32,6 +33,7 @@ from osfarm.tasks.filecache import FileCache, load_url_map
 from osfarm.tasks.model import Task, load_task
 from osfarm.tasks.setup import UNSUPPORTED_TYPES
 from osfarm.tasks.suite import load_suite
+from osfarm.testing.backend_parity import TaskSet, remember, scores_of
 
 HERE = Path(__file__).resolve().parent
 TASKS = HERE.parent.parent / "shared" / "osworld" / "tasks"
@@ -252,6 +254,8 @@ def _eval(cache: Path, out: Path, agent: str, *extra: str) -> dict[str, Any]:
     assert loop_errors.messages == [] and "InvalidStateError" not in res.output, loop_errors.messages
     results = json.loads((out / "results.json").read_text())
     assert results["n_tasks"] == sum(map(len, hostable.values()))
+    # sandbox's scores, for tests/test_provider_conformance.py to compare other backends with
+    remember("sandbox", os.environ["OSFARM_DESKTOP"], agent, TaskSet("osworld", TASKS, hostable), scores_of(results))
     return results
 
 
