@@ -602,3 +602,24 @@ def test_episode_weighting_keeps_a_long_failure_from_outweighing_a_short_success
     weighted = lrn.update([*fail, win]).loss
     assert weighted == pytest.approx(by_hand, rel=1e-4, abs=1e-6)
     assert abs(weighted - plain) > 1e-3
+
+
+def test_the_budget_resizes_screenshots_and_leaves_overlong_samples_out(model_dir: Path) -> None:
+    """The learner's processor resizes as the server was told to (train.yaml's budget), and a sample
+    over the token limits is left out of the update and counted, not truncated."""
+    from osfarm.trainer.budget import Budget
+
+    big = make_sample([{"role": "user", "content": [
+        {"type": "text", "text": "Click."}, {"type": "image_url", "image_url": {"url": _png((1, 2, 3))}}]}],
+        [101, 102], None, advantage=1.0)
+    plain = Learner(model_dir, LearnerOptions(lr=1e-3))
+    small = Learner(model_dir, LearnerOptions(lr=1e-3, budget=Budget(max_pixels=28 * 28 * 16, max_prompt_tokens=80,
+                                                                     max_response_tokens=3)))
+    assert small.encode(big).prompt_len < plain.encode(big).prompt_len
+    long_reply = make_sample(MESSAGES, [101, 102, 103, 104], None, advantage=-1.0)
+    stats = small.update([big, long_reply])
+    assert stats.extra["overlong_samples"] == 1.0 and stats.samples == 1  # the long reply is out
+    assert small.encode(big).prompt_len <= 80 < plain.encode(big).prompt_len
+    over = Learner(model_dir, LearnerOptions(lr=1e-3, budget=Budget(max_prompt_tokens=10)))
+    stats = over.update([big])
+    assert stats.skipped and stats.extra["overlong_samples"] == 1.0 and over.version == 0

@@ -149,6 +149,12 @@ def vllm_command(
     max_loras: Annotated[int, typer.Option("--max-loras", help="adapters at once: η + 2 for the trainer")] = 4,
     max_lora_rank: Annotated[int, typer.Option("--max-lora-rank", help="at least learner.lora.r")] = 64,
     max_images: Annotated[int, typer.Option("--max-images", help="at least the agent's history_images")] = 5,
+    min_pixels: Annotated[int, typer.Option("--min-pixels", help="screenshot resize lower bound (a trainer: its "
+                                            "train.yaml budget.min_pixels)")] = VllmOptions().min_pixels,
+    max_pixels: Annotated[int, typer.Option("--max-pixels", help="screenshot resize upper bound (a trainer: its "
+                                            "train.yaml budget.max_pixels)")] = VllmOptions().max_pixels,
+    max_model_len: Annotated[int, typer.Option("--max-model-len", help="prompt + reply tokens (a trainer: "
+                                               "budget.max_prompt_tokens + max_response_tokens)")] = 32768,
     device: Annotated[list[str] | None, typer.Option("--device", help="cuda:N of this replica (repeat for "
                                                      "tensor parallelism); a trainer's devices.policy entry")] = None,
     compose: Annotated[
@@ -161,7 +167,8 @@ def vllm_command(
             print(arg)
         return
     opts = VllmOptions(model=model, served_model_name=served_model_name, port=port, max_loras=max_loras,
-                       max_lora_rank=max_lora_rank, max_images=max_images,
+                       max_lora_rank=max_lora_rank, max_images=max_images, min_pixels=min_pixels,
+                       max_pixels=max_pixels, max_model_len=max_model_len,
                        tensor_parallel_size=max(1, len(device or [])))
     print(shell_command(opts, device or None))
 

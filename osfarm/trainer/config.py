@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from osfarm.config import read_yaml_mapping, validation_message
 from osfarm.errors import OsfarmError
 from osfarm.policy.client import PolicyServer
+from osfarm.trainer.budget import Budget
 from osfarm.trainer.curriculum import Curriculum
 from osfarm.trainer.learner import LearnerOptions
 from osfarm.trainer.metrics import WandbOptions
@@ -70,6 +71,9 @@ class AgentSection(_Strict):
     timeout_s: float = Field(default=120.0, gt=0)
     choices: list[str] = Field(default_factory=list, description="choice agent: the actions (default: the suite's)")
     screenshot: bool = Field(default=True, description="choice agent: send the screenshot with the menu")
+    min_pixels: int | None = Field(default=None, ge=1, description="vlm agent: screenshot resize bounds its "
+                                   "coordinates are mapped with (default: budget's, which must agree)")
+    max_pixels: int | None = Field(default=None, ge=1, description="see min_pixels")
     top_logprobs: int = Field(default=0, ge=0, le=20, description="vlm agent: record each token's k likeliest "
                               "log-probs, so data.options.entropy_fraction ranks steps by top-k entropy (0: by the "
                               "sampled tokens' surprisal, near 0 at a low temperature)")
@@ -164,6 +168,8 @@ class TrainConfig(_Strict):
     # the tiny model's next-token distribution is almost flat over its 1k tokens: at T = 0.1 about
     # 45 tokens carry the mass, so the choice task is explorable and learnable in a few updates
     learner: LearnerOptions = Field(default_factory=lambda: LearnerOptions(lr=2e-3, temperature=0.1))
+    budget: Budget = Field(default_factory=Budget, description="image resize bounds and token limits, set once: "
+                           "the agent, the learner and `osfarm policy vllm-command` take them from here")
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     nproc: int = Field(default=1, ge=1, description="learner ranks (torch.distributed; `osfarm train --nproc N`)")
     devices: DeviceMap = Field(default_factory=DeviceMap)
@@ -194,6 +200,14 @@ class TrainConfig(_Strict):
             if s.kind == "vllm_lora" and not s.lora_versioned and s.lora_name == self.policy.model_name:
                 raise ValueError(f"policy.servers: {s.url}: lora_name {s.lora_name!r} is the base model's name "
                                  "(policy.model_name); an in-place adapter needs a name of its own")
+        for name, agent_name in (("min_pixels", "min_pixels"), ("max_pixels", "max_pixels"),
+                                 ("max_response_tokens", "max_tokens")):  # one budget: the agent's follows it
+            want, have = getattr(self.budget, name), getattr(self.agent, agent_name)
+            if want is not None and have is not None and want != have:
+                raise ValueError(f"agent.{agent_name} ({have}) disagrees with budget.{name} ({want}); set it once, "
+                                 "in budget")
+            if want is not None:
+                setattr(self.agent, agent_name, want)
         if self.eval_every is not None and self.eval_suite is None:
             raise ValueError("eval_every needs eval_suite (the held-out tasks)")
         if self.devices.learner and len(self.devices.learner) not in (1, self.nproc) and self.nproc > 1:

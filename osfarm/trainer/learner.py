@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from osfarm.policy.processing import load_processor
+from osfarm.policy.processing import encode_chat, load_processor
 from osfarm.policy.progress import hf_progress_bars_off
 from osfarm.trainer.advantages import episode_weights
 from osfarm.trainer.batching import Encoded, MicroBatch, collate, encode_sample, plain_token, response_mask
@@ -119,6 +119,7 @@ class Learner:
         if self.ctx.enabled:
             self.commands = Commands(self.ctx, init_process_groups(self.ctx, self.device))
         self.processor = load_processor(self.model_path)
+        self.opts.budget.apply_to_processor(self.processor)  # the screenshots resized as the server resized them
         self.pad_id = plain_token(self.processor.tokenizer)
         # full fine-tuning: every weight is trained, so all are kept in the master dtype; LoRA: the
         # frozen base stays in the compute dtype and only the adapter is upcast
@@ -349,10 +350,32 @@ class Learner:
                 del mb, logp  # this micro-batch's inputs go before the next one is encoded
         return prox, refs
 
+    def _over_budget(self, samples: Sequence[Sample]) -> set[int]:
+        """Indices of the samples over the run's token budget (left out of the update, counted)."""
+        b = self.opts.budget
+        if b.max_prompt_tokens is None and b.max_response_tokens is None:
+            return set()
+        out = set()
+        for i, s in enumerate(samples):
+            # one prompt encoded at a time and dropped at once: memory stays that of one sample
+            prompt = (None if b.max_prompt_tokens is None
+                      else int(encode_chat(self.processor, list(prompt_messages(s)))["input_ids"].shape[1]))
+            why = b.overlong(prompt, len(self.response_ids(s)))
+            if why is not None:
+                log.warning("sample %s#%s left out of the update: %s", s.episode_id, s.step_index, why)
+                out.add(i)
+        return out
+
     def _update(self, samples: list[Sample]) -> UpdateStats:
         if not samples:
             raise ValueError("update needs at least one sample")
         t0 = time.perf_counter()
+        over = self._over_budget(samples)
+        samples = [s for i, s in enumerate(samples) if i not in over]
+        if not samples:  # nothing left to train: like an update whose every step was skipped
+            return UpdateStats(version=self.version, samples=0, tokens=0, loss=0.0, entropy=0.0, kl_prox_behav=0.0,
+                               grad_norm=float("nan"), seconds=round(time.perf_counter() - t0, 3), skipped_steps=1,
+                               extra={"steps_taken": 0.0, "overlong_samples": float(len(over))})
         if self.opts.loss.episode_weighting:  # a positive weight on A scales that sample's PPO term alike
             samples = [replace(s, advantage=s.advantage * w)
                        for s, w in zip(samples, episode_weights([s.episode_id for s in samples]), strict=True)]
@@ -452,6 +475,7 @@ class Learner:
             time.sleep(self.opts.simulated_update_s)
         extra = {f"loss/{k}": v for k, v in stat_sums.items()}
         extra["steps_taken"] = float(taken)
+        extra["overlong_samples"] = float(len(over))
         finite = [g for g in grad_norms if math.isfinite(g)]
         return UpdateStats(version=self.version, samples=len(samples), tokens=total_tokens, loss=sums["loss"],
                            entropy=sums["entropy"], kl_prox_behav=sums["drift"] / total_tokens,

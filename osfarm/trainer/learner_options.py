@@ -9,6 +9,7 @@ from typing import Literal
 import torch
 from pydantic import AliasChoices, BaseModel, Field
 
+from osfarm.trainer.budget import Budget
 from osfarm.trainer.distributed import DistContext
 from osfarm.trainer.losses import Aggregation, KLKind
 
@@ -75,6 +76,8 @@ class LearnerOptions(BaseModel):
                                    "model the run started from; with LoRA: the base without adapters)")
     reference_device: str | None = Field(default=None,
                                          description="device of the KL reference (default: the learner's)")
+    budget: Budget = Field(default_factory=Budget, description="train.yaml's budget (set there): the image "
+                           "resize bounds of the processor and the token limits of a trained sample")
     simulated_update_s: float = Field(default=0.0, ge=0.0, description="benchmarks: each update also holds the "
                                       "learner this many seconds, off the CPUs (a real model's GPU update time on "
                                       "the tiny model, as policy.delay_ms models the policy server's)")

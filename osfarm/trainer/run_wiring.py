@@ -70,6 +70,7 @@ def learner_options(cfg: TrainConfig, rank: int = 0) -> tuple[LearnerOptions, st
     update: dict[str, Any] = {}
     if lo.total_steps is None:
         update["total_steps"] = cfg.updates * lo.minibatches
+    update["budget"] = cfg.budget  # the learner's processor and sample limits are the run's budget
     if cfg.devices.reference and lo.reference_device is None:
         update["reference_device"] = cfg.devices.reference
     return lo.model_copy(update=update), (cfg.devices.learner[rank] if cfg.devices.learner else None)
@@ -123,7 +124,8 @@ def rollout_agent_options(a: AgentSection, base_url: str, name: str, seed: int |
     return {"base_url": base_url, "model": name, "prompt_format": a.prompt_format, "observation": a.observation,
             "history_turns": a.history_turns, "history_images": a.history_images, "temperature": a.temperature,
             "max_tokens": a.reply_tokens(), "timeout_s": a.timeout_s, "capture_logprobs": True, "seed": seed,
-            "top_logprobs": a.top_logprobs}
+            "top_logprobs": a.top_logprobs,
+            **{k: v for k, v in (("min_pixels", a.min_pixels), ("max_pixels", a.max_pixels)) if v is not None}}
 
 
 def rollout_agent(a: AgentSection, base_url: str, name: str, seed: int | None = None) -> Agent:
