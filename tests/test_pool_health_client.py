@@ -1,5 +1,6 @@
-"""The pool's health checks and the end of a desktop, on the event loop the farm really runs on
-(uvicorn's: uvloop), with real sandbox boxes.
+"""The pool's health checks and the end of a desktop, on uvloop (the farm's ``server_loop: uvloop``,
+and uvicorn's own default, which the farm ran on before it chose asyncio's loop), with real
+sandbox boxes.
 
 A desktop released (or reset, or removed) while the pool's health check of it is still waiting
 for the guest's answer: the check's connection must not be closed under it. anyio's unix-socket
