@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from osfarm.farm.server import FarmServer
+from osfarm.runner.executors.rollout_control import abort_key
 from osfarm.stream.jsonl import read_jsonl
 from osfarm.testing.redis_server import RedisServer
 from osfarm.testing.waiting import wait_until
@@ -374,3 +375,32 @@ def test_a_running_training_rollout_moves_to_the_newest_adapter_and_stops_when_a
     with httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {farm.token}"}) as c:
         wait_until(lambda: c.get("/v1/pool").json()["counts"].get("leased", 0) == 0, 30, "the desktop released")
     assert "aborted by the trainer at a step" in workers.log("w1")
+
+
+def test_a_restarted_trainer_aborts_the_jobs_its_crashed_process_left(broker: RedisServer, tmp_path: Path) -> None:
+    """Issue 29, item 2: a trainer killed with jobs in the queue; the next process on the same
+    stream (a new run id) aborts them before it sends its own (its capacity would not count them).
+    No worker runs here: the jobs stay queued, as behind busy workers."""
+    stream = "test:restart"
+    url = broker.url.rsplit("/", 1)[0] + "/5"  # a database of its own: the other tests' workers never see these jobs
+    job = {"suite": str(SUITE), "index": None, "agent": "noop", "agent_options": {},
+           "episode": {"max_steps": 1, "time_limit_s": TIME_LIMIT_S, "infra_retries": 0}, "out": str(tmp_path),
+           "cache": None, "offline": True}
+    first: QueuedRollouts[int] = QueuedRollouts(url, stream, "run-first", time_limit_s=TIME_LIMIT_S)
+    second: QueuedRollouts[int] = QueuedRollouts(url, stream, "run-second", time_limit_s=TIME_LIMIT_S)
+
+    async def scenario() -> tuple[int, int]:
+        for seq in (1, 2):
+            await first.submit(seq, "t1", seq, job)  # then the process dies: nothing revokes them
+        return await second.abort_earlier(), await second.abort_earlier()
+
+    try:
+        aborted, again = asyncio.run(scenario())
+    finally:
+        first.executor.close()
+        second.executor.close()
+    assert (aborted, again) == (2, 0) and second.counts.earlier_aborted == 2
+    r = redis.Redis.from_url(url, decode_responses=True)
+    # a worker that takes one of them anyway finds its episode aborted and does not run it
+    assert r.smembers(abort_key("run-first")) == {rollout_episode_id("run-first", "t1", s) for s in (1, 2)}
+    assert r.hlen(f"{stream}:jobs") == 0

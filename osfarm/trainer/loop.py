@@ -186,11 +186,13 @@ class Trainer:
                      eval_by_id: dict[str, Task], eval_cache: FileCache | None) -> None:
         cfg, ro, res = self.cfg, self.cfg.rollout, self.resources
         self.metrics = res.open_metrics()
-        servers = await res.start_policy(model_dir(ckpt) if ckpt is not None else learner.model_path, learner.version)
-        sync = await res.start_weight_sync(servers, ckpt, learner)
-        queue = self.queue = self._open_queue(servers, sync)
+        queue = self.queue = self._open_queue()
         if queue is not None and (n := await queue.abort_earlier()):  # a crashed process's: not counted here
             self.console.print(f"aborted {n} job(s) an earlier trainer process left queued or running", highlight=False)
+        servers = await res.start_policy(model_dir(ckpt) if ckpt is not None else learner.model_path, learner.version)
+        sync = await res.start_weight_sync(servers, ckpt, learner)
+        if queue is not None and ro.interruptible:  # a running rollout moves to the newest adapter at its next step
+            queue.routes = lambda: {s.url: sync.route(s) for s in servers}
         url, token = await res.start_farm() if queue is None else ("", "")  # workers bring their own farms
 
         dcfg = self.data_config()
@@ -287,7 +289,7 @@ class Trainer:
         solved = {t: eps[-1].record for t, eps in dm.pool.items() if eps and t != task_id}
         return pick_exemplar(infos[task_id], infos, solved)
 
-    def _open_queue(self, servers: list[PolicyServer], sync: WeightSync) -> QueuedRollouts[Rollout] | None:
+    def _open_queue(self) -> QueuedRollouts[Rollout] | None:
         """rollout.executor celery: the queue the rollouts go to (None: in process)."""
         ro = self.cfg.rollout
         if ro.executor != "celery":
@@ -297,8 +299,6 @@ class Trainer:
                              "checkpoints with `osfarm eval --executor celery`")
         queue: QueuedRollouts[Rollout] = open_queue(ro.broker or os.environ.get("OSFARM_BROKER"), ro.stream,
                                                     self.run_id, ro.episode_time_limit_s, TrainError, ro.worker_out)
-        if ro.interruptible:  # a running rollout moves to the newest adapter at its next step
-            queue.routes = lambda: {s.url: sync.route(s) for s in servers}
         self.console.print(f"rollouts go to the Celery queue at {queue.broker}; records come back on stream "
                            f"{queue.stream}", highlight=False)
         return queue
