@@ -16,6 +16,8 @@ Usage: python bench/backend_parity.py [--backends sandbox,docker,libvirt] [--age
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -32,8 +34,11 @@ from osfarm.testing.backend_parity import (
     desktop_wait_s,
     eval_scores,
     farm_options,
+    known,
     offline_tasks,
     osworld_tasks,
+    remember,
+    scores_of,
 )
 from osfarm.testing.farms import running_farm
 
@@ -63,7 +68,8 @@ def main() -> None:
                     help="also OSWorld's own task files (../shared/osworld/tasks) where present")
     ap.add_argument("--osworld-agents", default=None, help="agents for OSWorld's tasks (default: --agents)")
     ap.add_argument("--osworld-on-tcg", action="store_true", help="run OSWorld's tasks on emulated libvirt too")
-    ap.add_argument("--out", type=Path, default=None, help="keep the eval runs here (default: a temporary folder)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="keep the eval runs here (default: a temporary folder); runs found there are reused")
     args = ap.parse_args()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if "sandbox" not in backends:
@@ -86,11 +92,20 @@ def main() -> None:
                 if tasks.name == "osworld" and SLOW_BOOT.get(backend) and not args.osworld_on_tcg:
                     continue
                 desktop = "gnome" if tasks.name == "osworld" else "light"
-                with running_farm(prefix=f"bp{backend[:2]}", start_timeout_s=desktop_wait_s(backend) + 60,
-                                  desktop=desktop, **farm_options(backend)) as farm:  # fmt: skip
-                    for agent in osworld_agents if tasks.name == "osworld" else agents:
-                        got = eval_scores(backend, desktop, agent, tasks, root / backend / f"{agent}-{tasks.name}",
-                                          url=farm.url, token=farm.token, envs=farm.settings.pool_max,
+                runs = {agent: root / backend / f"{agent}-{tasks.name}"
+                        for agent in (osworld_agents if tasks.name == "osworld" else agents)}  # fmt: skip
+                for agent, out in runs.items():
+                    if args.out and (out / "run" / "results.json").is_file():  # left in --out by an earlier bench
+                        found = json.loads((out / "run" / "results.json").read_text())
+                        remember(backend, desktop, agent, tasks, scores_of(found))
+                farm_needed = not all(known(backend, desktop, agent, tasks) is not None for agent in runs)
+                with contextlib.ExitStack() as stack:
+                    farm = stack.enter_context(running_farm(
+                        prefix=f"bp{backend[:2]}", start_timeout_s=desktop_wait_s(backend) + 60, desktop=desktop,
+                        **farm_options(backend))) if farm_needed else None  # fmt: skip
+                    for agent, out in runs.items():
+                        where = {"url": farm.url, "token": farm.token, "envs": farm.settings.pool_max} if farm else {}
+                        got = eval_scores(backend, desktop, agent, tasks, out, **where,
                                           timeout_s=1200 + 8 * desktop_wait_s(backend))  # fmt: skip
                         scores.setdefault((backend, agent), {}).update({f"{tasks.name}/{t}": s for t, s in got.items()})
             seconds[backend] = time.monotonic() - t0
