@@ -592,9 +592,9 @@ def test_episode_weighting_keeps_a_long_failure_from_outweighing_a_short_success
     import dataclasses
 
     lrn = Learner(model_dir, LearnerOptions(lr=1e-12))
-    fail = [dataclasses.replace(_sample(lrn, [101 + i, 102], -1.0), episode_id="long", step_index=i + 1)
-            for i in range(3)]
-    win = dataclasses.replace(_sample(lrn, [120, 121], 1.0), episode_id="short")
+    fail = [dataclasses.replace(make_sample(TEXT_ONLY, [101 + i, 102], None, advantage=-1.0), episode_id="long",
+                                step_index=i + 1) for i in range(3)]  # text only: no vision pass, a cheaper test
+    win = dataclasses.replace(make_sample(TEXT_ONLY, [120, 121], None, advantage=1.0), episode_id="short")
     plain = lrn.update([*fail, win]).loss
     by_hand = lrn.update([dataclasses.replace(s, advantage=s.advantage * w)
                           for s, w in zip([*fail, win], [2 / 3, 2 / 3, 2 / 3, 2.0], strict=True)]).loss
