@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import tempfile
 import time
@@ -27,25 +26,21 @@ from osfarm.farm.server import FarmServer
 from osfarm.images.libvirt_disk import BASE_DISK
 from osfarm.providers import make_provider
 from osfarm.providers.base import DesktopSpec
-from osfarm.providers.libvirt import kvm_usable
+from osfarm.testing.backend_parity import (
+    OSWORLD_TASKS,
+    SLOW_BOOT,
+    TaskSet,
+    desktop_wait_s,
+    eval_scores,
+    farm_options,
+    offline_tasks,
+    osworld_tasks,
+)
 from osfarm.testing.docker_env import containers
 from osfarm.testing.farms import H, W, farm_settings, running_farm
 from osfarm.testing.provider_options import VM_DISK_DIR, provider_options
 
 PROVIDERS = ["sandbox", "docker", "libvirt"]
-# Where KVM cannot boot our VMs (no /dev/kvm, or a nested PVM host), libvirt runs the same tests
-# under TCG emulation: a desktop VM then boots in minutes, not seconds, so its farm keeps one VM,
-# reverts its memory snapshot on every reset (libvirt_reset=snapshot: it boots once for the
-# module, again only after the crash test kills it) and waits for desktops as long as a boot takes.
-TCG = kvm_usable()  # None where KVM works, else why not
-SLOW_BOOT = {"libvirt": TCG is not None}
-
-
-def desktop_wait_s(name: str) -> float:
-    """How long a lease (or a farm's warm-up) may wait for a desktop of provider ``name``."""
-    return 1500.0 if SLOW_BOOT.get(name) else 120.0
-
-
 ROOT = Path(__file__).resolve().parent.parent
 MINI = ROOT / "suites" / "mini" / "os"
 MKDIR_TASK = "5f0e4b1c-8d3a-4c6e-9a21-3b7f1d2e0a02"  # terminal: mkdir -p ~/projects/osfarm
@@ -53,15 +48,6 @@ IMAGES = {"sandbox": None, "docker": "osfarm/desktop:latest", "libvirt": str(VM_
 # The first test to need the images builds them when missing (about 10-15 min on a fresh 2-core
 # machine; CI builds them before pytest with `osfarm image build`).
 pytestmark = pytest.mark.timeout(3600)
-
-
-def farm_options(name: str) -> dict[str, Any]:
-    """provider_options for the module's farm: where a boot is slow, one desktop that resets by
-    reverting its snapshot (the provider itself allows a boot its time under TCG)."""
-    if SLOW_BOOT.get(name):
-        return {**provider_options(name), "pool_min": 1, "pool_max": 1, "libvirt_reset": "snapshot",
-                "lease_ttl_s": desktop_wait_s(name)}
-    return {**provider_options(name), "pool_min": 1, "pool_max": 2}
 
 
 def kill_main_process(provider: Any, handle: Any) -> int:
@@ -218,59 +204,68 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-# -- the same replay results on every provider ------------------------------------------------
+# -- the same scores on every provider (osfarm.testing.backend_parity) ------------------------
 
-OFFLINE = ROOT / "suites" / "osfarm-offline"
-EVAL_TASKS = {  # a few tasks across the terminal/files, a spreadsheet and the browser
+# The offline suite's tasks across the terminal/files, a spreadsheet and the browser, replayed
+# on every provider; noop and fail on a feasible and an infeasible task (fail must score 1 only
+# on the infeasible one, noop on neither), on the module's (light) farms. OSWorld's own tasks
+# replayed on GNOME desktops, the screen their scripted solutions were written for (on the light
+# one two of them miss their targets), on a GNOME farm of the provider's. Libvirt under TCG
+# runs the offline replay only: every episode there is a snapshot revert of an emulated VM, and
+# each of OSWorld's tasks cold-starts LibreOffice, GIMP, Thunderbird or VLC in it, minutes
+# apiece, which the suite's time cannot pay; with KVM it runs them all.
+REPLAY_TASKS = offline_tasks({
     "os": ["0f5d2a10-0000-4000-8000-000000000001", "0f5d2a10-0000-4000-8000-000000000002"],
     "libreoffice_calc": ["0f5d2a10-0000-4000-8000-000000000101"],
     "chrome": ["0f5d2a10-0000-4000-8000-000000000401"],
-}
-_eval_runs: dict[str, dict[str, Any]] = {}
+})
+INFEASIBLE = "0f5d2a10-0000-4000-8000-000000000901"
+NOOP_FAIL_TASKS = offline_tasks({"os": ["0f5d2a10-0000-4000-8000-000000000001", INFEASIBLE]})
+RUNS = [("replay", REPLAY_TASKS), ("noop", NOOP_FAIL_TASKS), ("fail", NOOP_FAIL_TASKS)]
 
 
-def eval_results(name: str, tmp: Path, farm: FarmServer | None = None) -> dict[str, Any]:
-    """`osfarm eval --agent replay` on EVAL_TASKS (each provider run once): on ``farm`` when given,
-    else on a farm of its own with provider ``name``."""
-    import subprocess
-    import sys
-
-    if name not in _eval_runs:
-        index = tmp / "index.json"
-        index.write_text(json.dumps(EVAL_TASKS))
-        out = tmp / f"run-{name}"
-        state = tempfile.mkdtemp(prefix=f"ofe{name[:2]}", dir="/tmp")
-        env = dict(os.environ, OSFARM_STATE_DIR=state)
-        where = ["--url", farm.url, "--token", farm.token] if farm is not None else ["--provider", name]
-        r = subprocess.run(
-            [sys.executable, "-m", "osfarm.cli", "eval", "--suite", str(OFFLINE), "--index", str(index),
-             "--agent", "replay", *where, "--envs", "1", "--out", str(out), "--no-progress"],
-            env=env, capture_output=True, text=True, timeout=1200 + 4 * desktop_wait_s(name),
-        )  # fmt: skip
-        shutil.rmtree(state, ignore_errors=True)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        # nothing stray on stderr, e.g. an event loop's "Exception in callback ... InvalidStateError"
-        assert "InvalidStateError" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
-        results = json.loads((out / "results.json").read_text())
-        episodes = [json.loads(line) for line in (out / "episodes.jsonl").read_text().splitlines() if line.strip()]
-        _eval_runs[name] = {"results": results, "episodes": episodes}
-    return _eval_runs[name]
+def check_parity(name: str, desktop: str, agent: str, tasks: TaskSet, tmp: Path, farm: FarmServer | None) -> None:
+    """``agent`` on ``tasks`` scores on ``farm`` (provider ``name``, ``desktop`` sessions) what it
+    scores on sandbox desktops of that session: the sandbox farm itself when ``name`` is sandbox,
+    else a run made earlier in the session, else a sandbox farm of the eval's own."""
+    here = {"url": farm.url, "token": farm.token, "envs": farm.settings.pool_max} if farm is not None else {}
+    at_ref = here if name == "sandbox" and farm is not None else {"envs": 2}
+    ref = eval_scores("sandbox", desktop, agent, tasks, tmp / f"sandbox-{agent}-{tasks.name}", **at_ref,
+                      timeout_s=1200 + 4 * desktop_wait_s("sandbox"))  # fmt: skip
+    out = tmp / f"{name}-{agent}-{tasks.name}"
+    got = eval_scores(name, desktop, agent, tasks, out, **here, timeout_s=1200 + 4 * desktop_wait_s(name))
+    assert got == ref, f"{agent} on {tasks.name}: {name} {got} != sandbox {ref}"
+    if agent == "replay":
+        assert all(status == "success" for status, _ in got.values()), got
+    if agent == "noop":
+        assert all(score == 0.0 for _, score in got.values()), got
+    if agent == "fail":
+        assert {t for t, (_, score) in got.items() if score == 1.0} == {INFEASIBLE}, got
+    if (out / "run").is_dir():  # made here, not reused from earlier in the session
+        lines = (out / "run" / "episodes.jsonl").read_text().splitlines()
+        episodes = [json.loads(line) for line in lines if line.strip()]
+        assert {e["desktop"]["provider"] for e in episodes} == {name}
+        assert {e["desktop"]["image"] for e in episodes} == {IMAGES[name]}
+        assert {e["desktop"]["session"] for e in episodes} == {desktop}
 
 
 @pytest.mark.timeout(7200)
-@pytest.mark.parametrize("farm", [p for p in PROVIDERS if p != "sandbox"], indirect=True)
-def test_eval_replay_gives_the_sandbox_results(farm: FarmServer, tmp_path_factory: pytest.TempPathFactory) -> None:
-    """The replay results of `osfarm eval` on the module's farm of each provider are those of
-    `osfarm eval` on sandbox desktops (a farm in the eval's own process)."""
+def test_eval_gives_the_sandbox_scores(farm: FarmServer, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`osfarm eval` with the replay, noop and fail agents gives on every provider's desktops the
+    scores it gives on sandbox desktops of the same session. The sandbox scores are those
+    test_offline_suite / test_osworld_tasks got on the same tasks earlier in the session, else
+    this module's sandbox farm's (its first parameter)."""
     name = farm.settings.provider
-    tmp = tmp_path_factory.mktemp("eval")
-    ref = eval_results("sandbox", tmp)
-    got = eval_results(name, tmp, farm)
-
-    def by_task(run: dict[str, Any]) -> dict[str, tuple[str, float]]:
-        return {t["task_id"]: (t["status"], t["score"]) for t in run["results"]["tasks"]}
-
-    assert by_task(got) == by_task(ref)
-    assert got["results"]["infra_errors"] == 0
-    assert {e["desktop"]["provider"] for e in got["episodes"]} == {name}
-    assert {e["desktop"]["image"] for e in got["episodes"]} == {IMAGES[name]}
+    tmp = tmp_path_factory.mktemp(f"parity-{name}")
+    light = farm.settings.desktop or os.environ["OSFARM_DESKTOP"]
+    for agent, tasks in RUNS[:1] if SLOW_BOOT.get(name) else RUNS:
+        check_parity(name, light, agent, tasks, tmp, farm)
+    if SLOW_BOOT.get(name) or not OSWORLD_TASKS.is_dir():
+        return
+    osworld = osworld_tasks(tmp_path_factory.getbasetemp() / "parity-osworld")
+    if name == "sandbox":  # the reference: test_osworld_tasks's run, else a GNOME sandbox farm of the eval's own
+        check_parity(name, "gnome", "replay", osworld, tmp, None)
+        return
+    with running_farm(prefix=f"ofg{name[:2]}", start_timeout_s=desktop_wait_s(name) + 60, desktop="gnome",
+                      **farm_options(name)) as gnome:  # fmt: skip
+        check_parity(name, "gnome", "replay", osworld, tmp, gnome)
