@@ -13,7 +13,9 @@ import pytest
 
 from osfarm.client import Farm, FarmUnreachableError, RemoteDesktop
 from osfarm.desktop.box.coderunner import CodeRunner
+from osfarm.desktop.guest.native_routes import focus_may_move
 from osfarm.farm.server import FarmServer
+from osfarm.schema.actions import parse_actions
 
 PROBE = "import os; print(os.getpid(), pyautogui.PAUSE, pyautogui.FAILSAFE, 'x' in globals())"
 STATE = "/home/user/settle_race.json"
@@ -125,3 +127,18 @@ def test_settle_waits_for_the_focus_the_click_moves(farm: FarmServer) -> None:
 def test_settle_runner_needs_its_wait() -> None:
     with pytest.raises(ValueError, match="settle_source"):
         CodeRunner(timing="settle")
+
+
+def test_the_longer_quiet_follows_what_may_move_the_focus() -> None:
+    """Mouse buttons, hotkeys, Enter/Tab/Escape get the longer quiet; plain keys and motion do not."""
+    longer = [{"action_type": "CLICK", "parameters": {}},
+              {"action_type": "HOTKEY", "parameters": {"keys": ["ctrl", "home"]}},
+              {"action_type": "PRESS", "parameters": {"key": "Enter"}},
+              {"action_type": "KEY_DOWN", "parameters": {"key": "ctrl"}},
+              {"action_type": "TYPING", "parameters": {"text": "a\tb"}}]
+    shorter = [{"action_type": "MOVE_TO", "parameters": {"x": 1, "y": 1}},
+               {"action_type": "PRESS", "parameters": {"key": "down"}},
+               {"action_type": "TYPING", "parameters": {"text": "abc"}},
+               {"action_type": "SCROLL", "parameters": {"dx": 0, "dy": 1}}]
+    assert [focus_may_move(a) for a in parse_actions(longer, 100, 100, strict=True)] == [True] * len(longer)
+    assert [focus_may_move(a) for a in parse_actions(shorter, 100, 100, strict=True)] == [False] * len(shorter)
