@@ -21,6 +21,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -86,8 +87,8 @@ def main() -> None:
         seconds: dict[str, float] = {}
         for backend in backends:
             t0 = time.monotonic()
-            # the offline suite's tasks on light desktops (the test suite's), OSWorld's on GNOME:
-            # the screen their scripted solutions were written for
+            # the offline suite's tasks on light desktops (the test suite's), OSWorld's on GNOME at
+            # 1920x1080: the screen their scripted solutions were written for
             for tasks in sets:
                 if tasks.name == "osworld" and SLOW_BOOT.get(backend) and not args.osworld_on_tcg:
                     continue
@@ -100,9 +101,11 @@ def main() -> None:
                         remember(backend, desktop, agent, tasks, scores_of(found))
                 farm_needed = not all(known(backend, desktop, agent, tasks) is not None for agent in runs)
                 with contextlib.ExitStack() as stack:
+                    # OSWorld's screen is 1920x1080: their solutions click there (as `osfarm eval`'s own farm)
+                    screen: dict[str, Any] = {"width": 1920, "height": 1080} if tasks.name == "osworld" else {}
                     farm = stack.enter_context(running_farm(
                         prefix=f"bp{backend[:2]}", start_timeout_s=desktop_wait_s(backend) + 60, desktop=desktop,
-                        **farm_options(backend))) if farm_needed else None  # fmt: skip
+                        **screen, **farm_options(backend))) if farm_needed else None  # fmt: skip
                     for agent, out in runs.items():
                         where = {"url": farm.url, "token": farm.token, "envs": farm.settings.pool_max} if farm else {}
                         got = eval_scores(backend, desktop, agent, tasks, out, **where,
