@@ -77,10 +77,11 @@ def main() -> None:
         backends.insert(0, "sandbox")
     agents = [a.strip() for a in args.agents.split(",") if a.strip()]
     osworld_agents = [a.strip() for a in (args.osworld_agents or args.agents).split(",") if a.strip()]
-    console = Console()
+    console = Console(width=160)  # the table is wider than a terminal's default when piped
     with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
         root = args.out or Path(tmp)
-        sets: list[TaskSet] = [offline_tasks(parse_index(args.offline))]
+        offline_index = parse_index(args.offline)
+        sets: list[TaskSet] = [offline_tasks(offline_index)] if offline_index else []
         if args.osworld and OSWORLD_TASKS.is_dir():
             sets.append(osworld_tasks(root / "osworld"))
         scores: dict[tuple[str, str], dict[str, Score]] = {}  # (backend, agent) -> task -> score
@@ -126,8 +127,8 @@ def main() -> None:
             for backend in backends:
                 s = scores.get((backend, agent), {}).get(task)
                 cells.append("-" if s is None else f"{s[1]:g} {s[0][0]}")
-        set_name, task_id = task.split("/")
-        table.add_row(f"{set_name}/…{task_id[-12:]}", *cells)
+        set_name, task_id = task.split("/")  # the offline suite's ids differ in their tail, OSWorld's in their head
+        table.add_row(f"{set_name}/{task_id[-4:] if set_name == 'offline' else task_id[:8]}", *cells)
     console.print(table)
 
     summary = Table(title="agreement with sandbox (tasks where the backend gives sandbox's status and score)")
