@@ -40,6 +40,7 @@ from osfarm.testing.farms import running_farm  # noqa: E402
 
 TIMINGS: tuple[ActionTiming, ...] = get_args(ActionTiming)
 OBSERVE = {"format": "jpeg", "windows": False, "cursor": False}
+EMPTY = (1200, 740)  # bottom right of the 1280x800 screen: no window of the races is there
 
 
 def rotated(i: int) -> list[ActionTiming]:
@@ -78,11 +79,15 @@ def run_race(desk: RemoteDesktop, race: Race, rounds: int, console: Console) -> 
 
 
 def step_costs(desk: RemoteDesktop, rounds: int) -> dict[str, dict[ActionTiming, list[float]]]:
-    """A computer_13 CLICK and a pyautogui click, each with a one-call JPEG observation, per timing."""
+    """A computer_13 CLICK and a pyautogui click on the Tk dialog's Find field, each with a one-call JPEG
+    observation, and a CLICK where no window is, per timing."""
     x, y = TK_RACE.read(desk)["find_at"].values()
     kinds: dict[str, Any] = {"computer_13 CLICK + observation": {"action_type": "CLICK",
                                                                  "parameters": {"x": x, "y": y}},
-                             "pyautogui code click + observation": f"pyautogui.click({x}, {y})"}
+                             "pyautogui code click + observation": f"pyautogui.click({x}, {y})",
+                             # nothing answers a click on the empty desktop: each timing's floor
+                             "computer_13 CLICK on the empty desktop + observation": {
+                                 "action_type": "CLICK", "parameters": {"x": EMPTY[0], "y": EMPTY[1]}}}
     times: dict[str, dict[ActionTiming, list[float]]] = {k: {t: [] for t in TIMINGS} for k in kinds}
     for action in kinds.values():  # warm-up: interpreters, connections
         for timing in TIMINGS:

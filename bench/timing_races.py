@@ -309,7 +309,7 @@ class WriterFindReplace(Race):
     """LibreOffice Writer's Find & Replace dialog (ctrl+H), through its accessibility tree."""
 
     name = "LibreOffice dialog"
-    what = "Find & Replace open: click the Replace field, type"
+    what = "Find & Replace open, the document focused: click the Replace field, type"
     opened = False
 
     def setup(self, desk: RemoteDesktop) -> None:
@@ -333,7 +333,9 @@ class WriterFindReplace(Race):
         return {name: ((f["x"], f["y"]), f["text"]) for name, f in zip(("find", "replace"), fields, strict=False)}
 
     def prepare(self, desk: RemoteDesktop) -> None:
-        osworld_step(desk, f"pyautogui.click({self.find[0]}, {self.find[1]})")
+        # the document's window has the focus (a click left of the dialog): the click on the dialog's
+        # field must move it back through the window manager, then the keys must follow
+        osworld_step(desk, f"pyautogui.click({self.win['left'] + 60}, {self.win['y']})")
 
     def code(self, token: str) -> str:
         return f"pyautogui.click({self.repl[0]}, {self.repl[1]}); pyautogui.typewrite('{token}')"
@@ -370,7 +372,8 @@ class WriterDialogOpens(WriterFindReplace):
         return f"pyautogui.hotkey('ctrl', 'h'); pyautogui.typewrite('{token}')"
 
     def landed(self, desk: RemoteDesktop, token: str) -> bool:
-        time.sleep(0.5)
+        wait_for("the dialog", lambda: window(desk, DIALOG_TITLE, exact=True), 10, fail=False)
+        time.sleep(0.5)  # its fields are filled in once it shows
         found = self.texts(desk)
         return token in found.get("find", ((0, 0), ""))[1]
 
