@@ -25,12 +25,13 @@ from typing import Any
 import redis
 
 from osfarm.agents import Agent
+from osfarm.errors import OsfarmError
 from osfarm.schema.actions import AgentAction
 
 KEY_TTL_S = 24 * 3600
 
 
-class RolloutAborted(RuntimeError):
+class RolloutAborted(OsfarmError):
     """The trainer aborted this rollout (ROLL: stale or redundant); the job ends without a record.
     The trainer tells it from a failure by this name (Celery carries the exception's type name)."""
 
