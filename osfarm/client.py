@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import unquote
 
 import httpx
 from PIL import Image
@@ -53,6 +54,20 @@ _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)
 # The answer was lost on the way back: safe to send again only when repeating changes nothing.
 _LOST = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.PoolTimeout)
 _RETRY_STATUSES = (502, 503)  # the farm restarting, or a dropped link to the guest: try again
+
+
+def guest_route(path: str) -> str:
+    """The lease-relative route of the guest's ``path``: ``/guest/<path>``.
+
+    A ``.`` or ``..`` segment is refused (ValueError naming ``path``): httpx resolves dot segments
+    before sending, so ``../../..`` would climb out of the lease's guest routes onto the farm's
+    own API, with this client's token (the OSWorld drop-in forwards paths that agents choose).
+    """
+    route = path.split("?", 1)[0]
+    if any(seg in (".", "..") for seg in unquote(route).split("/")):
+        raise ValueError(f"path: {path!r} has a '.' or '..' segment; guest routes are plain paths")
+    return "/guest/" + path.lstrip("/")
+
 
 # ---- errors -----------------------------------------------------------------------------------
 
@@ -298,7 +313,7 @@ class AsyncRemoteDesktop:
         """
         headers = {**self._headers, **kw.pop("headers", {})}
         kw.setdefault("timeout", 300.0)
-        r = await self.farm._request(method, self._path("/guest/" + path.lstrip("/")), headers=headers, check=check,
+        r = await self.farm._request(method, self._path(guest_route(path)), headers=headers, check=check,
                                      **kw)
         return r
 
@@ -484,7 +499,7 @@ class RemoteDesktop:
         """Call the guest's OSWorld-compatible route ``path`` (e.g. ``"/execute"``) through the farm."""
         headers = {**self._headers, **kw.pop("headers", {})}
         kw.setdefault("timeout", 300.0)
-        return self.farm._request(method, self._path("/guest/" + path.lstrip("/")), headers=headers, check=check, **kw)
+        return self.farm._request(method, self._path(guest_route(path)), headers=headers, check=check, **kw)
 
     def close(self) -> None:
         """Release the lease (idempotent; a lease already gone is not an error)."""

@@ -13,6 +13,7 @@ a solving script scores 1, one that does nothing 0. The shared farm's desktops s
 from __future__ import annotations
 
 import datetime
+import http.client
 import json
 import logging
 import time
@@ -24,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from osfarm.client import guest_route
 from osfarm.farm.server import FarmServer
 from osfarm.osworld import DesktopEnv
 
@@ -161,6 +163,16 @@ def test_osworld_runner_loop_writes_osworlds_results(farm_env: DesktopEnv, tmp_p
         assert (noop / "result.txt").read_text() == "0.0\n"
         assert sorted(p.suffix for p in noop.iterdir()) == [".jsonl", ".mp4", ".png", ".txt"]
 
+    # a path the agent chooses stays on the lease's guest routes: resolved, ../.. would reach the
+    # farm's own API with the env's token (http.client sends the path as written, as curl --path-as-is)
+    conn = http.client.HTTPConnection(env.vm_ip, env.server_port, timeout=30)
+    try:
+        conn.request("GET", "/../../../../v1/pool")
+        r = conn.getresponse()
+        assert (r.status, b"segment" in r.read()) == (400, True)
+    finally:
+        conn.close()
+
 
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"action_space": "som"}, "action_space"),
@@ -187,3 +199,10 @@ def test_before_reset_the_guest_address_answers_503_and_step_is_refused() -> Non
         env.close()
     with pytest.raises(RuntimeError, match="closed"):
         env.reset(task_config=json.loads(BLUETOOTH.read_text()))
+
+
+@pytest.mark.parametrize("path", ["../../v1/pool", "/a/./b", "/%2e%2e/v1/pool", "/x/..?q=1"])
+def test_guest_routes_with_dot_segments_are_refused(path: str) -> None:
+    with pytest.raises(ValueError, match="^path: "):
+        guest_route(path)
+    assert guest_route("/screenshot?x=..") == "/guest/screenshot?x=.."  # a query is not a path

@@ -94,6 +94,9 @@ class GuestForwarder:
             r = await desk.guest(scope["method"], path, check=False, content=bytes(body),
                                  headers={k: headers[k] for k in _REQUEST_HEADERS if k in headers},
                                  timeout=_GUEST_TIMEOUT_S)
+        except ValueError as e:  # a path that would leave the lease's guest routes
+            await _answer(send, 400, {"detail": str(e)})
+            return
         except FarmAPIError as e:  # the farm itself refused or could not reach the desktop
             await _answer(send, e.status or 502, {"detail": str(e)})
             return
