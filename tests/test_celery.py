@@ -144,6 +144,23 @@ def test_celery_gives_the_same_results_as_in_process(farm: FarmServer, broker: R
         assert (tmp_path / "celery" / t["domain"] / t["task_id"] / "result.txt").is_file()
 
 
+@pytest.mark.timeout(600)
+def test_each_repeat_is_a_job_of_its_own(broker: RedisServer, workers: Workers, tmp_path: Path) -> None:
+    workers.start("w1", concurrency=2)
+    out = tmp_path / "repeats"
+    res = run_eval(out, "--executor", "celery", "--broker", broker.url, "--repeats", "2")
+    assert (res["executor"], res["repeats"], res["n_tasks"], res["success_rate"]) == ("celery", 2, 2 * N_TASKS, 1.0)
+    ids = sorted({t["task_id"] for t in res["tasks"]})
+    assert sorted((t["task_id"], t["repeat"]) for t in res["tasks"]) == [(i, r) for i in ids for r in (1, 2)]
+    assert {(c["episodes"], c["successes"]) for c in res["task_counts"].values()} == {(2, 2)}
+    recs = list(read_jsonl(out / "episodes.jsonl"))
+    assert len({r["episode_id"] for r in recs}) == 2 * N_TASKS  # one episode, one record per repeat
+    on_stream = stream_records(broker, workers.stream, res["run_id"])
+    assert Counter(r["episode_id"] for r in on_stream) == Counter(r["episode_id"] for r in recs)
+    for t in res["tasks"]:  # the workers wrote each repeat's own OSWorld layout
+        assert (out / f"repeat-{t['repeat']}" / t["domain"] / t["task_id"] / "result.txt").read_text() == "1.0\n"
+
+
 def _claims(broker: RedisServer) -> dict[str, str]:
     r = redis.Redis.from_url(broker.url, decode_responses=True)
     try:

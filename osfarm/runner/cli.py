@@ -32,7 +32,7 @@ def eval_command(
         int,
         typer.Option("--repeats", min=1, help="run each task K times, each an independent episode on a reset desktop "
                      "(repeat r under <out>/repeat-<r>/); results.json adds per-task success counts, mean ± s.e. "
-                     "across repeats, pass@k, pass^k and the flip rate (in-process executor)"),
+                     "across repeats, pass@k, pass^k and the flip rate"),
     ] = 1,
     url: FarmUrlOpt = None,
     token: FarmTokenOpt = None,

@@ -101,9 +101,6 @@ class RunOptions:
         """The repeats each task runs: [None] for a run without repeats (the layout it always had)."""
         if self.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
-        if self.repeats > 1 and self.executor != "inprocess":
-            raise ValueError("--repeats above 1 runs with --executor inprocess only (the Celery job names one "
-                             "episode per task)")
         return [None] if self.repeats == 1 else list(range(1, self.repeats + 1))
 
     def concurrency(self, n_tasks: int = 1) -> int:
@@ -183,8 +180,8 @@ async def _episode_runner(opts: RunOptions, stack: contextlib.AsyncExitStack, su
                         "action_timing": opts.action_timing}}
 
     async def on_celery(item: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        task, _repeat = item  # always None: repeat_indices() keeps repeats off this executor
-        got = await ex.run({**base, "task_id": task.id})
+        task, repeat = item
+        got = await ex.run({**base, "task_id": task.id, **({"repeat": repeat} if repeat is not None else {})})
         return got["row"], got["record"]
 
     return on_celery

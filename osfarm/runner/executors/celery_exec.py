@@ -65,7 +65,8 @@ class CeleryExecutor:
 
     async def run(self, job: dict[str, Any]) -> dict[str, Any]:
         """Queue ``job`` and wait for ``{"row": ..., "record": ...}``; a worker-side failure raises."""
-        task_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm-job:{job['run_id']}:{job['task_id']}"))
+        repeat = f"#{job['repeat']}" if job.get("repeat") is not None else ""  # each of --repeats is its own job
+        task_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"osfarm-job:{job['run_id']}:{job['task_id']}{repeat}"))
         await self.send(job, task_id)
         while True:
             done, result, state = await self.broker_call(lambda: self._poll(task_id))

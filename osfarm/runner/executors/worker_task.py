@@ -1,10 +1,11 @@
 """What ``osfarm.run_episode`` does on a worker: one episode, run at most once per episode id.
 
-The job (JSON, from the runner): run_id, suite, index, task_id, agent, agent_options, episode
-settings, out (the run dir), cache, offline. The worker's own settings come from the
-environment ``osfarm worker`` sets: OSFARM_FARM_URL, OSFARM_TOKEN, OSFARM_BROKER, OSFARM_STREAM
-(the stream key; empty = no stream), OSFARM_WORKER_OUT (write task files there instead of the
-job's run dir, for workers that do not share the runner's filesystem), OSFARM_MAX_DELIVERIES
+The job (JSON, from the runner): run_id, suite, index, task_id, repeat (one of an eval's
+--repeats; absent without), agent, agent_options, episode settings, out (the run dir), cache,
+offline. The worker's own settings come from the environment ``osfarm worker`` sets:
+OSFARM_FARM_URL, OSFARM_TOKEN, OSFARM_BROKER, OSFARM_STREAM (the stream key; empty = no stream),
+OSFARM_WORKER_OUT (write task files there instead of the job's run dir, for workers that do not
+share the runner's filesystem), OSFARM_MAX_DELIVERIES
 (how many times a job may start running before it is dead-lettered, default 3).
 
 Exactly one result and one record per job, whatever dies:
@@ -59,8 +60,11 @@ def job_key(run_id: str, task_id: str) -> str:
 
 def rollout_name(job: dict[str, Any]) -> str:
     """What names the job's one episode within its run: the task, or for a training rollout (the
-    trainer runs a task many times per run) the task and the rollout's number."""
-    return f"{job['task_id']}#{job['rollout']}" if job.get("rollout") is not None else job["task_id"]
+    trainer runs a task many times per run) the task and the rollout's number, or for one of an
+    eval's --repeats the task and the repeat's (as :func:`episode_id` names it in process)."""
+    if job.get("rollout") is not None:
+        return f"{job['task_id']}#{job['rollout']}"
+    return f"{job['task_id']}#{job['repeat']}" if job.get("repeat") is not None else job["task_id"]
 
 
 @lru_cache(maxsize=1)
@@ -213,7 +217,7 @@ def _dead_result(job: dict[str, Any], reason: str) -> dict[str, Any]:
     now = time.time()
     res = EpisodeResult(task=task, status=INFRA_ERROR, score=0.0, error=reason,
                         episode_id=episode_id(job["run_id"], rollout_name(job)), attempt=1, infra_retries=0, steps=[],
-                        started_at=now, finished_at=now, agent=job["agent"],
+                        started_at=now, finished_at=now, agent=job["agent"], repeat=job.get("repeat"),
                         action_timing=job.get("episode", {}).get("action_timing", "osworld"))
     records: list[dict[str, Any]] = []
     row = write_task(out, res, job["run_id"], BlobStore(out), emit=records.append)
@@ -267,7 +271,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
 
     async def go() -> EpisodeResult:
         async with AsyncFarm(farm_url, token, expect_up=True) as farm:  # the worker's farm: ride out its restarts
-            episode = asyncio.ensure_future(run_episode(farm, task, agent, cache, cfg, job["run_id"]))
+            episode = asyncio.ensure_future(
+                run_episode(farm, task, agent, cache, cfg, job["run_id"], job.get("repeat")))
             if controlled is not None:
                 controlled.on_abort = episode.cancel
             try:
