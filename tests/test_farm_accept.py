@@ -76,6 +76,22 @@ def test_a_burst_of_new_connections_is_accepted_in_a_few_loop_turns(farm: FarmSe
             s.close()
 
 
+def test_the_farms_connections_send_without_waiting_for_acks(farm: FarmServer) -> None:
+    # asyncio's loop leaves Nagle's algorithm on for the sockets it accepts: uvicorn's answer head
+    # and body went out as two sends, the body waiting for the client's delayed ACK (40 ms a request)
+    with httpx.Client(base_url=farm.url, timeout=30) as c:
+        assert c.get("/healthz").status_code == 200  # the connection stays open (keep-alive)
+
+        async def nodelay() -> list[int]:
+            return [p.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                    for p in farm._server.server_state.connections]
+
+        loop = farm.state.loop
+        assert loop is not None
+        flags = asyncio.run_coroutine_threadsafe(nodelay(), loop).result(30)
+    assert flags and all(flags), f"TCP_NODELAY per open connection on the {farm.settings.server_loop} loop: {flags}"
+
+
 def test_every_answer_says_how_long_the_farm_handled_it(farm: FarmServer) -> None:
     with httpx.Client(base_url=farm.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as c:
         for r in (c.get("/v1/pool"), c.get("/healthz"), c.post("/v1/desktops", json={"wait_s": "soon"}),

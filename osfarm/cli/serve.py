@@ -16,18 +16,14 @@ from osfarm.cli.common import ConfigOpt, err, fail, out, settings_or_exit
 from osfarm.cli.logging_setup import setup_logging
 from osfarm.config import ConfigError
 from osfarm.http.hosts import is_loopback_host
+from osfarm.http.listen import listening_socket
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        return listening_socket(host, port)
     except OSError as e:
-        sock.close()
         raise fail(f"cannot listen on {host}:{port}: {e.strerror}; pick another --port") from None
-    return sock
 
 
 def serve(

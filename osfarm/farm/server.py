@@ -4,7 +4,6 @@ front. The tests, the demo command and the in-process farm of ``osfarm eval``/``
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 
@@ -13,6 +12,7 @@ import uvicorn
 from osfarm.config import FarmSettings
 from osfarm.farm.api import UiMount, create_app
 from osfarm.farm.state import FarmState
+from osfarm.http.listen import listening_socket
 from osfarm.providers.base import Provider
 
 
@@ -29,9 +29,7 @@ class FarmServer:
         self.settings = settings.ensure_token()
         self.app = create_app(settings, provider, ui)
         self.state: FarmState = self.app.state.farm
-        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
+        self._sock = listening_socket(host, port)
         self.host, self.port = host, self._sock.getsockname()[1]
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level=log_level, log_config=None, lifespan="on",
                                                      loop=settings.server_loop))
