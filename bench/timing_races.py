@@ -17,40 +17,12 @@ from collections.abc import Callable
 from typing import Any
 
 from osfarm.client import FarmUnreachableError, RemoteDesktop
+from osfarm.testing.race_dialog import TK_RACE_DIALOG
 
 PYTHON = "python3"  # the desktop's interpreter: this bench's venv is not inside the box
 CLICK_DELAY_MS = 60  # how late the Tk dialog moves its focus after a click (a slow app)
 DIALOG_TITLE = "Find and Replace"  # LibreOffice's (the Tk and GTK windows' titles only contain it)
 
-# A Tk dialog with "Find" and "Replace" fields that moves the focus to "Replace" DELAY ms after a
-# click, like an app whose click handling takes a moment (LibreOffice's Find & Replace under load).
-TK_DIALOG = r"""
-import json, os, sys, tkinter as tk
-STATE, DELAY = sys.argv[1], int(sys.argv[2])
-root = tk.Tk(); root.title("Tk Find and Replace"); root.geometry("+40+40")
-tk.Label(root, text="Find").grid(row=0, column=0); tk.Label(root, text="Replace").grid(row=1, column=0)
-find, repl = tk.Entry(root, width=30), tk.Entry(root, width=30)
-find.grid(row=0, column=1, padx=8, pady=8); repl.grid(row=1, column=1, padx=8, pady=8)
-def geom(w):
-    root.update_idletasks()
-    return {"x": w.winfo_rootx() + w.winfo_width() // 2, "y": w.winfo_rooty() + w.winfo_height() // 2}
-def save(*_):
-    with open(STATE + ".tmp", "w") as f:
-        json.dump({"find": find.get(), "replace": repl.get(), "at": geom(repl), "find_at": geom(find)}, f)
-    os.replace(STATE + ".tmp", STATE)
-def clicked(_):  # the focus follows the click only once the app got round to it
-    root.after(DELAY, repl.focus_set)
-    return "break"
-def reset():
-    if os.path.exists(STATE + ".reset"):
-        os.unlink(STATE + ".reset")
-        find.delete(0, "end"); repl.delete(0, "end"); find.focus_force(); save()
-    root.after(20, reset)
-repl.bind("<Button-1>", clicked)
-root.bind_all("<KeyRelease>", save)
-root.after(200, save); root.after(20, reset)
-root.mainloop()
-"""
 
 # The same two fields in a GTK 3 window with GTK's own click handling (no added delay): the race
 # is the window manager's, the window is not focused when the click arrives.
@@ -222,7 +194,7 @@ class TkDialog(FieldsApp):
     state = "/home/user/race_tk.json"
 
     def setup(self, desk: RemoteDesktop) -> None:
-        launch(desk, PYTHON, "-c", TK_DIALOG, self.state, str(CLICK_DELAY_MS))
+        launch(desk, PYTHON, "-c", TK_RACE_DIALOG, self.state, str(CLICK_DELAY_MS))
         self.at = wait_for("the Tk dialog start", lambda: self.read(desk).get("at"), 60)
 
     def prepare(self, desk: RemoteDesktop) -> None:

@@ -16,38 +16,14 @@ from osfarm.desktop.box.coderunner import CodeRunner
 from osfarm.desktop.guest.native_routes import focus_may_move
 from osfarm.farm.server import FarmServer
 from osfarm.schema.actions import parse_actions
+from osfarm.testing.race_dialog import TK_RACE_DIALOG
 
 PROBE = "import os; print(os.getpid(), pyautogui.PAUSE, pyautogui.FAILSAFE, 'x' in globals())"
 STATE = "/home/user/settle_race.json"
-# Like bench/action_timing.py's dialog: a click on "Replace" moves the focus there only DELAY ms
+# The race dialog (osfarm.testing.race_dialog): a click on "Replace" moves the focus there only DELAY ms
 # later, so keys typed at once land in "Find". DELAY stays well under the 0.1 s cap, so a loaded
 # machine that slows the dialog down does not make the test flaky.
 DELAY_MS = 30
-DIALOG = r"""
-import json, os, sys, tkinter as tk
-STATE, DELAY = sys.argv[1], int(sys.argv[2])
-root = tk.Tk(); root.title("Settle race"); root.geometry("+60+60")
-find, repl = tk.Entry(root, width=30), tk.Entry(root, width=30)
-find.pack(padx=8, pady=8); repl.pack(padx=8, pady=8)
-def save(*_):
-    root.update_idletasks()
-    g = {"x": repl.winfo_rootx() + repl.winfo_width() // 2, "y": repl.winfo_rooty() + repl.winfo_height() // 2}
-    with open(STATE + ".tmp", "w") as f:
-        json.dump({"find": find.get(), "replace": repl.get(), "geometry": g}, f)
-    os.replace(STATE + ".tmp", STATE)
-def clicked(_):
-    root.after(DELAY, repl.focus_set)
-    return "break"
-def reset():
-    if os.path.exists(STATE + ".reset"):
-        os.unlink(STATE + ".reset")
-        find.delete(0, "end"); repl.delete(0, "end"); find.focus_force(); save()
-    root.after(20, reset)
-repl.bind("<Button-1>", clicked)
-root.bind_all("<KeyRelease>", save)
-root.after(200, save); root.after(20, reset)
-root.mainloop()
-"""
 
 
 def probe(results: list) -> list[tuple[str, ...]]:
@@ -104,12 +80,12 @@ def test_settle_code_actions_keep_osworlds_semantics(farm: FarmServer) -> None:
 
 def test_settle_waits_for_the_focus_the_click_moves(farm: FarmServer) -> None:
     with Farm(farm.url, farm.token) as f, f.lease(wait_s=120) as desk:
-        desk.guest("POST", "/setup/launch", json={"command": ["python3", "-c", DIALOG, STATE, str(DELAY_MS)]})
+        desk.guest("POST", "/setup/launch", json={"command": ["python3", "-c", TK_RACE_DIALOG, STATE, str(DELAY_MS)]})
         deadline = time.monotonic() + 60
-        while not read_state(desk).get("geometry"):
+        while not read_state(desk).get("at"):
             assert time.monotonic() < deadline, "the dialog did not start"
             time.sleep(0.2)
-        g = read_state(desk)["geometry"]
+        g = read_state(desk)["at"]
         steps: list[list] = [
             [f"pyautogui.click({g['x']}, {g['y']}); pyautogui.typewrite('abc')"],  # one code block
             [{"action_type": "CLICK", "parameters": {"x": g["x"], "y": g["y"]}},  # computer_13
