@@ -268,6 +268,16 @@ def test_worker_and_executor_refuse_bad_settings(tmp_path: Path) -> None:
     assert r.returncode == 1 and "visibility timeout" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("repeat", ["../../etc", 0, -1, 1.5, True])
+def test_a_jobs_repeat_must_be_a_positive_integer(repeat: object) -> None:
+    from osfarm.runner.executors.worker_task import rollout_name
+
+    # it names the repeat's directory on the worker: a job from the broker cannot climb out of the run
+    with pytest.raises(ValueError, match="^repeat: must be a positive integer"):
+        rollout_name({"task_id": "t", "repeat": repeat})
+    assert rollout_name({"task_id": "t", "repeat": 2}) == "t#2" and rollout_name({"task_id": "t"}) == "t"
+
+
 def test_time_limits_and_the_visibility_timeout_check(monkeypatch: pytest.MonkeyPatch) -> None:
     from osfarm.runner.executors.celery_app import hard_limit_s, soft_limit_s
     from osfarm.runner.executors.celery_exec import CeleryExecutor

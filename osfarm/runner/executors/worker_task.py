@@ -64,7 +64,19 @@ def rollout_name(job: dict[str, Any]) -> str:
     eval's --repeats the task and the repeat's (as :func:`episode_id` names it in process)."""
     if job.get("rollout") is not None:
         return f"{job['task_id']}#{job['rollout']}"
-    return f"{job['task_id']}#{job['repeat']}" if job.get("repeat") is not None else job["task_id"]
+    repeat = job_repeat(job)
+    return f"{job['task_id']}#{repeat}" if repeat is not None else job["task_id"]
+
+
+def job_repeat(job: dict[str, Any]) -> int | None:
+    """The job's repeat, a positive int or None: it names a directory (repeat-<r>/) on the worker,
+    and a job comes from whoever can write to the broker."""
+    r = job.get("repeat")
+    if r is None:
+        return None
+    if type(r) is not int or r < 1:
+        raise ValueError(f"repeat: must be a positive integer, got {r!r}")
+    return r
 
 
 @lru_cache(maxsize=1)
@@ -217,7 +229,7 @@ def _dead_result(job: dict[str, Any], reason: str) -> dict[str, Any]:
     now = time.time()
     res = EpisodeResult(task=task, status=INFRA_ERROR, score=0.0, error=reason,
                         episode_id=episode_id(job["run_id"], rollout_name(job)), attempt=1, infra_retries=0, steps=[],
-                        started_at=now, finished_at=now, agent=job["agent"], repeat=job.get("repeat"),
+                        started_at=now, finished_at=now, agent=job["agent"], repeat=job_repeat(job),
                         action_timing=job.get("episode", {}).get("action_timing", "osworld"))
     records: list[dict[str, Any]] = []
     row = write_task(out, res, job["run_id"], BlobStore(out), emit=records.append)
@@ -272,7 +284,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     async def go() -> EpisodeResult:
         async with AsyncFarm(farm_url, token, expect_up=True) as farm:  # the worker's farm: ride out its restarts
             episode = asyncio.ensure_future(
-                run_episode(farm, task, agent, cache, cfg, job["run_id"], job.get("repeat")))
+                run_episode(farm, task, agent, cache, cfg, job["run_id"], job_repeat(job)))
             if controlled is not None:
                 controlled.on_abort = episode.cancel
             try:
