@@ -191,6 +191,9 @@ def test_before_reset_the_guest_address_answers_503_and_step_is_refused() -> Non
         assert env.vm_ip.startswith("127.") and env.server_port == 5000
         r = httpx.get(f"http://{env.vm_ip}:{env.server_port}/screenshot", timeout=30)
         assert r.status_code == 503 and "reset" in r.json()["detail"]
+        # the agent's code decides what it posts here: a body past the guest's own cap is never buffered
+        big = httpx.post(f"http://{env.vm_ip}:{env.server_port}/execute", content=b"x" * (16 * 2**20 + 1), timeout=30)
+        assert big.status_code == 413 and "MAX_BODY_BYTES" in big.text
         with pytest.raises(RuntimeError, match="reset"):
             env.step({"action_type": "CLICK", "parameters": {"x": 1, "y": 1}})
         with pytest.raises(RuntimeError, match="reset"):

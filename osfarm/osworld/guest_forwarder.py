@@ -28,6 +28,7 @@ from typing import Any
 import uvicorn
 
 from osfarm.client import AsyncRemoteDesktop, FarmAPIError
+from osfarm.http.body_limit import BodyLimit, BodyRule
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -40,6 +41,10 @@ _REQUEST_HEADERS = ("content-type", "accept")
 _RESPONSE_HEADERS = ("content-type", "content-disposition", "cache-control")
 # The port OSWorld's guest server listens on, which agents often write out.
 OSWORLD_GUEST_PORT = 5000
+# Request bodies are read whole before they are forwarded, so they are capped as the guest caps
+# them (it would refuse more anyway): the agent's code decides what it sends here.
+MAX_BODY_BYTES = 16 << 20
+MAX_UPLOAD_BYTES = 1 << 30
 # Guest calls that legitimately take long (OSWorld's /setup/open_file waits for a window).
 _GUEST_TIMEOUT_S = 1900.0
 
@@ -58,7 +63,9 @@ class GuestForwarder:
         """Bind the port and serve; the port."""
         sock = _bind_loopback()
         self.host, self.port = sock.getsockname()[:2]
-        config = uvicorn.Config(self, lifespan="off", log_level="warning", access_log=False)
+        capped = BodyLimit(self, max_bytes=MAX_BODY_BYTES, setting="the drop-in's MAX_BODY_BYTES (the guest's too)",
+                           rules=[BodyRule(r"/setup/upload$", MAX_UPLOAD_BYTES, "the guest's MAX_UPLOAD_BYTES")])
+        config = uvicorn.Config(capped, lifespan="off", log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
