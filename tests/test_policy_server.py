@@ -9,12 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import math
-import os
-import socket
-import subprocess
-import sys
 import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -26,16 +21,9 @@ pytest.importorskip("transformers")
 from osfarm.policy.processing import load_processor
 from osfarm.policy.tiny import tiny_model_dir
 from osfarm.testing.lora_adapters import lora_adapter
+from osfarm.testing.vlm_servers import policy_server
 from osfarm.trainer.learner import Learner, encode_sample
 from osfarm.trainer.samples import Sample
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _screenshot_url(seed: int = 0) -> str:
@@ -69,37 +57,9 @@ def tiny_dir() -> Path:
 @pytest.fixture(scope="module")
 def server(tiny_dir: Path):
     """`osfarm policy serve` on a free loopback port (with a small artificial latency)."""
-    port = _free_port()
-    cmd = [
-        sys.executable, "-c", "from osfarm.cli import app; app(prog_name='osfarm')",
-        "policy", "serve", "--model", str(tiny_dir), "--served-model-name", "tiny", "--port", str(port),
-        "--threads", "1", "--delay-ms", "5", "--delay-sigma", "0.5", "--log-level", "warning",
-    ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    log = open(os.environ.get("OSFARM_TEST_POLICY_LOG", os.devnull), "ab")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None, "policy server exited (set OSFARM_TEST_POLICY_LOG=/tmp/x.log to see why)"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "policy server not healthy in 240 s"
-            time.sleep(0.3)
-        with httpx.Client(base_url=url, timeout=120) as client:
-            yield client
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    extra = ("--served-model-name", "tiny", "--delay-ms", "5", "--delay-sigma", "0.5")
+    with policy_server(model=str(tiny_dir), extra=extra) as url, httpx.Client(base_url=url, timeout=120) as client:
+        yield client
 
 
 class Reference:

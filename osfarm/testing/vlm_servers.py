@@ -26,11 +26,11 @@ from osfarm.testing.ports import free_port
 
 
 @contextmanager
-def policy_server(start_timeout_s: float = 240.0, extra: tuple[str, ...] = ()) -> Iterator[str]:
-    """``osfarm policy serve --model tiny`` on 127.0.0.1; yields its base URL."""
+def policy_server(start_timeout_s: float = 240.0, extra: tuple[str, ...] = (), model: str = "tiny") -> Iterator[str]:
+    """``osfarm policy serve --model MODEL`` (the tiny model unless told) on 127.0.0.1; yields its base URL."""
     port = free_port()
     cmd = [sys.executable, "-c", "from osfarm.policy.cli import policy_app; policy_app(prog_name='osfarm policy')",
-           "serve", "--model", "tiny", "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
+           "serve", "--model", model, "--host", "127.0.0.1", "--port", str(port), "--threads", "1",
            "--log-level", "warning", *extra]
     log = open(os.environ.get("OSFARM_TEST_POLICY_LOG", os.devnull), "ab")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
