@@ -3,9 +3,9 @@ queue's overhead per rollout (issue 29, item 7).
 
 One run on this machine, real parts: a Redis (broker, result backend, record stream), two farms
 (``osfarm serve``, sandbox provider) bound to 127.0.0.2 and 127.0.0.3, each with an ``osfarm
-worker`` of ``--concurrency`` episodes, and ``osfarm train`` with the tiny model and its spawned
-CPU policy server (``--delay-ms`` of model latency per request: the part a bigger cluster adds
-desktops for). Three trainings of ``--updates`` versions each:
+worker`` of ``--concurrency`` episodes connecting from that address, and ``osfarm train`` with
+the tiny model and its spawned CPU policy server (``--delay-ms`` of model latency per request:
+the part a bigger cluster adds desktops for). Three trainings of ``--updates`` versions each:
 
 * ``inprocess``: the trainer's own scheduler on farm B (``rollout.executor: inprocess``), ``envs``
   = concurrency;
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -106,7 +107,7 @@ def _worker(name: str, farm: HostFarm, broker: RedisServer, base: Path, concurre
     log = base / f"worker-{name}.log"
     proc = subprocess.Popen([sys.executable, "-m", "osfarm.cli", "worker", "--farm", farm.url, "--token", farm.token,
                              "--broker", broker.url, "--concurrency", str(concurrency), "--name", f"{name}@bench",
-                             "--out", str(base / "worker-out")],
+                             "--out", str(base / "worker-out"), "--bind-address", farm.host],
                             cwd=ROOT, env=_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT,
                             start_new_session=True)
     wait_until(lambda: b" ready." in log.read_bytes() or proc.poll() is not None, 120, f"worker {name} ready")
@@ -148,7 +149,9 @@ def main() -> None:
     args = ap.parse_args()
     c = args.concurrency
     out: dict[str, Any] = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
-    with tempfile.TemporaryDirectory(prefix="osfarm-train-cluster-") as tmp, RedisServer() as broker:
+    # each worker connects from its host's address; Redis's protected mode then wants a password
+    with (tempfile.TemporaryDirectory(prefix="osfarm-train-cluster-") as tmp,
+          RedisServer(password=secrets.token_hex(16)) as broker):
         base = Path(tmp)
         farms = {"b": HostFarm("127.0.0.2", base / "farm-b", c, warm=c),
                  "c": HostFarm("127.0.0.3", base / "farm-c", c, warm=c)}

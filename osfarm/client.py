@@ -38,6 +38,7 @@ from pydantic import BaseModel
 from osfarm.errors import OsfarmError
 from osfarm.http.errors import error_detail
 from osfarm.http.retry import Deadline
+from osfarm.http.source_address import async_transport, sync_transport
 from osfarm.schema.actions import AgentAction, action_json
 from osfarm.schema.guest import ActionTiming, StepResult
 from osfarm.schema.lease import LeaseInfo
@@ -348,12 +349,14 @@ class AsyncFarm:
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None, retry_s: float = RETRY_S,
-                 expect_up: bool = False):
+                 expect_up: bool = False, local_address: str | None = None):
         """``expect_up``: the farm is known to exist (a worker bound to it), so connection errors
-        are retried from the first request on; otherwise only once it has answered."""
+        are retried from the first request on; otherwise only once it has answered.
+        ``local_address``: connect from this address of the machine (default: the process's
+        source address, ``osfarm worker --bind-address``; none: the kernel's choice)."""
         self.url, self.token = _resolve(url, token)  # the token also opens the guest passthrough (TaskEnv)
         self._http = httpx.AsyncClient(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
-                                       timeout=timeout, transport=transport)
+                                       timeout=timeout, transport=transport or async_transport(local_address))
         self._retries = _Retries(retry_s, expect_up)
 
     async def _request(self, method: str, path: str, check: bool = True, idempotent: bool | None = None,
@@ -528,10 +531,12 @@ class Farm:
     """Blocking client of one farm. ``url``/``token`` default to OSFARM_URL / OSFARM_TOKEN."""
 
     def __init__(self, url: str | None = None, token: str | None = None, timeout: float = 120.0,
-                 transport: httpx.BaseTransport | None = None, retry_s: float = RETRY_S, expect_up: bool = False):
+                 transport: httpx.BaseTransport | None = None, retry_s: float = RETRY_S, expect_up: bool = False,
+                 local_address: str | None = None):
+        """As :class:`AsyncFarm`."""
         self.url, self.token = _resolve(url, token)
         self._http = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.token}"},
-                                  timeout=timeout, transport=transport)
+                                  timeout=timeout, transport=transport or sync_transport(local_address))
         self._retries = _Retries(retry_s, expect_up)
 
     def _request(self, method: str, path: str, check: bool = True, idempotent: bool | None = None,

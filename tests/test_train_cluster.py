@@ -3,18 +3,22 @@
 Host A is the trainer on 127.0.0.1 with Redis (broker, result backend, record stream) and its
 spawned CPU policy server; hosts B and C are each a farm (``osfarm serve``, sandbox provider, the
 light desktop) bound to its own loopback address, 127.0.0.2 and 127.0.0.3, and an ``osfarm worker``
-running episodes on it. The trainer has no farm: every rollout is a Celery job, every record comes
-back on the stream. Host C is lost after the first update: its worker is SIGKILLed (its whole
-process group) and its farm too (its desktops die with it); its unacknowledged job goes to worker
-B after the visibility timeout, under the same episode id, and the run still reaches its last
-version: nothing waits on the dead host's desktops. The trainer is SIGKILLed after version 2 and
-started again; it aborts the jobs its first life left out that have not ended.
+running episodes on it that connects from that address (``--bind-address``: the farm's access log
+and Redis's CLIENT LIST show it; Redis has a password, as a cluster's would). The trainer has no
+farm: every rollout is a Celery job, every record comes back on the stream. Host C is lost after
+the first update: its worker is SIGKILLed (its whole process group) and its farm too (its desktops
+die with it); its unacknowledged job goes to worker B after the visibility timeout, under the same
+episode id, and the run still reaches its last version: nothing waits on the dead host's desktops.
+The trainer is SIGKILLed after version 2 and started again; it aborts the jobs its first life left
+out that have not ended.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -75,7 +79,7 @@ def _env() -> dict[str, str]:
 def _start_worker(name: str, farm: HostFarm, broker: RedisServer, log: Path, out: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "osfarm.cli", "worker", "--farm", farm.url, "--token", farm.token, "--broker",
-         broker.url, "--concurrency", "1", "--name", f"{name}@test", "--out", str(out)],
+         broker.url, "--concurrency", "1", "--name", f"{name}@test", "--out", str(out), "--bind-address", farm.host],
         cwd=ROOT, env=_env(), stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
     wait_until(lambda: b" ready." in log.read_bytes() or proc.poll() is not None, 120, f"worker {name} ready")
     assert proc.poll() is None, log.read_text()[-3000:]
@@ -112,6 +116,21 @@ def _wait_version(trainer: subprocess.Popen[bytes], run_dir: Path, version: int,
         time.sleep(0.2)
 
 
+def _redis_peers(r: redis.Redis) -> set[str]:
+    """The addresses Redis sees its clients connect from, but the asking client's own."""
+    me = r.client_id()
+    return {c["addr"].rsplit(":", 1)[0] for c in r.client_list() if int(c["id"]) != me}
+
+
+_ACCESS = re.compile(r'msg="([0-9.]+):\d+ - \\"(\w+) (\S+) HTTP')
+
+
+def _lease_peers(farm: HostFarm) -> Counter[str]:
+    """From the farm's access log: the addresses its lease requests (POST /v1/desktops) came from."""
+    hits = (_ACCESS.search(line) for line in farm.log_path.read_text(errors="replace").splitlines())
+    return Counter(m[1] for m in hits if m and m[2] == "POST" and m[3] == "/v1/desktops")
+
+
 def _rows(run: Path) -> list[dict[str, Any]]:
     p = run / "metrics.jsonl"
     return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.is_file() else []
@@ -129,12 +148,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     workers: dict[str, subprocess.Popen[bytes]] = {}
     trainer: subprocess.Popen[bytes] | None = None
     log = base / "train.log"
-    with RedisServer() as broker:
+    # a password: Redis's protected mode refuses clients from loopback addresses other than 127.0.0.1
+    with RedisServer(password=secrets.token_hex(16)) as broker:
+        r = redis.Redis.from_url(broker.url, decode_responses=True)
         try:
             for f in farms.values():
                 f.start()
             for name, f in farms.items():
                 workers[name] = _start_worker(name, f, broker, base / f"worker-{name}.log", worker_out)
+            redis_peers_workers = _redis_peers(r)  # the two workers alone (the trainer is not started)
             argv = [sys.executable, "-m", "osfarm.cli", "train", "--config", str(cfg), "--executor", "celery",
                     "--broker", broker.url]
             trainer = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=log.open("ab"), stderr=subprocess.STDOUT)
@@ -158,7 +180,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
             assert rc == 0, log.read_text()[-4000:]
             # what the trainer took from the stream, in its journal (acked entries are trimmed from the stream)
             records = [json.loads(x) for x in (run_dir / "stream-journal.jsonl").read_text().splitlines() if x.strip()]
-            r = redis.Redis.from_url(broker.url, decode_responses=True)
+            redis_peers_end = _redis_peers(r)  # worker B and its pool process's stream client (the trainer is gone)
             pending = [g["pending"] for g in r.xinfo_groups(STREAM)]
             _stop_group(workers["b"])  # a warm shutdown: the episode it may still run ends, its lease too
             with farms["b"].client() as c:
@@ -175,7 +197,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     yield {"dir": run_dir, "worker_out": worker_out, "farms": farms, "records": records, "rows": _rows(run_dir),
            "pending": pending,
            "summary": json.loads((run_dir / "summary.json").read_text()), "log": log.read_text(), "workers": workers,
-           "pool_b": pool_b, "left": left, "mid_episode": mid_episode, "killed_rows": killed_rows}
+           "pool_b": pool_b, "left": left, "mid_episode": mid_episode, "killed_rows": killed_rows,
+           "redis_peers": (redis_peers_workers, redis_peers_end),
+           "lease_peers": {name: _lease_peers(f) for name, f in farms.items()}}
 
 
 def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any]) -> None:
@@ -209,6 +233,16 @@ def test_desktops_of_both_hosts_were_used(cluster: dict[str, Any]) -> None:
     assert {u.split("//")[1].split(":")[0] for u in farms} == {"127.0.0.2", "127.0.0.3"}
     per_worker = {k for r in cluster["rows"] for k in r if k.startswith("rollouts_worker_")}  # both processes' rows
     assert {k.removeprefix("rollouts_worker_").split("@")[0] for k in per_worker} == {"b", "c"}, per_worker
+
+
+def test_each_hosts_worker_connects_from_its_own_address(cluster: dict[str, Any]) -> None:
+    """``osfarm worker --bind-address``: the farm saw each host's leases come from that host's
+    address, and Redis its worker's connections (the kernel's choice would be 127.0.0.1 for all)."""
+    assert cluster["lease_peers"]["b"] and set(cluster["lease_peers"]["b"]) == {"127.0.0.2"}, cluster["lease_peers"]
+    assert cluster["lease_peers"]["c"] and set(cluster["lease_peers"]["c"]) == {"127.0.0.3"}, cluster["lease_peers"]
+    workers, end = cluster["redis_peers"]
+    assert workers == {"127.0.0.2", "127.0.0.3"}, workers  # the broker and result backend connections
+    assert end == {"127.0.0.2"}, end  # host C is gone; B's episodes' stream client too came from its address
 
 
 def test_every_episode_is_trained_at_most_once(cluster: dict[str, Any]) -> None:

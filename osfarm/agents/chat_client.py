@@ -25,6 +25,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from osfarm.errors import InfraError, OsfarmError
+from osfarm.http.source_address import async_transport
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 TOKEN_ID_PREFIX = "token_id:"
@@ -196,7 +197,8 @@ class ChatClient:
         loop = asyncio.get_running_loop()
         if self._http is None or self._loop is not loop:  # an AsyncClient belongs to one loop
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-            self._http = httpx.AsyncClient(timeout=self.timeout, headers=headers)
+            # from the process's source address when it has one (a worker bound to its host's address)
+            self._http = httpx.AsyncClient(timeout=self.timeout, headers=headers, transport=async_transport())
             self._loop = loop
         return self._http
 

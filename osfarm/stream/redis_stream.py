@@ -39,6 +39,7 @@ from redis.typing import EncodableT, FieldT, XReadGroupResponse
 
 from osfarm.schema.episode import SchemaError, check_record
 from osfarm.stream.jsonl import JsonlSink, read_jsonl
+from osfarm.stream.redis_source import bound_connection_class
 
 log = logging.getLogger("osfarm.stream")
 
@@ -79,14 +80,20 @@ return {'stored', ARGV[1], entry}
 """
 
 
-def connect(url: str) -> redis.Redis:
-    """A client that retries a command across a short Redis outage (restart, failover)."""
+def connect(url: str, source_address: str | None = None) -> redis.Redis:
+    """A client that retries a command across a short Redis outage (restart, failover); its
+    connections leave from ``source_address`` when given (a worker bound to its host's address)."""
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
+    bound: dict[str, Any] = {}
+    if source_address and url.startswith(("redis://", "rediss://")):  # a unix socket has no source address
+        tls = url.startswith("rediss://")
+        bound = {"connection_class": bound_connection_class(redis.SSLConnection if tls else redis.Connection),
+                 "source_address": source_address}
     return redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5, socket_timeout=30,
                                 health_check_interval=10, retry=Retry(ExponentialBackoff(cap=2.0, base=0.1), 8),
-                                retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+                                retry_on_error=[redis.ConnectionError, redis.TimeoutError], **bound)
 
 
 # one stream entry as read through connect()'s decoding client; fields None: deleted while pending

@@ -23,12 +23,16 @@ from osfarm.testing.unavailable import unavailable
 
 
 class RedisServer:
-    def __init__(self, aof: bool = False, port: int | None = None, data_dir: Path | None = None):
+    def __init__(self, aof: bool = False, port: int | None = None, data_dir: Path | None = None,
+                 password: str | None = None):
+        """``password``: clients must AUTH (it goes into :attr:`url`); without one, Redis's protected
+        mode accepts clients from 127.0.0.1 and ::1 only, not from another loopback address."""
         exe = shutil.which("redis-server")
         if exe is None:
             unavailable("redis-server is not installed (apt-get install redis-server)")
         self.exe = exe
         self.aof = aof
+        self.password = password
         self.port = port or free_port()
         self._own_dir = data_dir is None
         self.dir = Path(data_dir or tempfile.mkdtemp(prefix="osfarm-redis-"))
@@ -36,13 +40,15 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 20.0) -> Self:
         args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--save", "", "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning",
                 "--logfile", str(self.dir / "redis.log")]
         args += ["--appendonly", "yes", "--appendfsync", "always"] if self.aof else ["--appendonly", "no"]
+        args += ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
@@ -58,8 +64,15 @@ class RedisServer:
     def ping(self) -> bool:
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(64).startswith(b"+PONG")
+                auth = f"AUTH {self.password}\r\n".encode() if self.password else b""
+                s.sendall(auth + b"PING\r\n")
+                answer = b""
+                while answer.count(b"\r\n") < (2 if auth else 1):
+                    chunk = s.recv(64)
+                    if not chunk:
+                        break
+                    answer += chunk
+                return answer.endswith(b"+PONG\r\n")
         except OSError:
             return False
 

@@ -26,6 +26,7 @@ from typing import Any
 from celery import Celery
 
 from osfarm.runner.episode import EpisodeConfig
+from osfarm.runner.executors.celery_source import bind_app
 from osfarm.runner.executors.worker_task import run_job
 
 TASK_NAME = "osfarm.run_episode"
@@ -55,7 +56,9 @@ def soft_limit_s(time_limit_s: float, infra_retries: int) -> float:
     return hard_limit_s(time_limit_s, infra_retries) - 15.0
 
 
-def make_app(broker: str) -> Celery:
+def make_app(broker: str, source_address: str | None = None) -> Celery:
+    """The app on ``broker`` (also its result backend); ``source_address``: every Redis connection
+    leaves from it (a worker bound to its host's address)."""
     vis = visibility_timeout_s()
     transport = {"visibility_timeout": vis, "unacked_restore_interval": restore_interval_s(),
                  "unacked_restore_throttle": 1}
@@ -79,6 +82,8 @@ def make_app(broker: str) -> Celery:
         worker_cancel_long_running_tasks_on_connection_loss=False,  # results are idempotent: let them finish
         worker_hijack_root_logger=False,
     )
+    if source_address:
+        bind_app(app, broker, source_address)
     app.task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True)(_run_episode_task)
     return app
 

@@ -14,6 +14,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from osfarm.http.source_address import SourceAddressError, set_source_address
+
 
 def worker_command(
     farm: Annotated[
@@ -39,6 +41,13 @@ def worker_command(
         str | None, typer.Option("--name", help="worker name (default osfarm@<host>-<pid>)", show_default=False)
     ] = None,
     loglevel: Annotated[str, typer.Option("--loglevel", help="Celery log level")] = "info",
+    bind_address: Annotated[
+        str | None,
+        typer.Option("--bind-address", envvar="OSFARM_WORKER_BIND_ADDRESS",
+                     help="this host's address to connect from: the farm, the policy servers and Redis see the "
+                          "worker's connections come from it (one of this machine's addresses)",
+                     show_default=False),
+    ] = None,
 ) -> None:
     """Run episodes queued by `osfarm eval --executor celery` on the farm at --farm."""
     err = Console(stderr=True)
@@ -48,6 +57,13 @@ def worker_command(
     if not broker.startswith(("redis://", "rediss://", "unix://")):
         err.print(f"[bold red]error:[/] --broker must be a Redis URL (redis://host:port/db), got {broker!r}")
         raise typer.Exit(2)
+    source: str | None = None
+    if bind_address:
+        try:  # in the environment: the pool children's farm, policy and Redis clients read it there
+            source = set_source_address(bind_address, "--bind-address")
+        except SourceAddressError as e:
+            err.print(f"[bold red]error:[/] {e}")
+            raise typer.Exit(2) from None
     # the pool children read their settings from the environment (they are forked from here)
     os.environ.update(OSFARM_FARM_URL=farm.rstrip("/"), OSFARM_TOKEN=token, OSFARM_BROKER=broker, OSFARM_STREAM=stream)
     if out is not None:
@@ -56,7 +72,7 @@ def worker_command(
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per farm request drowns the episode log
 
-    app = make_app(broker)
+    app = make_app(broker, source_address=source)
     hostname = name or f"osfarm@{socket.gethostname()}-{os.getpid()}"
     tmp = _private_tmp(hostname)
     try:

@@ -5,7 +5,8 @@ The job (JSON, from the runner): run_id, suite, index, task_id, repeat (one of a
 offline. The worker's own settings come from the environment ``osfarm worker`` sets:
 OSFARM_FARM_URL, OSFARM_TOKEN, OSFARM_BROKER, OSFARM_STREAM (the stream key; empty = no stream),
 OSFARM_WORKER_OUT (write task files there instead of the job's run dir, for workers that do not
-share the runner's filesystem), OSFARM_MAX_DELIVERIES
+share the runner's filesystem), OSFARM_SOURCE_ADDRESS (--bind-address: the farm, policy and Redis
+clients connect from it), OSFARM_MAX_DELIVERIES
 (how many times a job may start running before it is dead-lettered, default 3).
 
 Exactly one result and one record per job, whatever dies:
@@ -38,6 +39,7 @@ from celery.utils.log import get_task_logger
 from osfarm.agents import Agent, make_agent
 from osfarm.client import AsyncFarm
 from osfarm.http.retry import backoff_s
+from osfarm.http.source_address import source_address
 from osfarm.runner.episode import INFRA_ERROR, EpisodeConfig, EpisodeResult, episode_id, run_episode
 from osfarm.runner.executors.rollout_control import ControlledAgent, RolloutAborted, RolloutControl
 from osfarm.runner.results import BlobStore, episode_record, write_task
@@ -81,7 +83,7 @@ def job_repeat(job: dict[str, Any]) -> int | None:
 
 @lru_cache(maxsize=1)
 def _redis() -> redis.Redis:
-    return connect(os.environ.get("OSFARM_BROKER", "redis://127.0.0.1:6379/0"))
+    return connect(os.environ.get("OSFARM_BROKER", "redis://127.0.0.1:6379/0"), source_address=source_address())
 
 
 @lru_cache(maxsize=8)
@@ -282,7 +284,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
                                              interruptible=bool(job.get("interruptible", False)))
 
     async def go() -> EpisodeResult:
-        async with AsyncFarm(farm_url, token, expect_up=True) as farm:  # the worker's farm: ride out its restarts
+        # the worker's farm: ride out its restarts; connect from the worker's --bind-address
+        async with AsyncFarm(farm_url, token, expect_up=True, local_address=source_address()) as farm:
             episode = asyncio.ensure_future(
                 run_episode(farm, task, agent, cache, cfg, job["run_id"], job_repeat(job)))
             if controlled is not None:
