@@ -607,7 +607,7 @@ def test_episode_weighting_keeps_a_long_failure_from_outweighing_a_short_success
 def test_the_budget_resizes_screenshots_and_leaves_overlong_samples_out(model_dir: Path) -> None:
     """The learner's processor resizes as the server was told to (train.yaml's budget), and a sample
     over the token limits is left out of the update and counted, not truncated."""
-    from osfarm.trainer.budget import Budget
+    from osfarm.schema.budget import Budget
 
     big = make_sample([{"role": "user", "content": [
         {"type": "text", "text": "Click."}, {"type": "image_url", "image_url": {"url": _png((1, 2, 3))}}]}],

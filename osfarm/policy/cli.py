@@ -15,6 +15,7 @@ from rich.console import Console
 
 from osfarm.http.hosts import is_loopback_host
 from osfarm.policy.engine import PolicyEngine, resolve_model_path
+from osfarm.policy.run_budget import BudgetError, ServerBudget, server_budget
 from osfarm.policy.sampling import LOGPROBS_MODES, LatencyModel
 from osfarm.policy.tiny import build_tiny_model, tiny_model_dir
 from osfarm.policy.vllm import VllmOptions, compose_command, shell_command
@@ -60,6 +61,13 @@ def serve(
     max_model_len: Annotated[
         int | None, typer.Option("--max-model-len", help="context limit (prompt + max_tokens)")
     ] = None,
+    min_pixels: Annotated[int | None, typer.Option("--min-pixels", min=1, help="screenshot resize lower bound "
+                                                   "(default: the model processor's)", show_default=False)] = None,
+    max_pixels: Annotated[int | None, typer.Option("--max-pixels", min=1, help="screenshot resize upper bound "
+                                                   "(default: the model processor's)", show_default=False)] = None,
+    train_config: Annotated[Path | None, typer.Option("--train-config", help="a trainer's train.yaml: its budget "
+                                                      "sets --min-pixels, --max-pixels and --max-model-len (a flag "
+                                                      "that disagrees is refused)", show_default=False)] = None,
     threads: Annotated[
         int | None, typer.Option("--threads", help="torch CPU threads (default: torch's choice)")
     ] = None,
@@ -90,6 +98,11 @@ def serve(
         raise _fail("--delay-ms and --delay-sigma must be >= 0")
     if max_loras < 1:
         raise _fail(f"--max-loras {max_loras}: must be >= 1")
+    try:
+        limits = server_budget(train_config, ServerBudget(min_pixels=min_pixels, max_pixels=max_pixels,
+                                                          max_model_len=max_model_len))
+    except BudgetError as e:
+        raise _fail(str(e)) from None
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn  # the web stack: only for this command (see the module docstring)
@@ -113,7 +126,9 @@ def serve(
                 version=version,
                 logprobs_mode=logprobs_mode,
                 dtype=dtype,
-                max_model_len=max_model_len,
+                max_model_len=limits.max_model_len,
+                min_pixels=limits.min_pixels,
+                max_pixels=limits.max_pixels,
                 processor_path=tokenizer,
                 enable_lora=enable_lora,
                 max_loras=max_loras,
@@ -149,12 +164,19 @@ def vllm_command(
     max_loras: Annotated[int, typer.Option("--max-loras", help="adapters at once: η + 2 for the trainer")] = 4,
     max_lora_rank: Annotated[int, typer.Option("--max-lora-rank", help="at least learner.lora.r")] = 64,
     max_images: Annotated[int, typer.Option("--max-images", help="at least the agent's history_images")] = 5,
-    min_pixels: Annotated[int, typer.Option("--min-pixels", help="screenshot resize lower bound (a trainer: its "
-                                            "train.yaml budget.min_pixels)")] = VllmOptions().min_pixels,
-    max_pixels: Annotated[int, typer.Option("--max-pixels", help="screenshot resize upper bound (a trainer: its "
-                                            "train.yaml budget.max_pixels)")] = VllmOptions().max_pixels,
-    max_model_len: Annotated[int, typer.Option("--max-model-len", help="prompt + reply tokens (a trainer: "
-                                               "budget.max_prompt_tokens + max_response_tokens)")] = 32768,
+    min_pixels: Annotated[int | None, typer.Option("--min-pixels", min=1, help="screenshot resize lower bound "
+                                                   f"(default: {VllmOptions().min_pixels})",
+                                                   show_default=False)] = None,
+    max_pixels: Annotated[int | None, typer.Option("--max-pixels", min=1, help="screenshot resize upper bound "
+                                                   f"(default: {VllmOptions().max_pixels})",
+                                                   show_default=False)] = None,
+    max_model_len: Annotated[int | None, typer.Option("--max-model-len", min=1, help="prompt + reply tokens "
+                                                      f"(default: {VllmOptions().max_model_len})",
+                                                      show_default=False)] = None,
+    train_config: Annotated[Path | None, typer.Option("--train-config", help="a trainer's train.yaml: its budget "
+                                                      "sets --min-pixels, --max-pixels and --max-model-len "
+                                                      "(max_prompt_tokens + max_response_tokens); a flag that "
+                                                      "disagrees is refused", show_default=False)] = None,
     device: Annotated[list[str] | None, typer.Option("--device", help="cuda:N of this replica (repeat for "
                                                      "tensor parallelism); a trainer's devices.policy entry")] = None,
     compose: Annotated[
@@ -166,10 +188,15 @@ def vllm_command(
         for arg in compose_command():
             print(arg)
         return
+    try:
+        limits = server_budget(train_config, ServerBudget(min_pixels=min_pixels, max_pixels=max_pixels,
+                                                          max_model_len=max_model_len))
+    except BudgetError as e:
+        raise _fail(str(e)) from None
     opts = VllmOptions(model=model, served_model_name=served_model_name, port=port, max_loras=max_loras,
-                       max_lora_rank=max_lora_rank, max_images=max_images, min_pixels=min_pixels,
-                       max_pixels=max_pixels, max_model_len=max_model_len,
+                       max_lora_rank=max_lora_rank, max_images=max_images,
                        tensor_parallel_size=max(1, len(device or [])))
+    opts = opts.model_copy(update={k: v for k, v in limits.model_dump().items() if v is not None})
     print(shell_command(opts, device or None))
 
 

@@ -29,6 +29,7 @@ from osfarm.policy.progress import hf_progress_bars_off
 from osfarm.policy.sampling import LogprobsMode, SamplingParams, cut_at_stop, finite_logprob, sequence_end
 from osfarm.policy.streaming import ChoiceDelta, StepObserver
 from osfarm.policy.tiny import tiny_model_dir
+from osfarm.schema.budget import Budget
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,8 @@ class PolicyEngine:
         logprobs_mode: LogprobsMode = "processed",
         dtype: str = "float32",
         max_model_len: int | None = None,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
         processor_path: Path | None = None,
         enable_lora: bool = False,
         max_loras: int = 8,
@@ -138,6 +141,8 @@ class PolicyEngine:
         self.dtype = dtype
         # tokenizer + image processor: from the model dir unless given (a bare checkpoint has none)
         self.processor = load_processor(Path(processor_path) if processor_path else self.model_path)
+        # a run's budget: screenshots resized as the agent maps coordinates and the learner rebuilds them
+        Budget(min_pixels=min_pixels, max_pixels=max_pixels).apply_to_processor(self.processor)
         self.tokenizer = self.processor.tokenizer
         model = self._load_full(self.model_path)
         text_config = model.config.get_text_config()

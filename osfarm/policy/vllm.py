@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
+from osfarm.schema.budget import Budget
+
 VLLM_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
@@ -46,6 +48,13 @@ class VllmOptions(BaseModel):
     max_loras: int = 4
     gpu_memory_utilization: float = 0.90
     tensor_parallel_size: int = 1
+
+    def with_budget(self, budget: Budget) -> VllmOptions:
+        """These options with a run's budget (train.yaml's ``budget``): its resize bounds and, with
+        both token limits, ``max_model_len`` = prompt + response; what it leaves unset stays."""
+        update = {k: v for k, v in (("min_pixels", budget.min_pixels), ("max_pixels", budget.max_pixels),
+                                    ("max_model_len", budget.max_model_len)) if v is not None}
+        return self.model_copy(update=update)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from osfarm.config import read_yaml_mapping, validation_message
 from osfarm.errors import OsfarmError
 from osfarm.policy.client import PolicyServer
-from osfarm.trainer.budget import Budget
+from osfarm.schema.budget import Budget
 from osfarm.trainer.curriculum import Curriculum
 from osfarm.trainer.learner import LearnerOptions
 from osfarm.trainer.metrics import WandbOptions

@@ -47,7 +47,6 @@ from typing import Any
 import torch
 
 from osfarm.policy.processing import encode_chat, load_processor
-from osfarm.policy.progress import hf_progress_bars_off
 from osfarm.trainer.advantages import episode_weights
 from osfarm.trainer.batching import Encoded, MicroBatch, collate, encode_sample, plain_token, response_mask
 from osfarm.trainer.checkpoint import (
@@ -79,6 +78,7 @@ from osfarm.trainer.learner_options import (
 )
 from osfarm.trainer.learner_saving import CheckpointWriter, gather
 from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
+from osfarm.trainer.model_init import load_model, load_reference, shard_from_rank0
 from osfarm.trainer.samples import Sample
 from osfarm.trainer.schedule import lr_factor
 
@@ -86,13 +86,6 @@ __all__ = ["Encoded", "Learner", "LearnerOptions", "LoraOptions", "LossOptions",
            "latest_checkpoint", "read_state", "response_mask", "STATE_FILE"]
 
 log = logging.getLogger("osfarm.trainer.learner")
-
-
-def load_model(path: Path, dtype: torch.dtype) -> Any:
-    from transformers import AutoModelForImageTextToText
-
-    with hf_progress_bars_off():
-        return AutoModelForImageTextToText.from_pretrained(str(path), dtype=dtype)
 
 
 def load_model_and_processor(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
@@ -123,7 +116,9 @@ class Learner:
         self.pad_id = plain_token(self.processor.tokenizer)
         # full fine-tuning: every weight is trained, so all are kept in the master dtype; LoRA: the
         # frozen base stays in the compute dtype and only the adapter is upcast
-        self.model = load_model(self.model_path, self.compute_dtype if self.lora else self.master_dtype)
+        # under FSDP only rank 0 reads the weights; the others build the empty tree (model_init.py)
+        self.model = load_model(self.model_path, self.compute_dtype if self.lora else self.master_dtype,
+                                meta=self.fsdp and not self.ctx.is_main)
         if self.opts.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         if self.opts.lora is not None:
@@ -135,22 +130,23 @@ class Learner:
             for p in self.model.parameters():
                 if p.requires_grad:
                     p.data = p.data.to(self.master_dtype)
-        if before_sharding is not None:  # e.g. resume: the fp32 master weights, the adapter
+        if before_sharding is not None and (self.ctx.is_main or not self.fsdp):  # e.g. resume: the fp32
+            # master weights, the adapter (under FSDP into rank 0's model, which the others' shards come from)
             before_sharding(self)
         # FSDP2 casts the shards to the compute dtype itself; elsewhere autocast runs the mixed passes
         self.autocast = (not self.fsdp) and self.compute_dtype != self.master_dtype
         if self.fsdp:
-            self._shard()
+            shard_from_rank0(self.model, self.ctx, self.device, self.compute_dtype)
         else:
             self.model.to(self.device)
         # The KL reference stays frozen for the whole run; with LoRA it is the base model itself
         # (adapters switched off), so no second copy is loaded.
         self.ref_model: Any = None
-        self.ref_device = torch.device(self.opts.reference_device) if self.opts.reference_device else self.device
+        self.ref_device = (torch.device(self.opts.reference_device) if self.opts.reference_device and not self.fsdp
+                           else self.device)  # under FSDP the reference is sharded like the policy
         if self.opts.loss.kl_coef > 0 and not self.lora:
-            self.ref_model = load_model(Path(self.opts.reference or self.model_path),
-                                        self.compute_dtype).to(self.ref_device)
-            self.ref_model.eval().requires_grad_(False)
+            self.ref_model = load_reference(Path(self.opts.reference or self.model_path), self.compute_dtype,
+                                            self.ctx, self.ref_device, fsdp=self.fsdp)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=self.opts.lr, weight_decay=self.opts.weight_decay,
                                            betas=self.opts.betas)
@@ -159,23 +155,6 @@ class Learner:
         self.counters: dict[str, int] = {"updates": 0, "samples": 0, "tokens": 0, "optimizer_steps": 0,
                                          "skipped_steps": 0, "skipped_updates": 0}
         self.writer = CheckpointWriter()
-
-    def _shard(self) -> None:
-        """FSDP2: each language-model decoder layer its own unit, then the root; fp32 master
-        shards, compute in the compute dtype, gradients reduced in fp32.
-
-        The vision tower stays in the root unit: a rank whose micro-batch has no image skips it,
-        and a unit of its own would then all-gather on some ranks and not on others (a collective
-        mismatch that hangs or aborts the ranks); the root unit is gathered by every forward."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        self.model.to(self.device)
-        mp = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        units = set(getattr(self.model, "_no_split_modules", None) or [])
-        for name, m in self.model.named_modules():
-            if type(m).__name__ in units and "visual" not in name.split(".") and "Vision" not in type(m).__name__:
-                fully_shard(m, mp_policy=mp)
-        fully_shard(self.model, mp_policy=mp)
 
     # -- encoding and forward -------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from typing import Literal
 import torch
 from pydantic import AliasChoices, BaseModel, Field
 
-from osfarm.trainer.budget import Budget
+from osfarm.schema.budget import Budget
 from osfarm.trainer.distributed import DistContext
 from osfarm.trainer.losses import Aggregation, KLKind
 

@@ -35,6 +35,7 @@ from osfarm.farm.local import local_farm_settings, start_local_farm
 from osfarm.farm.server import FarmServer
 from osfarm.policy.client import PolicyServer
 from osfarm.policy.process import PolicyProcess, PolicyStartError
+from osfarm.policy.run_budget import ServerBudget
 from osfarm.policy.tiny import tiny_model_dir
 from osfarm.tasks.model import Task
 from osfarm.tasks.suite import OSWORLD_INDEX, Suite, load_suite
@@ -282,7 +283,7 @@ class RunResources:
                 env = {"CUDA_VISIBLE_DEVICES": devices[i].partition(":")[2] or "0"}
             self.processes.append(PolicyProcess(model, version, p.model_name, self.run_dir / f"policy-{i}.log",
                                                 delay_ms=p.delay_ms, threads=threads, delay_sigma=p.delay_sigma,
-                                                env=env))
+                                                env=env, extra_args=ServerBudget.of(self.cfg.budget).serve_args()))
         with self.console.status(f"starting {p.spawn} policy server(s) ..."):
             for proc in self.processes:
                 try:

@@ -1,11 +1,14 @@
 """One image and length budget per run (``budget:`` in train.yaml).
 
-The screenshot's resize bounds and the token limits are set here once and handed to the three
-places that must agree: the vLLM command line (its processor resizes the screenshots the model
-sees), the agent (UI-TARS coordinates are in that resized image) and the learner (its processor
-must rebuild the very prompt the server saw, or every importance weight is skewed). A sample over
-the token limits is left out of the update and counted (``overlong_samples``), never truncated:
-a cut reply is not what the policy produced.
+The screenshot's resize bounds and the token limits are set here once and handed to everything
+that must agree: the policy server's processor (vLLM's command line, ``osfarm policy serve``'s
+flags: both resize the screenshots the model sees), the agent (UI-TARS coordinates are in that
+resized image) and the learner (its processor must rebuild the very prompt the server saw, or
+every importance weight is skewed). It is a schema because the policy side and the trainer side
+both read it (``osfarm policy vllm-command --train-config``, ``osfarm policy serve``; the
+trainer), and neither may import the other. A sample over the token limits is left out of the
+update and counted (``overlong_samples``), never truncated: a cut reply is not what the policy
+produced.
 """
 
 from __future__ import annotations
@@ -13,8 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from osfarm.policy.vllm import VllmOptions
 
 
 class Budget(BaseModel):
@@ -35,15 +36,12 @@ class Budget(BaseModel):
             raise ValueError(f"min_pixels ({self.min_pixels}) is over max_pixels ({self.max_pixels})")
         return self
 
-    def vllm_options(self, base: VllmOptions | None = None) -> VllmOptions:
-        """``base`` (default: osfarm's) with this budget's resize bounds and, with both token
-        limits, ``max_model_len`` = prompt + response."""
-        o = base or VllmOptions()
-        update: dict[str, Any] = {k: v for k, v in (("min_pixels", self.min_pixels),
-                                                   ("max_pixels", self.max_pixels)) if v is not None}
-        if self.max_prompt_tokens is not None and self.max_response_tokens is not None:
-            update["max_model_len"] = self.max_prompt_tokens + self.max_response_tokens
-        return o.model_copy(update=update)
+    @property
+    def max_model_len(self) -> int | None:
+        """A policy server's context limit: prompt + response tokens (None unless both are set)."""
+        if self.max_prompt_tokens is None or self.max_response_tokens is None:
+            return None
+        return self.max_prompt_tokens + self.max_response_tokens
 
     def agent_options(self) -> dict[str, int]:
         """The VLM agent's options this budget sets."""
