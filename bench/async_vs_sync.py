@@ -15,17 +15,26 @@ CPUs: on a 2-core machine rollouts and learner then slow each other down and asy
 A real learner's update takes as long as the rollouts or longer (a 7B VLM on 15-step episodes);
 the tiny model's takes 0.5 s. ``--update-ratios`` models it the way ``--delay-ms`` models the
 policy's latency: a first η = 0 run measures a batch's rollout time R (wall per update minus the
-update), then every η runs with each update held r × R (``learner.simulated_update_s``, a sleep on
-the learner's thread) for each ratio r. With the update as long as the rollouts, synchronous
-training waits for both in turn and asynchronous overlaps them: up to 2x the samples/s.
+update) and its samples per update S, then every η runs with each update held r × R / S seconds
+per sample it trains (``learner.simulated_sample_s``, a sleep on the learner's thread) for each
+ratio r. The hold is per sample, not per update, because a real update's time grows with its
+batch and the settings' batches differ: a synchronous batch is whole episodes (8 × 5 steps = 40
+samples) while an asynchronous one is cut where the newest episodes end (28-32); a fixed hold per
+update would charge the bigger batch nothing extra and flatter samples/s of η = 0. With the
+update as long as the rollouts, synchronous training waits for both in turn and asynchronous
+overlaps them: up to 2x the samples/s.
 
 Throughput is measured from the first update to the last (the start-up and the first batch,
 identical in all settings, are left out): learner samples/s = samples trained / wall seconds;
-environment utilisation = busy desktop-seconds / (desktops × wall seconds).
+environment utilisation = busy desktop-seconds / (desktops × wall seconds); learner utilisation
+= seconds spent in updates / wall seconds (where the overlap is lost shows in the two together).
+
+``--quick`` (about 10 minutes on a loaded 2-core machine): 4 updates, 4 desktops, batch 4, policy
+latency 1 s σ 0.5, η 0, 1, 2, 4 at update ratios 0.5, 1, 2.
 
     python bench/async_vs_sync.py [--updates 5 --envs 8 --batch-size 8 --delay-ms 4000 --delay-sigma 1]
         [--etas 0,1,2,4] [--update-ratios 0.5,1,2 [--update-s 20]]
-        [--learner-cpus 0|none] [--suite DIR --max-steps N] [--out figures.json]
+        [--learner-cpus 0|none] [--suite DIR --max-steps N] [--out figures.json] [--quick]
 
 Default workload: the 5-step choice task of ``bench/fixtures/multistep_suite`` (each step a policy
 call with lognormal latency, median 4 s, σ 1, as a GPU server's generation time varies with the
@@ -65,6 +74,8 @@ def measure(rows: list[dict[str, Any]], envs: int) -> dict[str, float]:
     return {"wall_s": wall, "samples": samples, "samples_per_s": samples / wall,
             "episodes_per_s": episodes / wall, "env_utilisation": busy / (envs * wall),
             "update_s_mean": sum(r["update_s"] for r in steady) / len(steady),
+            "learner_utilisation": sum(r["update_s"] for r in steady) / wall,
+            "samples_per_update": samples / len(steady),
             "staleness_max": max(r["staleness_max"] for r in steady)}
 
 
@@ -73,7 +84,12 @@ def rollout_seconds(res: dict[str, float], updates: int) -> float:
     return max(res["wall_s"] / (updates - 1) - res["update_s_mean"], 0.0)
 
 
-def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console, update_s: float = 0.0,
+def sample_seconds(res: dict[str, float], updates: int, ratio: float) -> float:
+    """The hold per sample that makes a synchronous update ``ratio`` × its batch's rollout time."""
+    return ratio * rollout_seconds(res, updates) / res["samples_per_update"]
+
+
+def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console, sample_s: float = 0.0,
             name: str = "") -> dict[str, float]:
     run_dir = root / (name or f"eta{eta}")
     cfg = load_train_config(args.config, run_dir=run_dir, updates=args.updates, resume=False)
@@ -89,12 +105,12 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console, up
         "metrics": cfg.metrics.model_copy(update={"plot": False}),
         # a small step keeps the choice task from saturating: an all-success group has no GRPO
         # signal and is dropped, which would stall the run (throughput is measured, not learning)
-        "learner": cfg.learner.model_copy(update={"lr": args.lr, "simulated_update_s": update_s}),
+        "learner": cfg.learner.model_copy(update={"lr": args.lr, "simulated_sample_s": sample_s}),
         "farm": cfg.farm.model_copy(update={"overrides": {**cfg.farm.overrides, "reset_mode": args.reset_mode}}),
         "max_episodes": args.max_episodes,
         "learner_cpus": args.learner_cpus,
     })
-    console.rule(f"η = {eta}, update held {update_s:.1f} s")
+    console.rule(f"η = {eta}, update held {sample_s:.2f} s per sample")
     t0 = time.time()
     train(cfg, console)
     res = measure(read_rows(run_dir / "metrics.jsonl"), args.envs)
@@ -131,10 +147,17 @@ def main() -> None:
     ap.add_argument("--update-ratios", default="",
                     help="model a real learner: update held r × a batch's rollout time (measured by a first η=0 "
                          "run) for each r, e.g. 0.5,1,2 (default: the tiny model's own update time)")
-    ap.add_argument("--update-s", type=float, default=None,
-                    help="with --update-ratios: a batch's rollout time in seconds (skips the measuring run)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smaller run that fits ~10 min: 4 updates, 4 desktops, batch 4, latency 1 s σ 0.5, "
+                         "ratios 0.5,1,2 (flags given explicitly still win)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     args = ap.parse_args()
+    if args.quick:
+        quick = {"updates": 4, "envs": 4, "batch_size": 4, "delay_ms": 1000.0, "delay_sigma": 0.5,
+                 "update_ratios": "0.5,1,2"}
+        for k, v in quick.items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
     args.learner_cpus = None if args.learner_cpus == "none" else [int(c) for c in args.learner_cpus.split(",")]
     os.environ.setdefault("OSFARM_STATE_DIR", "/tmp/of-bench-async")
     console = Console(stderr=True)
@@ -150,17 +173,19 @@ def main() -> None:
             show(results, title)
             figures = {str(k): v for k, v in results.items()}
         else:
-            rollout_s = args.update_s
-            if rollout_s is None:
-                base = run_one(0, args, Path(tmp), console, name="measure")
-                rollout_s = rollout_seconds(base, args.updates)
-                figures["measured"] = base
-            figures["rollout_s"] = rollout_s
+            base = run_one(0, args, Path(tmp), console, name="measure")
+            rollout_s = rollout_seconds(base, args.updates)
+            figures.update(measured=base, rollout_s=rollout_s)
+            every: dict[str, dict[int, dict[str, float]]] = {}
             for r in ratios:
-                held = r * rollout_s
-                results = {eta: run_one(eta, args, Path(tmp), console, held, f"r{r:g}-eta{eta}") for eta in etas}
-                show(results, f"{title}; update held {held:.1f} s = {r:g} × a batch's rollout time {rollout_s:.1f} s")
-                figures[f"ratio {r:g}"] = {str(k): v for k, v in results.items()}
+                per = sample_seconds(base, args.updates, r)
+                every[f"{r:g}"] = {eta: run_one(eta, args, Path(tmp), console, per, f"r{r:g}-eta{eta}")
+                                   for eta in etas}
+                figures[f"ratio {r:g}"] = {str(k): v for k, v in every[f"{r:g}"].items()}
+            for r, results in every.items():  # the tables together at the end, where they are read
+                per = sample_seconds(base, args.updates, float(r))
+                show(results, f"{title}; update held {per:.2f} s per sample = {r} × a batch's rollout time "
+                              f"{rollout_s:.1f} s over its {base['samples_per_update']:.0f} samples")
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2))
 
@@ -168,12 +193,15 @@ def main() -> None:
 def show(results: dict[int, dict[str, float]], title: str) -> None:
     base = results.get(0)
     table = Table(title=title)
-    for col in ("η", "samples/s", "× sync", "episodes/s", "env utilisation", "update s", "max staleness", "wall s"):
+    for col in ("η", "samples/s", "× sync", "episodes/s", "× sync", "env util", "learner util", "samples/update",
+                "update s", "max staleness", "wall s"):
         table.add_column(col, justify="right")
     for eta, r in results.items():
         ratio = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
+        eps = r["episodes_per_s"] / base["episodes_per_s"] if base else float("nan")
         table.add_row(str(eta), f"{r['samples_per_s']:.3f}", f"{ratio:.2f}", f"{r['episodes_per_s']:.3f}",
-                      f"{r['env_utilisation']:.2f}", f"{r['update_s_mean']:.1f}", str(r["staleness_max"]),
+                      f"{eps:.2f}", f"{r['env_utilisation']:.2f}", f"{r['learner_utilisation']:.2f}",
+                      f"{r['samples_per_update']:.1f}", f"{r['update_s_mean']:.1f}", str(r["staleness_max"]),
                       f"{r['wall_s']:.0f}")
     Console().print(table)
 

@@ -450,8 +450,9 @@ class Learner:
             self.counters["skipped_updates"] += 1
             log.warning("update skipped: every optimizer step had a non-finite gradient (version stays %d)",
                         self.version)
-        if self.opts.simulated_update_s:  # the learner's thread, never the event loop, waits here
-            time.sleep(self.opts.simulated_update_s)
+        held = self.opts.simulated_update_s + self.opts.simulated_sample_s * len(samples)
+        if held:  # the learner's thread, never the event loop, waits here
+            time.sleep(held)
         extra = {f"loss/{k}": v for k, v in stat_sums.items()}
         extra["steps_taken"] = float(taken)
         extra["overlong_samples"] = float(len(over))

@@ -81,6 +81,8 @@ class LearnerOptions(BaseModel):
     simulated_update_s: float = Field(default=0.0, ge=0.0, description="benchmarks: each update also holds the "
                                       "learner this many seconds, off the CPUs (a real model's GPU update time on "
                                       "the tiny model, as policy.delay_ms models the policy server's)")
+    simulated_sample_s: float = Field(default=0.0, ge=0.0, description="benchmarks: and this many seconds per "
+                                      "sample trained (a real update's time grows with its batch)")
     seed: int = 0
 
 
