@@ -128,6 +128,21 @@ def _patch_pyautogui_x11(pyautogui):
     x11._keyDown, x11._keyUp = key_down, key_up
 
 
+def _prctl(option, value):
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
+    except Exception:
+        pass
+
+
+def _guard_zygote():
+    """The zygote is not dumpable: its children run the agent's code as the same user, and a
+    dumpable parent would let them open /proc/<zygote>/mem (state kept for the next action's
+    child, which starts from that memory), trace it, or open its fds (the pipes to the guest)."""
+    _prctl(4, 0)  # PR_SET_DUMPABLE
+
+
 _ns = {"__name__": "__main__", "__builtins__": __builtins__}
 _settle = None  # "settle": the module with InputSettle, shipped next to this file
 _spare = None  # "settle": X connections opened for the next forked child
@@ -146,6 +161,7 @@ try:
         _settle = importlib.util.module_from_spec(_spec)
         _spec.loader.exec_module(_settle)
         from Xlib import display as _xdisplay
+        _guard_zygote()
     else:
         _patch_pyautogui_x11(_ns["pyautogui"])
 except BaseException:
@@ -154,14 +170,12 @@ _send({"ready": True, "error": _boot_error})
 
 
 def _die_with_zygote(zygote):
-    """The guest kills the zygote on a timeout: its child running the code must go with it."""
-    try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
-    except Exception:
-        pass
+    """The guest kills the zygote on a timeout: its child running the code must go with it (the
+    guest also kills the child by the pid the zygote reported: code can clear this signal)."""
+    _prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
     if os.getppid() != zygote:  # it died before the prctl took
         os._exit(1)
+    _prctl(4, 1)  # dumpable again, as any process the agent starts (its /proc entries its own)
 
 
 def _settled_child(run_id, code, zygote):
@@ -247,6 +261,7 @@ def _run_forked(run_id, code):
         finally:
             os._exit(0)
     os.close(w)
+    _send({"id": run_id, "child": pid})  # the guest kills it on a timeout, with this process
     if _spare is not None:  # the child's now: let go of this process's end, telling the server nothing
         _spare[0].display.socket.close()
         _spare[1].forget()

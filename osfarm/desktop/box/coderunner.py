@@ -28,10 +28,12 @@ Thread-safety: ``run`` calls are serialised with a lock; one runner serves one d
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
 import shutil
+import signal
 import stat
 import struct
 import subprocess
@@ -228,9 +230,16 @@ class CodeRunner:
             self._run_id += 1
             run_id = self._run_id
             t_run = time.monotonic()
+            zygote = self._proc.pid if self._proc is not None else 0
+            child: int | None = None  # settle: a pidfd of the child the zygote forked for this code
+            answered = False
             try:
                 self._send({"id": run_id, "code": code})
                 reply = self._recv(t_run + timeout)
+                if "child" in reply:
+                    child = _open_child(reply["child"], zygote)
+                    reply = self._recv(t_run + timeout)
+                answered = True
             except TimeoutError:
                 out = self._take_output(run_id)
                 self._stop(kill=True)
@@ -247,6 +256,13 @@ class CodeRunner:
                     ok=False, output=out, error=f"interpreter exited (exit code {rc})",
                     t_ms=(time.perf_counter() - t0) * 1000,
                 )
+            finally:
+                if child is not None:
+                    # The child dies with its zygote, but the code can clear that signal: on a
+                    # timeout or a lost zygote the child must not run on after its action.
+                    if not answered:
+                        _kill_child(child)
+                    os.close(child)
             out = self._take_output(run_id)
             err = reply.get("error")
             return CodeResult(
@@ -274,6 +290,31 @@ def run_fresh(code: str, timeout: float = 30.0, env: dict[str, str] | None = Non
         return runner.run(code, timeout)
     finally:
         runner.close()
+
+
+def _open_child(pid: object, zygote: int) -> int | None:
+    """A pidfd of the settle zygote's child ``pid`` (a number the agent's side sent: taken only
+    where that process's parent is the zygote), or None."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        return None
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:  # gone already
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            ppid = next((line.split()[1] for line in f if line.startswith("PPid:")), "")
+    except OSError:
+        ppid = ""
+    if ppid != str(zygote):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _kill_child(pidfd: int) -> None:
+    with contextlib.suppress(OSError):
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
 
 
 def _last_lines(text: str) -> str:

@@ -269,7 +269,7 @@ class Desktop:
         return list_windows(display=self.display)
 
     def close(self) -> None:
-        for obj in (self._recorder, self._runner, self._input, self._capture):
+        for obj in (self._recorder, self._runner, self._settle_runner, self._input_settle, self._input, self._capture):
             obj.close()
         try:
             close_connections()
