@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from osfarm.client import Farm, FarmUnreachableError, RemoteDesktop
 from osfarm.desktop.box.coderunner import CodeRunner
 from osfarm.desktop.guest.native_routes import focus_may_move
+from osfarm.desktop.x11 import input_settle
 from osfarm.farm.server import FarmServer
 from osfarm.schema.actions import parse_actions
 from osfarm.testing.race_dialog import TK_RACE_DIALOG
@@ -30,14 +32,14 @@ def probe(results: list) -> list[tuple[str, ...]]:
     return [tuple(r.output.split()) for r in results if r.output]
 
 
-def read_state(desk: RemoteDesktop) -> dict:
+def read_state(desk: RemoteDesktop, path: str = STATE) -> dict:
     for _ in range(20):
         try:
-            r = desk.guest("POST", "/file", data={"file_path": STATE}, check=False)
+            r = desk.guest("POST", "/file", data={"file_path": path}, check=False)
         except FarmUnreachableError:  # replaced while being sent: read it again
             continue
         return json.loads(r.content) if r.status_code == 200 else {}
-    raise RuntimeError(f"cannot read {STATE}")
+    raise RuntimeError(f"cannot read {path}")
 
 
 def reset_dialog(desk: RemoteDesktop) -> None:
@@ -118,3 +120,46 @@ def test_the_longer_quiet_follows_what_may_move_the_focus() -> None:
                {"action_type": "SCROLL", "parameters": {"dx": 0, "dy": 1}}]
     assert [focus_may_move(a) for a in parse_actions(longer, 100, 100, strict=True)] == [True] * len(longer)
     assert [focus_may_move(a) for a in parse_actions(shorter, 100, 100, strict=True)] == [False] * len(shorter)
+
+
+
+# In the box, with the wait's own module (its source, as the code runner ships it): a click, then
+# the wait after a mouse button; prints, per click, whether the wait found that no app got it.
+CLICK_PROBE = r"""
+import json, os
+from Xlib import X, display
+from Xlib.ext import xtest
+ns = {"__name__": "osfarm_input_settle"}
+exec(compile(SOURCE, "input_settle.py", "exec"), ns)
+settle, d = ns["InputSettle"](os.environ["DISPLAY"]), display.Display(os.environ["DISPLAY"])
+def click(x, y):
+    settle.arm()
+    xtest.fake_input(d, X.MotionNotify, x=x, y=y)
+    xtest.fake_input(d, X.ButtonPress, 1)
+    xtest.fake_input(d, X.ButtonRelease, 1)
+    d.sync()
+    settle.wait(0.1, True, button=True)
+    return settle.last_click_reached_nobody
+screen = d.screen()
+print(json.dumps([click(*p) for p in POINTS + [(screen.width_in_pixels - 150, screen.height_in_pixels // 2)]]))
+"""
+
+
+def test_a_click_no_app_gets_waits_only_for_quiet(farm: FarmServer) -> None:
+    """After a mouse button the settle wait looks at what is under the pointer: a click on the
+    empty desktop (the root window, or the window manager's input-only guard window) reaches no
+    app, so the longer quiet (and, as nothing draws, the whole cap) is not waited; a click on an
+    app's window, here the race dialog's fields, keeps it. Fails if an app's window is taken for
+    the empty desktop (typing after the click would race) or the empty desktop is not recognised."""
+    state = "/home/user/settle_nobody.json"
+    source = Path(input_settle.__file__).read_text(encoding="utf-8")
+    with Farm(farm.url, farm.token) as f, f.lease(wait_s=120) as desk:
+        desk.guest("POST", "/setup/launch", json={"command": ["python3", "-c", TK_RACE_DIALOG, state, str(DELAY_MS)]})
+        deadline = time.monotonic() + 60
+        while not (geo := read_state(desk, state)).get("at"):
+            assert time.monotonic() < deadline, "the dialog did not start"
+            time.sleep(0.2)
+        fields = [(geo["find_at"]["x"], geo["find_at"]["y"]), (geo["at"]["x"], geo["at"]["y"])]
+        sr = desk.step([f"SOURCE = {source!r}\nPOINTS = {fields!r}\n" + CLICK_PROBE], timing="fast")
+        assert sr.results[0].ok, sr.results[0].error
+        assert json.loads(sr.results[0].output or "[]") == [False, False, True]

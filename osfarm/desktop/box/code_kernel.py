@@ -195,26 +195,29 @@ def _settled_child(run_id, code, zygote):
         x11._display = conn
     _patch_pyautogui_x11(pyautogui)
     default_pause, sleep_pause = pyautogui.PAUSE, pyautogui._handlePause
-    focus = [False]  # whether the call being paused after may move the focus (input_settle.focus_key)
+    # whether the call being paused after may move the focus (input_settle.focus_key), and whether
+    # it pressed a mouse button (the wait then looks whether any app got the click)
+    focus = [False, False]
 
-    def flag(fn, when):
+    def flag(fn, when, button=False):
         def flagged(*args, **kwargs):
             if when(*args):
                 focus[0] = True
+                focus[1] = focus[1] or button
             return fn(*args, **kwargs)
         return flagged
 
     if x11 is not None:
         for name in ("_mouseDown", "_mouseUp", "_click"):
             if hasattr(x11, name):
-                setattr(x11, name, flag(getattr(x11, name), lambda *a: True))
+                setattr(x11, name, flag(getattr(x11, name), lambda *a: True, button=True))
         if hasattr(x11, "_keyDown"):
             x11._keyDown = flag(x11._keyDown, lambda key, *a: isinstance(key, str) and _settle.focus_key(key))
 
     def settled_pause(_pause):
-        focus_may_move, focus[0] = focus[0], False
+        (focus_may_move, button), focus[:] = focus[:], [False, False]
         if _pause and pyautogui.PAUSE == default_pause:
-            settle.wait(default_pause, focus_may_move)
+            settle.wait(default_pause, focus_may_move, button)
         else:  # the code set its own PAUSE: it gets the sleep it asked for, as under OSWorld
             sleep_pause(_pause)
 

@@ -153,7 +153,8 @@ def run_actions(desk: Desktop, actions: list[Action], code_timeout: float,
                     if timing == "osworld":
                         time.sleep(OSWORLD_PAUSE_S)
                     elif timing == "settle":
-                        desk.input_settle.wait(OSWORLD_PAUSE_S, focus_may_move=focus_may_move(a))
+                        desk.input_settle.wait(OSWORLD_PAUSE_S, focus_may_move=focus_may_move(a),
+                                              button=isinstance(a, BUTTON_ACTIONS))
                 except ActionError as e:
                     results.append(ActionResult(index=i, ok=False, error=str(e)))
                 except Exception as e:  # an X error must not lose the step's results

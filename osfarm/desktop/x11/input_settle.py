@@ -23,6 +23,20 @@ failed that way). Keys sent in that gap land in the old place. No X signal tells
 timer from an idle app, so only a wait covers it, and this one is what keeps ``settle`` as right
 as OSWorld's fixed pause there.
 
+A mouse button (``button=True``) that no app gets ends after ``QUIET_S``: the pointer is over the
+root window or over the window manager's input-only guard window (GNOME's mutter keeps one under
+every window, over the empty desktop), and no window holding ``WM_STATE`` (an app's window) is
+there. Nobody reads that click, so nothing deferred can follow it; without this a click on the
+empty desktop, which draws nothing, waited the whole cap.
+
+Why not ask the app whether it has handled a click (``_NET_WM_PING``: GTK, Qt, Tk, Chromium and
+LibreOffice answer it from their event loop, so the answer comes after the app read the click)?
+Tried, with a DAMAGE object on the clicked app's own window to see whether it drew where the
+click landed: the Tk race dialog answers the ping at once and, under a window manager, repaints
+the clicked field at once too, then moves the focus 30-60 ms later from a timer. An answered ping
+and a repaint say the app read the click, not that it has finished acting on it; typing after them
+landed in the old field (tests/test_settle_timing.py). So a click on an app keeps the longer quiet.
+
 Why not more: ``_NET_WM_SYNC_REQUEST`` needs the SYNC extension's counters, which python-xlib
 does not wrap (no ``Xlib.ext.xsync``), and only GTK/Qt windows answer it (Tk, xterm and
 LibreOffice's own toolkit do not); AT-SPI focus events arrive over D-Bus with more latency than
@@ -38,7 +52,9 @@ from __future__ import annotations
 import select
 import time
 
+from Xlib import X
 from Xlib import display as xdisplay
+from Xlib import error as xerror
 
 CAP_S = 0.1  # pyautogui.PAUSE's default: never wait longer than OSWorld would have slept
 # How long the screen must stay unchanged after the app's first repaint. Toolkits paint an answer
@@ -67,6 +83,8 @@ class InputSettle:
         # the server's extension and python-xlib's wrapper of it (older ones have none)
         self.damage_ok = self._d.has_extension("DAMAGE") and hasattr(self._d, "damage_subtract")
         self._damage = 0
+        self._wm_state = self._d.intern_atom("WM_STATE")
+        self.last_click_reached_nobody = False  # what the wait after the last mouse button found (tests read it)
         if self.damage_ok:
             self._d.damage_query_version()  # the server must hear a version before DamageCreate
             root = self._d.screen().root
@@ -95,10 +113,11 @@ class InputSettle:
         self._d.sync()
         self._drain()
 
-    def wait(self, cap: float = CAP_S, focus_may_move: bool = False) -> float:
+    def wait(self, cap: float = CAP_S, focus_may_move: bool = False, button: bool = False) -> float:
         """Block until the app answered the last input event and went quiet, or ``cap`` seconds
         passed; returns the seconds waited. ``focus_may_move``: the event was a mouse button
-        or a :func:`focus_key` (see the module docstring). Re-arms for the next event."""
+        or a :func:`focus_key`; ``button``: it was a mouse button, which no app may have got (see
+        the module docstring). Re-arms for the next event."""
         t0 = time.monotonic()
         deadline = t0 + cap
         if not self.damage_ok:
@@ -106,8 +125,13 @@ class InputSettle:
             return cap
         quiet = QUIET_AFTER_FOCUS_S if focus_may_move else QUIET_S
         self._d.sync()  # XSync: the input is dispatched; damage it caused so far is queued
+        nobody = button and self._nobody_under_pointer()
+        if button:
+            self.last_click_reached_nobody = nobody
+        if nobody:  # no answer is coming: only the screen going quiet is left to wait for
+            quiet = QUIET_S
         answered = self._drain()
-        quiet_until = time.monotonic() + quiet if answered else deadline
+        quiet_until = time.monotonic() + quiet if answered or nobody else deadline
         fd = self._d.fileno()
         while True:
             now = time.monotonic()
@@ -121,6 +145,20 @@ class InputSettle:
         self._d.sync()
         self._drain_events_only()
         return time.monotonic() - t0
+
+    def _nobody_under_pointer(self) -> bool:
+        """Whether a click where the pointer is reaches no app: it is over the root window, or over
+        an input-only top-level with no app's window (one holding WM_STATE) in it."""
+        try:
+            top = self._d.screen().root.query_pointer().child
+            if not top:
+                return True
+            if top.get_attributes().win_class != X.InputOnly:
+                return False
+            return all(w.get_full_property(self._wm_state, X.AnyPropertyType) is None
+                       for w in [top, *top.query_tree().children])
+        except xerror.XError:  # the window went away while we looked: someone's, maybe
+            return False
 
     def _drain_events_only(self) -> None:
         while self._d.pending_events():
