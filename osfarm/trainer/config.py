@@ -50,6 +50,9 @@ class PolicySection(_Strict):
     model_name: str = Field(default="policy", description="model name agents send")
     sync_wave: int | None = Field(default=None, ge=1, description="servers reloaded at once by the weight sync "
                                   "(default: half of them; 1: one at a time)")
+    max_adapters: int | None = Field(default=None, ge=2, description="vllm_lora over the queue: adapters a server "
+                                     "keeps at most (vLLM's --max-loras); a load past it evicts the oldest, and the "
+                                     "jobs still keeping it are aborted and retried (default: no cap)")
 
 
 # a reply cut at max_tokens is a parse error, and trains as one: each format's budget holds its

@@ -191,8 +191,8 @@ class Trainer:
             self.console.print(f"aborted {n} job(s) an earlier trainer process left queued or running", highlight=False)
         servers = await res.start_policy(model_dir(ckpt) if ckpt is not None else learner.model_path, learner.version)
         sync = await res.start_weight_sync(servers, ckpt, learner)
-        if queue is not None and ro.interruptible:  # a running rollout moves to the newest adapter at its next step
-            queue.routes = lambda: {s.url: sync.route(s) for s in servers}
+        if queue is not None:  # routes for the workers, swaps fenced in Redis, adapters kept for the jobs using them
+            queue.attach(sync)
         url, token = await res.start_farm() if queue is None else ("", "")  # workers bring their own farms
 
         dcfg = self.data_config()

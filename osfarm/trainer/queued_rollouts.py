@@ -27,6 +27,9 @@ processes that have not ended (:meth:`QueuedRollouts.abort_earlier`) before it s
 capacity is never exceeded by jobs it does not count.
 Interruptible rollouts: the trainer publishes the adapter each policy server's rollouts may use
 (:meth:`QueuedRollouts.publish_routes`), and a running rollout moves to it at its next step.
+Weight syncs (:meth:`QueuedRollouts.attach`): no call reaches a server mid-swap (swap_fence.py), and
+the adapter version each queued or running non-interruptible job keeps is pinned: no sync or prune
+unloads it, and it is unloaded once the last job keeping it ends.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ from osfarm.runner.executors.worker_task import rollout_name as worker_rollout_n
 from osfarm.stream.redis_stream import RedisStreamSource, connect, groups
 from osfarm.trainer.data_manager import DataManager
 from osfarm.trainer.stream_intake import STREAM_JOURNAL, consume_redis
+from osfarm.trainer.swap_fence import QueueFence
+from osfarm.trainer.weight_sync import WeightSync
 
 log = logging.getLogger("osfarm.trainer.queued")
 
@@ -96,6 +101,8 @@ class Outstanding(Generic[T]):
     sent: float  # time.monotonic()
     state: str = "PENDING"
     succeeded_at: float | None = None  # when the backend said SUCCESS (the record should follow)
+    version: int | None = None  # the policy version of the adapter the job was sent with
+    pinned: bool = False  # it keeps that adapter to its end (not interruptible)
 
 
 @dataclass
@@ -109,6 +116,7 @@ class QueueCounts:
     from_backend: int = 0  # records taken from the result backend (never came on the stream)
     foreign: int = 0  # records of jobs this process did not send (an earlier trainer process)
     earlier_aborted: int = 0  # jobs of an earlier trainer process still out at the start: aborted
+    evicted: int = 0  # jobs aborted because the adapter they keep had to make room (policy.max_adapters)
     by_worker: dict[str, int] = field(default_factory=dict)
     # the queue's cost: a job's time from sent to its record here, less the episode's own time on
     # the worker (with no more jobs than desktops, none waits in the queue for a free worker)
@@ -143,6 +151,10 @@ class QueuedRollouts(Generic[T]):
         self.group = "trainer"  # the stream's consumer group the trainer reads through
         self.stream_lag: int | None = None  # entries not yet delivered to the trainer's group, at the last poll
         self.stream_pending: int | None = None  # delivered and not yet acknowledged (journaled), at the last poll
+        self.held: Callable[[], dict[str, list[str]]] | None = None  # every model name each server serves
+        self.sync: WeightSync | None = None  # attached: jobs pin adapters, swaps are fenced
+        self._pruning: asyncio.Task[None] | None = None
+        self._prune_again = False
 
     def outstanding(self) -> int:
         return len(self.jobs)
@@ -159,10 +171,26 @@ class QueuedRollouts(Generic[T]):
                 "queue_overhead_ms": c.overhead_ms(),
                 **{f"rollouts_worker_{w}": n for w, n in sorted(c.by_worker.items())}}
 
+    def attach(self, sync: WeightSync) -> None:
+        """Weight syncs over the queue: the routes (and the names each server serves) are published
+        for the workers, every swap is fenced in Redis, the adapters jobs keep are pinned, and
+        evicted ones abort their jobs."""
+        self.sync = sync
+        self.routes = lambda: {s.url: sync.route(s) for s in sync.servers}
+        self.held = lambda: {s.url: sync.held(s) for s in sync.servers}
+        sync.fence = QueueFence(self._redis, self.run_id, self.executor.broker_call)
+        sync.pinned = self.pinned_versions
+        sync.on_evict = self.evict
+
+    def pinned_versions(self) -> set[int]:
+        """The adapter versions queued or running non-interruptible jobs keep."""
+        return {j.version for j in self.jobs.values() if j.pinned and j.version is not None}
+
     async def submit(self, item: T, task_id: str, seq: int, job: dict[str, Any]) -> None:
         """Send one rollout's job (``job``: the worker's job fields, see worker_task.py)."""
         full = {**job, "run_id": self.run_id, "task_id": task_id, "rollout": seq, "stream": self.stream}
-        j = self.track(item, task_id, seq)
+        j = self.track(item, task_id, seq, version=job.get("policy_version"),
+                       pinned=not job.get("interruptible", False))
         try:
             await self.executor.broker_call(functools.partial(
                 self._redis.hset, self.jobs_key, j.episode_id, json.dumps([self.run_id, j.task_id])))
@@ -172,27 +200,55 @@ class QueuedRollouts(Generic[T]):
             raise
         self.counts.sent += 1
 
-    def track(self, item: T, task_id: str, seq: int) -> Outstanding[T]:
+    def track(self, item: T, task_id: str, seq: int, *, version: int | None = None,
+              pinned: bool = False) -> Outstanding[T]:
         """Expect rollout ``seq`` of ``task_id``'s one outcome (before its job is sent: a fast
-        worker's record must find it)."""
+        worker's record must find it); ``pinned``: it keeps adapter ``version`` to its end."""
         j = Outstanding(item, job_task_id(self.run_id, task_id, seq), rollout_episode_id(self.run_id, task_id, seq),
-                        time.monotonic())
+                        time.monotonic(), version=version, pinned=pinned)
         self.jobs[j.episode_id] = j
         return j
+
+    def _ended(self, j: Outstanding[T]) -> None:
+        """A job was reported: the last one keeping its adapter gives it back (unloaded soon)."""
+        if self.sync is None or not j.pinned or j.version is None or j.version in self.pinned_versions():
+            return
+        if self._pruning is not None and not self._pruning.done():
+            self._prune_again = True
+            return
+        self._pruning = asyncio.ensure_future(self._prune(self.sync))
+
+    async def _prune(self, sync: WeightSync) -> None:
+        self._prune_again = True
+        while self._prune_again:
+            self._prune_again = False
+            for err in await sync.prune(set()):
+                log.warning("adapter unload failed: %s", err)
+
+    async def evict(self, versions: set[int]) -> int:
+        """Abort the jobs that keep one of ``versions`` (their adapter must make room); returns how
+        many. They come back as aborted and the controller retries them."""
+        chosen = [j for j in self.jobs.values() if j.pinned and j.version in versions]
+        await self._abort(chosen)
+        self.counts.evicted += len(chosen)
+        return len(chosen)
 
     async def revoke(self, which: Callable[[T], bool]) -> int:
         """Abort the selected jobs: those not known to run yet are revoked, and every one is marked
         aborted in Redis, so a running one stops at its next step. They come back as aborted (a
         running one that finishes before its next step brings its record, judged like any other)."""
         chosen = [j for j in self.jobs.values() if which(j.item)]
+        await self._abort(chosen)
+        return len(chosen)
+
+    async def _abort(self, chosen: list[Outstanding[T]]) -> None:
         if not chosen:
-            return 0
+            return
         await self.executor.broker_call(functools.partial(publish_abort, self._redis, self.run_id,
                                                           [j.episode_id for j in chosen]))
         ids = [j.task_id for j in chosen if j.state == "PENDING"]
         if ids:
             await asyncio.to_thread(self.executor.app.control.revoke, ids)
-        return len(chosen)
 
     async def abort_earlier(self) -> int:
         """Abort the jobs an earlier trainer process on this stream sent and that have not ended
@@ -218,7 +274,8 @@ class QueuedRollouts(Generic[T]):
         """Interruptible rollouts: the adapter (model name, version) each policy server's running
         rollouts move to at their next step; written only when it changed."""
         if routes != self._routes:
-            await self.executor.broker_call(functools.partial(publish_routes, self._redis, self.run_id, routes))
+            held = self.held() if self.held is not None else None
+            await self.executor.broker_call(functools.partial(publish_routes, self._redis, self.run_id, routes, held))
             self._routes = dict(routes)
 
     # ---------------------------------------------------------------- reports
@@ -233,6 +290,7 @@ class QueuedRollouts(Generic[T]):
             if outcome != "duplicate":
                 self.counts.foreign += 1
             return
+        self._ended(job)
         self.counts.records += 1
         now = time.monotonic()
         episode_s = _episode_seconds(rec)
@@ -304,7 +362,7 @@ class QueuedRollouts(Generic[T]):
                 continue  # its record came meanwhile
             j.state = state
             if state in FAILED_STATES:
-                self.jobs.pop(j.episode_id)
+                self._ended(self.jobs.pop(j.episode_id))
                 if state == "REVOKED":
                     self.counts.revoked += 1
                     report(j.item, None, JobRevoked(f"job {j.task_id} was revoked before it ran"), j.sent, now)
@@ -322,7 +380,7 @@ class QueuedRollouts(Generic[T]):
                     rec = result["record"]
                     self.take(rec, dm.add(rec, self.blob_root(rec, run_dir)), report)
             elif now - j.sent > self.lost_after_s:
-                self.jobs.pop(j.episode_id)
+                self._ended(self.jobs.pop(j.episode_id))
                 self.counts.lost += 1
                 lost.append(j.task_id)
                 report(j.item, None, JobLost(f"job {j.task_id} gave no result in {self.lost_after_s:.0f} s"), j.sent,
@@ -344,6 +402,10 @@ class QueuedRollouts(Generic[T]):
     async def aclose(self) -> None:
         """Stop reading; revoke what is still queued (the run is over: nothing will train on it)."""
         self._stopped = True
+        if self._pruning is not None:
+            self._pruning.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._pruning
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.revoke(lambda _item: True), 10)
             await asyncio.wait_for(asyncio.to_thread(self._redis.delete, self.jobs_key), 10)

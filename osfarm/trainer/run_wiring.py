@@ -299,7 +299,8 @@ class RunResources:
     async def start_weight_sync(self, servers: list[PolicyServer], ckpt: Path | None, learner: Learner) -> WeightSync:
         """Weight sync to ``servers``, each at the learner's version: running servers (not ours) are
         brought there, our own started on it; our own are watched until exit (see ``_supervise``)."""
-        sync = WeightSync(servers, base_model=self.cfg.policy.model_name, wave=self.cfg.policy.sync_wave)
+        sync = WeightSync(servers, base_model=self.cfg.policy.model_name, wave=self.cfg.policy.sync_wave,
+                          max_adapters=self.cfg.policy.max_adapters)
         if self.cfg.policy.servers:
             await self._bring_servers_up(sync, ckpt, learner.version)
         else:  # spawned on the current weights

@@ -27,6 +27,15 @@ Each server has an adapter for its kind:
   shell command template run with ``{path}`` (the served weights, ``model/``), ``{checkpoint}``,
   ``{version}`` and ``{url}`` filled in; when it exits 0 the server is waited on until healthy.
 
+Over the queue (``rollout.executor: celery``) the calls come from workers on other hosts, which
+the in-process gate cannot hold: ``fence`` (osfarm/trainer/swap_fence.py) marks the server swapping
+in Redis for the swap's duration and waits for the workers' calls in flight, and the workers wait
+or go to another server that serves what they need. The versions that queued or running jobs keep
+(``pinned``) are never unloaded: a job ending gives its adapter back and the queue prunes it then.
+``max_adapters`` (vLLM's ``--max-loras``) caps the adapters a server keeps: before a load that
+would pass it, the oldest versions some job still keeps are evicted, their jobs aborted
+(``on_evict``: the controller retries them on the new version) and counted in ``evicted``.
+
 Every call has a timeout and is followed by a health check (``GET /health``; one before it too,
 except for a command, which may be what revives a dead server); a server that fails keeps its
 old version (its answers keep saying so, or keep the old adapter's name), the failure is reported
@@ -41,9 +50,10 @@ import contextlib
 import re
 import shlex
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import httpx
 
@@ -63,6 +73,14 @@ class SyncResult:
 
 class SyncError(OsfarmError, RuntimeError):
     pass
+
+
+class SwapFence(Protocol):
+    """Holds the calls of callers the in-process gate cannot see (workers of other hosts)."""
+
+    async def begin(self, url: str, hold_s: float) -> None: ...  # mark, then wait out the calls in flight
+
+    async def end(self, url: str, route: tuple[str, int | None], held: Sequence[str]) -> None: ...
 
 
 async def _reload_osfarm(client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> None:
@@ -143,9 +161,12 @@ class _Gate:
 class WeightSync:
     """Pushes checkpoints to ``servers`` in waves and remembers each one's version."""
 
-    def __init__(self, servers: Sequence[PolicyServer], base_model: str = "policy", *, wave: int | None = None):
+    def __init__(self, servers: Sequence[PolicyServer], base_model: str = "policy", *, wave: int | None = None,
+                 max_adapters: int | None = None):
         if wave is not None and wave < 1:
             raise ValueError(f"wave must be >= 1 (servers reloaded at once), got {wave}")
+        if max_adapters is not None and max_adapters < 2:
+            raise ValueError(f"max_adapters must be >= 2 (the new adapter and one in use), got {max_adapters}")
         self.servers = list(servers)
         self.base_model = base_model  # what a server serves before its first adapter (vllm_lora)
         self.wave = wave or max(1, (len(self.servers) + 1) // 2)
@@ -153,6 +174,12 @@ class WeightSync:
         self.adapters: dict[str, dict[int, str]] = {s.url: {} for s in self.servers}  # versioned adapters loaded
         self.failures = 0
         self._gates: dict[str, _Gate] = {}
+        self._swaps: dict[str, asyncio.Lock] = {}  # one swap (sync or prune) of a server at a time
+        self.fence: SwapFence | None = None  # over the queue: the workers' calls (swap_fence.py)
+        self.pinned: Callable[[], set[int]] = set  # versions queued or running jobs keep (never unloaded)
+        self.max_adapters = max_adapters  # vllm_lora, versioned: adapters a server keeps at most
+        self.on_evict: Callable[[set[int]], Awaitable[int]] | None = None  # aborts the jobs of evicted versions
+        self.evicted = 0  # jobs aborted because their adapter had to make room
 
     def _gate(self, url: str) -> _Gate:
         return self._gates.setdefault(url, _Gate())
@@ -174,6 +201,30 @@ class WeightSync:
     def swapping(self, url: str) -> bool:
         """The server is reloading (new calls to it wait)."""
         return not self._gate(url).open.is_set()
+
+    def held(self, server: PolicyServer) -> list[str]:
+        """Every model name ``server`` serves: the base model's and its adapters'."""
+        return [self.base_model, *self.adapters.get(server.url, {}).values()]
+
+    @contextlib.asynccontextmanager
+    async def _swap(self, server: PolicyServer) -> AsyncIterator[None]:
+        """Around a change of ``server``'s weights or adapters: no call reaches it meanwhile (the
+        calls in flight come back first, or the server's timeout passes)."""
+        async with self._swaps.setdefault(server.url, asyncio.Lock()):
+            gate = self._gate(server.url)
+            gate.open.clear()  # new calls wait from here on
+            try:
+                if self.fence is not None:
+                    await self.fence.begin(server.url, server.timeout_s)
+                try:
+                    with contextlib.suppress(TimeoutError):  # a call that hangs does not hold the sync forever
+                        await asyncio.wait_for(gate.idle.wait(), server.timeout_s)
+                    yield
+                finally:
+                    if self.fence is not None:
+                        await self.fence.end(server.url, self.route(server), self.held(server))
+            finally:
+                gate.open.set()
 
     def route(self, server: PolicyServer) -> tuple[str, int | None]:
         """The model name an episode starting now requests from ``server``, and the version it
@@ -211,14 +262,42 @@ class WeightSync:
         return errors
 
     async def sync_one(self, client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> SyncResult:
-        gate = self._gate(server.url)
-        gate.open.clear()  # new calls wait from here on
-        try:
-            with contextlib.suppress(TimeoutError):  # a call that hangs does not hold the sync forever
-                await asyncio.wait_for(gate.idle.wait(), server.timeout_s)
-            return await self._reload(client, server, path, version)
-        finally:
-            gate.open.set()
+        async with self._swap(server):
+            room = await self._make_room(client, server, version)
+            result = await self._reload(client, server, path, version)
+            if room and result.error:
+                result.error += f" (making room: {'; '.join(room)})"
+            return result
+
+    async def _make_room(self, client: httpx.AsyncClient, server: PolicyServer, version: int) -> list[str]:
+        """``max_adapters``: unload what loading ``version`` would put past it, first the adapters
+        no job keeps, then the oldest kept ones, whose jobs are aborted (``on_evict``). Returns what
+        failed to unload (the load then reports the server full)."""
+        loaded = self.adapters[server.url]
+        if (self.max_adapters is None or server.kind != "vllm_lora" or not server.lora_versioned
+                or version in loaded or len(loaded) < self.max_adapters):
+            return []
+        excess = len(loaded) + 1 - self.max_adapters
+        keep = self.pinned() | {v for v in [self.versions[server.url]] if v is not None}
+        drop = [v for v in sorted(loaded) if v not in keep][:excess]
+        evict = {v for v in sorted(loaded) if v not in drop}
+        evict = set(sorted(evict)[:excess - len(drop)])
+        if evict and self.on_evict is not None:
+            self.evicted += await self.on_evict(evict)
+            drop += sorted(evict)
+        return await self._unload(client, server, drop)
+
+    async def _unload(self, client: httpx.AsyncClient, server: PolicyServer, versions: list[int]) -> list[str]:
+        errors: list[str] = []
+        loaded = self.adapters[server.url]
+        for v in versions:
+            try:
+                await _unload_vllm_lora(client, server, loaded[v])
+            except (SyncError, httpx.HTTPError) as e:
+                errors.append(str(e) if isinstance(e, SyncError) else f"{server.url}: {type(e).__name__}: {e}")
+                continue
+            del loaded[v]
+        return errors
 
     async def _reload(self, client: httpx.AsyncClient, server: PolicyServer, path: Path, version: int) -> SyncResult:
         t0 = time.perf_counter()
@@ -254,25 +333,22 @@ class WeightSync:
                 results += await asyncio.gather(*(self.sync_one(client, s, target, version) for s in wave))
         return results
 
+    def _unused(self, server: PolicyServer, in_use: set[int]) -> list[int]:
+        keep = in_use | self.pinned()
+        return [v for v in sorted(self.adapters[server.url]) if v != self.versions[server.url] and v not in keep]
+
     async def prune(self, in_use: set[int]) -> list[str]:
         """Unload the versioned adapters that are neither a server's current one nor in ``in_use``
-        (versions episodes still run on); returns what failed (an adapter left loaded only costs
-        memory, so a failure is reported, never raised)."""
+        (versions episodes still run on) nor ``pinned`` (versions queued or running jobs keep), with
+        no call reaching the server meanwhile; returns what failed (an adapter left loaded only
+        costs memory, so a failure is reported, never raised)."""
         errors: list[str] = []
         async with httpx.AsyncClient() as client:
             for server in self.servers:
-                if server.kind != "vllm_lora" or not server.lora_versioned:
+                if server.kind != "vllm_lora" or not server.lora_versioned or not self._unused(server, in_use):
                     continue
-                loaded = self.adapters[server.url]
-                for v in sorted(loaded):
-                    if v == self.versions[server.url] or v in in_use:
-                        continue
-                    try:
-                        await _unload_vllm_lora(client, server, loaded[v])
-                    except (SyncError, httpx.HTTPError) as e:
-                        errors.append(str(e) if isinstance(e, SyncError) else f"{server.url}: {type(e).__name__}: {e}")
-                        continue
-                    del loaded[v]
+                async with self._swap(server):
+                    errors += await self._unload(client, server, self._unused(server, in_use))
         return errors
 
     def min_version(self) -> int | None:
