@@ -15,6 +15,7 @@ WeightSync, attached as ``osfarm train --executor celery`` attaches them.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import threading
 import time
@@ -25,6 +26,7 @@ from typing import Any
 
 import pytest
 import redis
+from PIL import Image
 from test_celery import SUITE, TIME_LIMIT_S, Workers
 
 from osfarm.farm.server import FarmServer
@@ -305,3 +307,51 @@ def test_max_adapters_evicts_the_oldest_kept_adapter_and_aborts_its_job(broker: 
     assert sync.evicted == q.counts.evicted == 1
     aborted = redis.Redis.from_url(url, decode_responses=True).smembers(abort_key("run-evict"))
     assert aborted == {rollout_episode_id("run-evict", "t1", 1)}
+
+
+def test_a_step_moves_to_a_server_that_serves_its_adapter_or_waits_for_the_mark(broker: RedisServer) -> None:
+    """The worker's agent in this process (no episode): its server marked swapping, a
+    non-interruptible step goes to the other server that holds its adapter; when no server holds
+    it, the step waits until the mark is lifted, then goes to its own server."""
+    from osfarm.agents import make_agent
+    from osfarm.runner.executors.rollout_control import (
+        ControlledAgent,
+        RolloutControl,
+        clear_swapping,
+        mark_swapping,
+        publish_routes,
+    )
+
+    a, b = SwapServer(), SwapServer()
+    r = redis.Redis.from_url(broker.url)
+    png = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(png, "PNG")
+
+    async def step(run: str, held_by_b: list[str]) -> ControlledAgent:
+        publish_routes(r, run, {a.url: ("policy-v2", 2), b.url: ("policy-v2", 2)},
+                       {a.url: ["policy", "policy-v1", "policy-v2"], b.url: held_by_b})
+        assert mark_swapping(r, run, a.url, 30) == 0
+        agent = ControlledAgent(make_agent("vlm", base_url=a.url, model="policy-v1"),
+                                RolloutControl(r, run, "ep-1", a.url), model="policy-v1", version=1,
+                                interruptible=False)
+        lift = asyncio.get_running_loop().call_later(
+            0.5, clear_swapping, r, run, a.url, ("policy-v2", 2), ["policy", "policy-v1", "policy-v2"])
+        try:
+            await agent.apredict("Wait.", {"screenshot": png.getvalue()})
+        finally:
+            lift.cancel()
+            await agent.aclose()
+        return agent
+
+    a.adapters = b.adapters = {"policy-v1": "x", "policy-v2": "y"}
+    try:
+        moved = asyncio.run(step("run-move", ["policy", "policy-v1", "policy-v2"]))
+        waited = asyncio.run(step("run-wait-mark", ["policy", "policy-v2"]))
+    finally:
+        a.close()
+        b.close()
+    assert moved.moved == 1 and moved.swap_waits == 0 and moved.server_url == b.url
+    assert waited.moved == 0 and waited.swap_waits >= 1 and waited.server_url == a.url
+    assert [c[1] for c in b.calls()] == ["policy-v1"] and [c[1] for c in a.calls()] == ["policy-v1"]
+    assert moved.step_versions == waited.step_versions == [1]
+    assert not r.zcard(f"osfarm:train:run-move:calls:{b.url}")  # the call left the server's calls
