@@ -65,3 +65,13 @@ def test_server_down_is_an_infra_error() -> None:
     with pytest.raises(PolicyUnavailable) as e:
         asyncio.run(agent.apredict("x", {"screenshot": None}))
     assert isinstance(e.value, InfraError)
+
+
+def test_the_policy_token_comes_from_the_environment_unless_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's choice agent sends OSFARM_POLICY_TOKEN (a trainer's jobs name no token; compose's
+    train-cpu policy server refuses requests without one), as the VLM agent does."""
+    monkeypatch.setenv("OSFARM_POLICY_TOKEN", "from-env")
+    assert ChoiceAgent(closed_port_url(), "tiny").client.api_key == "from-env"
+    assert ChoiceAgent(closed_port_url(), "tiny", api_key="own").client.api_key == "own"
+    monkeypatch.delenv("OSFARM_POLICY_TOKEN")
+    assert ChoiceAgent(closed_port_url(), "tiny").client.api_key is None

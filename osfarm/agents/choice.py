@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 from typing import Any
 
 from osfarm.agents.base import ActionSpace, BaseAgent
@@ -35,10 +36,12 @@ class ChoiceAgent(BaseAgent):
 
     def __init__(self, base_url: str | None = None, model: str = "policy", *, choices: list[str] | None = None,
                  temperature: float = 1.0, timeout_s: float = 120.0, screenshot: bool = True,
-                 seed: int | None = None, **_: Any):
+                 seed: int | None = None, api_key: str | None = None, **_: Any):
         if not base_url:
             raise ValueError("choice agent: option 'base_url' is required (--model-url: its policy server)")
-        self.client = ChatClient(base_url, model, timeout_s=timeout_s)
+        # the policy server's bearer token: from the options, else OSFARM_POLICY_TOKEN (as the VLM agent)
+        self.client = ChatClient(base_url, model, timeout_s=timeout_s,
+                                 api_key=api_key or os.environ.get("OSFARM_POLICY_TOKEN") or None)
         self.model = model
         self.default_choices = list(choices or [])
         self.choices = list(self.default_choices)

@@ -49,6 +49,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from kombu.utils.url import maybe_sanitize_url
 from rich.console import Console
 
 from osfarm.policy.client import PolicyServer
@@ -299,8 +300,9 @@ class Trainer:
                              "checkpoints with `osfarm eval --executor celery`")
         queue: QueuedRollouts[Rollout] = open_queue(ro.broker or os.environ.get("OSFARM_BROKER"), ro.stream,
                                                     self.run_id, ro.episode_time_limit_s, TrainError, ro.worker_out)
-        self.console.print(f"rollouts go to the Celery queue at {queue.broker}; records come back on stream "
-                           f"{queue.stream}", highlight=False)
+        # the URL carries Redis's password: never into the log
+        self.console.print(f"rollouts go to the Celery queue at {maybe_sanitize_url(queue.broker)}; records come "
+                           f"back on stream {queue.stream}", highlight=False)
         return queue
 
     async def _send(self, queue: QueuedRollouts[Rollout], item: Rollout, servers: list[PolicyServer],
