@@ -32,9 +32,9 @@ the in-process gate cannot hold: ``fence`` (osfarm/trainer/swap_fence.py) marks 
 in Redis for the swap's duration and waits for the workers' calls in flight, and the workers wait
 or go to another server that serves what they need. The versions that queued or running jobs keep
 (``pinned``) are never unloaded: a job ending gives its adapter back and the queue prunes it then.
-``max_adapters`` (vLLM's ``--max-loras``) caps the adapters a server keeps: before a load that
-would pass it, the oldest versions some job still keeps are evicted, their jobs aborted
-(``on_evict``: the controller retries them on the new version) and counted in ``evicted``.
+``max_adapters`` (vLLM's ``--max-loras``) caps the adapters a server keeps over the queue: before
+a load that would pass it, the oldest versions some job still keeps are evicted, their jobs
+aborted (``on_evict``: the controller retries them on the new version) and counted in ``evicted``.
 
 Every call has a timeout and is followed by a health check (``GET /health``; one before it too,
 except for a command, which may be what revives a dead server); a server that fails keeps its
@@ -274,9 +274,9 @@ class WeightSync:
         no job keeps, then the oldest kept ones, whose jobs are aborted (``on_evict``). Returns what
         failed to unload (the load then reports the server full)."""
         loaded = self.adapters[server.url]
-        if (self.max_adapters is None or server.kind != "vllm_lora" or not server.lora_versioned
-                or version in loaded or len(loaded) < self.max_adapters):
-            return []
+        if (self.max_adapters is None or self.on_evict is None or server.kind != "vllm_lora"
+                or not server.lora_versioned or version in loaded or len(loaded) < self.max_adapters):
+            return []  # on_evict: over the queue, where every job's version is known (pinned)
         excess = len(loaded) + 1 - self.max_adapters
         keep = self.pinned() | {v for v in [self.versions[server.url]] if v is not None}
         drop = [v for v in sorted(loaded) if v not in keep][:excess]
