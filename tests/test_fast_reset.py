@@ -254,6 +254,38 @@ def test_left_behind_in_kernel_and_x_server_warm_reset_away(warm_farm: FarmServe
         c.delete(f"/v1/desktops/{lease}").raise_for_status()
 
 
+# settle code actions (issue 26): a child forked per action from the zygote, an app launched by
+# one, and a child that clears the signal its zygote's death sends and outlives its timeout
+SETTLE_ACTIONS = ["pyautogui.click(200, 200)",
+                  "import subprocess; subprocess.Popen(['xmessage', 'settled'])",
+                  "pyautogui.typewrite('abc'); pyautogui.press('enter')",
+                  "import ctypes; ctypes.CDLL(None).prctl(1, 0); time.sleep(60)"]
+
+
+def test_warm_reset_after_settle_actions_stays_warm(warm_farm: FarmServer) -> None:
+    """The settle timing's zygote (alive between actions, as the agent's user) and what its
+    children left are the agent's processes like any other: the warm reset kills them and gives
+    the cold start's fingerprint back, with no fallback."""
+    with _client(warm_farm) as c:
+        lease = _lease(c)
+        cold = _fingerprint(c, lease)
+        r = c.post(f"/v1/desktops/{lease}/step", json={"actions": SETTLE_ACTIONS, "timing": "settle",
+                                                          "code_timeout": 2})
+        results = r.raise_for_status().json()["results"]
+        assert [a["ok"] for a in results] == [True, True, True, False], results
+        warm_before = _count("osfarm_resets_total", "warm")
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+        lease = _lease(c)
+        info = c.get(f"/v1/desktops/{lease}").raise_for_status().json()
+        assert info["reset_mode"] == "warm" and info["reset_fallback"] is None, info
+        assert _count("osfarm_resets_total", "warm") == warm_before + 1
+        after = _fingerprint(c, lease)
+        assert after["digest"] == cold["digest"], differences(cold, after)
+        r = c.post(f"/v1/desktops/{lease}/step", json={"actions": ["print('next')"], "timing": "settle"})
+        assert r.raise_for_status().json()["results"][0]["output"] == "next\n"
+        c.delete(f"/v1/desktops/{lease}").raise_for_status()
+
+
 def test_cpu_accounting(warm_farm: FarmServer) -> None:
     with _client(warm_farm) as c:
         lease = _lease(c)

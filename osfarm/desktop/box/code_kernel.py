@@ -222,8 +222,47 @@ def _settled_child(run_id, code, zygote):
             sleep_pause(_pause)
 
     pyautogui._handlePause = settled_pause
+    _wait_apps_idle()
     return _run(run_id, code, {"__name__": "__main__", "__builtins__": __builtins__,
                                "pyautogui": pyautogui, "time": _ns["time"]})
+
+
+# Before a code action's first event: OSWorld's `python -c` start (0.3-1 s, longer on a loaded
+# machine) gives the apps that long to finish what the previous action started; a forked child
+# starts at once. So the child waits until none of the agent's processes is running or waiting for
+# a CPU, at most IDLE_CAP_S: on an idle desktop one short look, on a busy one about what the
+# interpreter start would have given. Runnable, not CPU used: on a loaded machine a starved app
+# uses little CPU and is still busy. The offline suite's Impress task ...0306 failed without it on
+# a loaded machine: Ctrl+S reached LibreOffice while it was still closing a dialog, and was lost.
+IDLE_CAP_S = 1.0
+IDLE_POLL_S = 0.005
+
+
+def _agent_runnable(me, uid):
+    """Whether a process of this user but this one is running or waiting for a CPU (state R)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            if os.stat("/proc/" + name).st_uid != uid:
+                continue
+            with open("/proc/" + name + "/stat", "rb") as f:
+                if f.read().rpartition(b")")[2].split()[0] == b"R":
+                    return True
+        except (OSError, IndexError):
+            continue
+    return False
+
+
+def _wait_apps_idle():
+    import time
+    me, uid = os.getpid(), os.getuid()
+    deadline = time.monotonic() + IDLE_CAP_S
+    quiet = 0  # polls in a row with nothing runnable: two, so that one between time slices does not count
+    while quiet < 2 and time.monotonic() < deadline:
+        quiet = 0 if _agent_runnable(me, uid) else quiet + 1
+        if quiet < 2:
+            time.sleep(IDLE_POLL_S)
 
 
 def _connect():
