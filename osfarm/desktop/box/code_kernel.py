@@ -144,6 +144,7 @@ def _guard_zygote():
 
 
 _ns = {"__name__": "__main__", "__builtins__": __builtins__}
+_boot_started = __import__("time").monotonic()
 _settle = None  # "settle": the module with InputSettle, shipped next to this file
 _spare = None  # "settle": X connections opened for the next forked child
 _boot_error = None
@@ -166,6 +167,8 @@ try:
         _patch_pyautogui_x11(_ns["pyautogui"])
 except BaseException:
     _boot_error = traceback.format_exc()
+# what `import pyautogui` costs on this machine now: most of a `python -c` start (see _wait_apps_idle)
+_boot_s = __import__("time").monotonic() - _boot_started
 _send({"ready": True, "error": _boot_error})
 
 
@@ -229,12 +232,14 @@ def _settled_child(run_id, code, zygote):
 
 # Before a code action's first event: OSWorld's `python -c` start (0.3-1 s, longer on a loaded
 # machine) gives the apps that long to finish what the previous action started; a forked child
-# starts at once. So the child waits until none of the agent's processes is running or waiting for
-# a CPU, at most IDLE_CAP_S: on an idle desktop one short look, on a busy one about what the
-# interpreter start would have given. Runnable, not CPU used: on a loaded machine a starved app
-# uses little CPU and is still busy. The offline suite's Impress task ...0306 failed without it on
-# a loaded machine: Ctrl+S reached LibreOffice while it was still closing a dialog, and was lost.
-IDLE_CAP_S = 1.0
+# starts at once. So the child waits until none of the agent's processes (its apps, and GNOME's
+# shell, which runs as the agent) is running or waiting for a CPU, at most as long as this
+# zygote's own imports took (within IDLE_CAP_S): on an idle desktop one short look, on a busy or
+# loaded one about what the interpreter start would have given. Runnable, not CPU used: on a
+# loaded machine a starved app uses little CPU and is still busy. The offline suite's Impress task
+# ...0306 failed without it on a loaded machine: a Ctrl+S sent at once after the Slide Properties
+# dialog closed was lost (no 'Confirm File Format', the file unsaved).
+IDLE_CAP_S = (0.3, 5.0)
 IDLE_POLL_S = 0.005
 
 
@@ -257,7 +262,7 @@ def _agent_runnable(me, uid):
 def _wait_apps_idle():
     import time
     me, uid = os.getpid(), os.getuid()
-    deadline = time.monotonic() + IDLE_CAP_S
+    deadline = time.monotonic() + min(max(_boot_s, IDLE_CAP_S[0]), IDLE_CAP_S[1])
     quiet = 0  # polls in a row with nothing runnable: two, so that one between time slices does not count
     while quiet < 2 and time.monotonic() < deadline:
         quiet = 0 if _agent_runnable(me, uid) else quiet + 1
