@@ -133,3 +133,23 @@ def test_the_controller_counts_queued_jobs_and_retries_a_failed_one(tmp_path: Pa
     assert closed == [gid] and q.outstanding() == 0 and controller.gate.state.running == 0
     assert controller.gate.state.accepted == 2
     assert trainer.totals["episodes"] == 4  # one report per job: accepted, failed, revoked, accepted
+
+
+def test_a_job_keeps_its_adapter_version_until_it_is_reported(tmp_path: Path) -> None:
+    """The versions weight sync must not unload (issue 29, item 3): a non-interruptible job's,
+    queued or running, until its one report; an interruptible job moves on and keeps none."""
+    q, seen = queue(), Reports()
+    dm = DataManager(DataConfig(entropy_fraction=1.0), blob_root=tmp_path)
+    q.track("on-v1", "t1", 1, version=1, pinned=True)
+    q.track("also-v1", "t1", 2, version=1, pinned=True)
+    q.track("moves", "t1", 3, version=0, pinned=False)
+    j4 = q.track("on-v2", "t1", 4, version=2, pinned=True)
+    assert q.pinned_versions() == {1, 2}
+    rec = record(tmp_path, 1, status="success")
+    q.take(rec, dm.add(rec), seen)
+    assert q.pinned_versions() == {1, 2}  # another job still keeps version 1
+    q.judge([(j4, ("FAILURE", RuntimeError("boom")))], j4.sent + 1, dm, tmp_path, seen)
+    assert q.pinned_versions() == {1}
+    rec = record(tmp_path, 2, status="failure")
+    q.take(rec, dm.add(rec), seen)
+    assert q.pinned_versions() == set() and q.outstanding() == 1

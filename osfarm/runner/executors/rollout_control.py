@@ -58,9 +58,9 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local aborted = redis.call('SISMEMBER', KEYS[1], ARGV[1])
 local routes = redis.call('HGETALL', KEYS[2])
 local marks = redis.call('HGETALL', KEYS[3])
-local mark = redis.call('HGET', KEYS[3], ARGV[2])
+local mark = tonumber(redis.call('HGET', KEYS[3], ARGV[2]) or '')
 local entered = 0
-if aborted == 0 and (not mark or tonumber(mark) <= now) then
+if aborted == 0 and (not mark or mark <= now) then
   redis.call('ZADD', KEYS[4], now + tonumber(ARGV[3]), ARGV[1])
   redis.call('EXPIRE', KEYS[4], tonumber(ARGV[4]))
   entered = 1
@@ -192,6 +192,14 @@ def _text(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
+def _deadline(raw: str) -> float:
+    """A mark's deadline; a malformed one holds nobody (as the script takes it)."""
+    try:
+        return float(raw)
+    except ValueError:
+        return 0.0
+
+
 class RolloutControl:
     """A worker's view of its rollout's keys."""
 
@@ -217,7 +225,7 @@ class RolloutControl:
         flat = [_text(x) for x in routes]
         parsed = {flat[i]: Route.parse(flat[i + 1]) for i in range(0, len(flat), 2)}
         m = [_text(x) for x in marks]
-        swapping = frozenset(m[i] for i in range(0, len(m), 2) if float(m[i + 1]) > float(_text(now)))
+        swapping = frozenset(m[i] for i in range(0, len(m), 2) if _deadline(m[i + 1]) > float(_text(now)))
         return Step(bool(aborted), {u: rt for u, rt in parsed.items() if rt is not None}, swapping, bool(entered))
 
     def leave(self, url: str) -> None:
