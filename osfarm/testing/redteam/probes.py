@@ -356,6 +356,7 @@ raise Exception("BREACH: allocated %d MiB, twice the limit" % (len(blocks) * 64)
 
 _TASKS = "tests/security/test_task_files.py::"
 _API = "tests/security/test_api_abuse.py::"
+_SETTLE = "tests/security/test_settle_zygote.py::"
 for _name, _title, _node in (
     ("task_host_paths", ("task file names host paths: absolute/.. dest, id with / or .., stdout /etc/cron.d/x, "
                          "cache_file .., upload_file /etc/shadow (refused naming file + JSON path)"),
@@ -392,5 +393,12 @@ for _name, _title, _node in (
      _API + "test_a_file_url_outside_the_task_cache_is_refused"),
     ("policy_without_token", "the policy server's routes without its token",
      "tests/security/test_policy_token.py::test_routes_need_the_token"),
+    ("settle_zygote_state", "settle code keeps state for the next action: globals, builtins, modules, environment, "
+     "cwd, or through its zygote (its memory, fds, environment, a trace)",
+     _SETTLE + "test_settle_code_keeps_no_state_and_cannot_reach_its_zygote"),
+    ("settle_child_outlives", "a settle action's child clears its parent-death signal and runs on past its timeout",
+     _SETTLE + "test_settle_code_cannot_outlive_its_action"),
+    ("settle_child_guest", "a settle action's child signals or reads the guest server, or reads its token",
+     _SETTLE + "test_settle_code_cannot_reach_the_guest"),
 ):
     register(Probe(_name, _title, "pytest", node=_node))
