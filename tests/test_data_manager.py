@@ -372,7 +372,7 @@ def test_missing_blob_root_is_a_clear_error(run):
     with pytest.raises(ValueError, match="blob_root"):
         DataManager().add(make_record(run))
     with pytest.raises(ValueError, match="granularity"):
-        Cfg(granularity="episode")
+        Cfg(granularity="sequence")
 
 
 @pytest.fixture(scope="module")

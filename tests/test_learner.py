@@ -529,7 +529,7 @@ def test_a_trajectory_sample_has_its_last_reply_once(learner: Learner) -> None:
 def test_the_entropy_term_builds_no_graph_when_its_coefficient_is_0(model_dir: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """The entropy over [B, T, V] logits is only reported without a bonus: no autograd graph for it."""
-    import osfarm.trainer.learner as learner_module
+    import osfarm.trainer.learner_passes as learner_module
 
     grads: list[bool] = []
     real = learner_module.token_entropy

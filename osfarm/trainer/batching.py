@@ -7,6 +7,10 @@ last position and the logits of the last ``T + 1`` positions (T = the longest re
 micro-batch needs; images are concatenated in sample order (Qwen2-VL's ``pixel_values`` /
 ``image_grid_thw`` are per image, not per sample), and the attention mask lets the model compute
 each sample's mRoPE positions as if it stood alone.
+
+An episode encoded as one sequence (``episode_encoding.py``) is a sample whose scored tokens run
+from its first trained reply to its end with observations in between: its ``train_mask`` says
+which of them train, and per-token values (log-probs, advantages) are given for those only.
 """
 
 from __future__ import annotations
@@ -35,10 +39,18 @@ class Encoded:
     prompt_len: int
     response_ids: torch.Tensor  # [T]
     target_ids: torch.Tensor | None = None  # [1, L] the tokens to score, when input_ids had to differ
+    # [T] 1 on the tokens that train; None: all T (a step's reply). An episode's T tokens hold
+    # observations between its replies, which are scored alongside but masked out
+    train_mask: torch.Tensor | None = None
 
     @property
     def response_len(self) -> int:
         return int(self.response_ids.numel())
+
+    @property
+    def trained_len(self) -> int:
+        """The tokens that train (per-token values are given for these only)."""
+        return self.response_len if self.train_mask is None else int(self.train_mask.sum())
 
     @property
     def length(self) -> int:
@@ -93,8 +105,8 @@ class MicroBatch:
 
     inputs: dict[str, torch.Tensor]  # [B, L] per-token tensors; images concatenated
     targets: torch.Tensor  # [B, T] the token each of the last T logits scores
-    mask: torch.Tensor  # [B, T] 1 where that token is one of the sample's response tokens
-    response_lens: list[int]
+    mask: torch.Tensor  # [B, T] 1 where that token is one of the sample's trained response tokens
+    response_lens: list[int]  # each sample's scored tokens (its trained ones and, in an episode, the rest)
 
     @property
     def size(self) -> int:
@@ -106,21 +118,24 @@ class MicroBatch:
         return int(self.targets.shape[1])
 
     def rows(self, values: Sequence[Sequence[float] | torch.Tensor | None], fill: torch.Tensor) -> torch.Tensor:
-        """[B, T] tensor of per-response-token values (a sample's values right-aligned, as its
-        response is); rows given as None take ``fill``'s row."""
+        """[B, T] tensor of per-trained-token values (a sample's values in its mask's positions,
+        in order); rows given as None take ``fill``'s row."""
         out = fill.detach().clone()
-        for i, (v, n) in enumerate(zip(values, self.response_lens, strict=True)):
+        on = self.mask.to(out.device) > 0
+        for i, v in enumerate(values):
             if v is None:
                 continue
             t = torch.as_tensor(v, dtype=out.dtype, device=out.device).reshape(-1)
+            n = int(on[i].sum())
             if t.numel() != n:
                 raise ValueError(f"row {i}: {t.numel()} values for {n} response tokens")
-            out[i, self.width - n:] = t
+            out[i, on[i]] = t
         return out
 
     def per_sample(self, values: torch.Tensor) -> list[torch.Tensor]:
-        """The response part of each row of a [B, T] tensor."""
-        return [values[i, self.width - n:] for i, n in enumerate(self.response_lens)]
+        """The trained tokens' values of each row of a [B, T] tensor."""
+        on = self.mask.to(values.device) > 0
+        return [values[i, on[i]] for i in range(self.size)]
 
 
 def collate(encs: Sequence[Encoded], pad_id: int) -> MicroBatch:
@@ -145,7 +160,7 @@ def collate(encs: Sequence[Encoded], pad_id: int) -> MicroBatch:
                         for e in encs], dim=0)
     mask = torch.zeros(len(encs), width)
     for i, e in enumerate(encs):
-        mask[i, width - e.response_len:] = 1.0
+        mask[i, width - e.response_len:] = 1.0 if e.train_mask is None else e.train_mask.to(mask.dtype)
     return MicroBatch(inputs=inputs, targets=scored[:, -width:], mask=mask,
                       response_lens=[e.response_len for e in encs])
 

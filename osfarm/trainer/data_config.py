@@ -22,7 +22,9 @@ class DataConfig:
     std_normalize: bool = True  # False: Dr.GRPO
     unbiased_std: bool = False
     eps: float = 1e-6
-    granularity: Literal["step", "trajectory"] = "step"
+    # step: a sample per step; episode: an episode's steps joined into one sequence where they
+    # form one (samples.py), else its step samples; trajectory: the last step's whole request
+    granularity: Literal["step", "episode", "trajectory"] = "step"
     context_turns: int | None = None  # cut each request to its last K turns (None: as the agent sent it)
     context_images: int | None = None  # keep only the last M screenshots (None: as sent)
     entropy_fraction: float = 0.8  # DART's high-entropy selection: keep this top fraction of a batch's samples
@@ -40,8 +42,8 @@ class DataConfig:
     step_penalty: float = 0.0  # reward_shaping.py: subtracted per step (0: off)
 
     def __post_init__(self) -> None:
-        if self.granularity not in ("step", "trajectory"):
-            raise ValueError(f"granularity must be 'step' or 'trajectory', got {self.granularity!r}")
+        if self.granularity not in ("step", "episode", "trajectory"):
+            raise ValueError(f"granularity must be 'step', 'episode' or 'trajectory', got {self.granularity!r}")
         if self.image_mode not in ("path", "data_url"):
             raise ValueError(f"image_mode must be 'path' or 'data_url', got {self.image_mode!r}")
         if not 0.0 <= self.entropy_fraction <= 1.0:

@@ -1,9 +1,12 @@
-"""The learner: a transformers VLM trained with decoupled PPO on step-level samples.
+"""The learner: a transformers VLM trained with decoupled PPO on step or episode samples.
 
 One update = one batch of :class:`Sample` s (the data manager's):
 
 1. a sample is encoded exactly as the policy server encoded its prompt (``batching.py``), the
-   response token ids the server returned appended; the loss covers those tokens only. Samples
+   response token ids the server returned appended; the loss covers those tokens only. An
+   episode sample is the whole conversation encoded once, the loss on every turn's reply
+   (``episode_encoding.py``; turn by turn: ``trained_turns.py``); one that is not the policy's own
+   sequence token for token, or is over the budget, trains as its step samples. Samples
    are encoded when their micro-batch runs, in each pass, and dropped after it: one 1080p
    screenshot's ``pixel_values`` are ~50 MB, so an update holding its whole batch encoded would
    need host memory in proportion to the batch (64 episodes × 15 steps: ~19 GB); encoding twice
@@ -35,12 +38,10 @@ background; the options and the update's report are in ``learner_options.py``.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ import torch
 
 from osfarm.policy.processing import encode_chat, load_processor
 from osfarm.trainer.advantages import episode_weights
-from osfarm.trainer.batching import Encoded, MicroBatch, collate, encode_sample, plain_token, response_mask
+from osfarm.trainer.batching import Encoded, encode_sample, plain_token, response_mask
 from osfarm.trainer.checkpoint import (
     ADAPTER_DIR,
     MASTER_FILE,
@@ -76,11 +77,12 @@ from osfarm.trainer.learner_options import (
     pick_device,
     pick_dtype,
 )
+from osfarm.trainer.learner_passes import LearnerPasses
 from osfarm.trainer.learner_saving import CheckpointWriter, gather
-from osfarm.trainer.losses import decoupled_ppo_loss, gather_logprobs, kl_penalty, token_entropy
 from osfarm.trainer.model_init import load_model, load_reference, shard_from_rank0
 from osfarm.trainer.samples import Sample
 from osfarm.trainer.schedule import lr_factor
+from osfarm.trainer.trained_turns import Turn, as_step_samples, prompt_messages, steps_where_not_one_sequence
 
 __all__ = ["Encoded", "Learner", "LearnerOptions", "LoraOptions", "LossOptions", "UpdateStats", "encode_sample",
            "latest_checkpoint", "read_state", "response_mask", "STATE_FILE"]
@@ -92,8 +94,9 @@ def load_model_and_processor(path: Path, dtype: torch.dtype, device: torch.devic
     return load_model(path, dtype).to(device), load_processor(path)
 
 
-class Learner:
-    """Holds the policy being trained, its optimizer and its version (on every learner rank)."""
+class Learner(LearnerPasses):
+    """Holds the policy being trained, its optimizer and its version (on every learner rank);
+    its encoding and forward passes are :class:`LearnerPasses`."""
 
     def __init__(self, model_path: Path, opts: LearnerOptions | None = None, *, version: int = 0,
                  ctx: DistContext | None = None, device: str | None = None,
@@ -156,136 +159,6 @@ class Learner:
                                          "skipped_steps": 0, "skipped_updates": 0}
         self.writer = CheckpointWriter()
 
-    # -- encoding and forward -------------------------------------------------------------------------
-
-    def response_ids(self, sample: Sample) -> list[int]:
-        """The sample's response token ids; an experience-pool episode recorded without ids has
-        its response text tokenised (plus the end-of-turn token the server would have sampled)."""
-        if sample.response_token_ids:
-            return list(sample.response_token_ids)
-        text = sample.response_text or ""
-        tok = self.processor.tokenizer
-        out = list(tok(text, add_special_tokens=False)["input_ids"])
-        end = tok.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(end, int) and end != tok.unk_token_id:
-            out.append(end)
-        return out
-
-    def encode(self, sample: Sample, response_ids: Sequence[int] | None = None) -> Encoded:
-        """The sample's prompt + its response ids (``response_ids``: already computed)."""
-        ids = self.response_ids(sample) if response_ids is None else response_ids
-        return encode_sample(self.processor, prompt_messages(sample), ids)
-
-    def _encode_micro(self, samples: Sequence[Sample], resp: Sequence[Sequence[int]], idx: Sequence[int]) -> MicroBatch:
-        """Samples ``idx`` encoded and collated now; nothing else keeps them, so they are freed
-        when the caller drops the micro-batch."""
-        return collate([self.encode(samples[i], resp[i]) for i in idx], self.pad_id)
-
-    @contextlib.contextmanager
-    def _precision(self) -> Iterator[None]:
-        if self.autocast:
-            with torch.autocast(self.device.type, dtype=self.compute_dtype):
-                yield
-        else:
-            yield
-
-    def forward(
-        self, mb: MicroBatch, *, model: Any = None, full: bool | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probs [B, T], logits [B, T, V]) of the last T tokens of each sequence (T = the
-        micro-batch's longest response; ``mb.mask`` says which are a sample's response tokens).
-
-        ``full``: compute the logits of every position first (tests; what ``logits_to_keep``
-        saves on long VLM prompts), then keep the last T. Both give the same log-probs."""
-        full = self.opts.full_logits if full is None else full
-        model = model or self.model
-        device = self.ref_device if model is self.ref_model else self.device
-        inputs = {k: v.to(device) for k, v in mb.inputs.items()}
-        if "pixel_values" in inputs and not self.autocast:  # the dtype the vision tower computes in
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.compute_dtype)
-        with self._precision():
-            logits = model(**inputs, use_cache=False, logits_to_keep=0 if full else mb.width + 1).logits
-        logits = logits[:, -(mb.width + 1):-1, :]  # the logit at position i predicts token i + 1
-        if self.opts.temperature != 1.0:  # the policy is the distribution the server samples from
-            logits = logits / self.opts.temperature
-        return gather_logprobs(logits, mb.targets.to(logits.device)), logits
-
-    def token_logprobs(self, enc: Encoded, *, full: bool | None = None,
-                       model: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One sample: (log-probs [1, T], mask [1, T] of ones, logits [1, T, V]) of its response tokens."""
-        mb = collate([enc], self.pad_id)
-        logp, logits = self.forward(mb, model=model, full=full)
-        return logp, mb.mask.to(logp.device), logits
-
-    def response_logprobs(self, enc: Encoded) -> torch.Tensor:
-        """Log-probs [1, T] of the response tokens under the current weights."""
-        return self.token_logprobs(enc)[0]
-
-    @torch.no_grad()
-    def reference_logprobs(self, enc: Encoded) -> torch.Tensor:
-        """Log-probs [1, T] of the response tokens under the frozen KL reference."""
-        return self._reference(collate([enc], self.pad_id))
-
-    def _reference(self, mb: MicroBatch) -> torch.Tensor:
-        if self.lora:
-            with self.model.disable_adapter():
-                return self.forward(mb)[0]
-        return self.forward(mb, model=self.ref_model)[0].to(self.device)
-
-    @torch.no_grad()
-    def score(self, sample: Sample) -> list[float]:
-        """Current log-probs of a sample's response tokens (no grad)."""
-        self.model.eval()
-        return self.response_logprobs(self.encode(sample))[0].float().cpu().tolist()
-
-    @torch.no_grad()
-    def score_many(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Current log-probs of several samples, ``micro_batch_size`` per forward pass."""
-        self.model.eval()
-        out: list[list[float]] = []
-        step = self.opts.micro_batch_size
-        for i in range(0, len(samples), step):
-            mb = collate([self.encode(s) for s in samples[i:i + step]], self.pad_id)  # freed each round
-            logp, _ = self.forward(mb)
-            out += [row.float().cpu().tolist() for row in mb.per_sample(logp)]
-        return out
-
-    # -- the loss of a micro-batch --------------------------------------------------------------------
-
-    def micro_loss(self, samples: Sequence[Sample], mb: MicroBatch, prox: torch.Tensor,
-                   ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-        """(loss, loss stats, mean entropy) of a micro-batch, each a mean over its response tokens
-        (or sequences); ``prox`` / ``ref``: [B, T] proximal / reference log-probs."""
-        lo = self.opts.loss
-        logp, logits = self.forward(mb)
-        mask = mb.mask.to(logp.device)
-        prox = prox.to(logp.device, logp.dtype)
-        # no behaviour log-probs recorded, or an experience-pool sample (an old success replayed as
-        # DART does): π_b = π_prox, importance weight 1
-        behav = mb.rows([None if s.behav_logprobs is None or s.from_pool else s.behav_logprobs for s in samples], prox)
-        adv = torch.tensor([float(s.advantage) for s in samples], dtype=torch.float32, device=logp.device)
-        loss, stats = decoupled_ppo_loss(logp, prox, behav, adv, mask, clip_low=lo.clip_low, clip_high=lo.clip_high,
-                                         behav_cap=lo.behav_cap, behav_reject=lo.behav_reject, dual_clip=lo.dual_clip,
-                                         aggregation=lo.aggregation)
-        if ref is not None and lo.kl_coef > 0:
-            kl = kl_penalty(logp, ref.to(logp.device, logp.dtype), mask, kind=lo.kl_kind,
-                            aggregation=lo.aggregation)
-            loss = loss + lo.kl_coef * kl
-            stats = {**stats, "kl_ref": float(kl.detach())}
-        # with no bonus the entropy is only reported: no graph over the [B, T, V] logits for it
-        with contextlib.nullcontext() if lo.entropy_coef else torch.no_grad():
-            ent = token_entropy(logits)
-            ent_mean = (ent * mask).sum() / mask.sum()
-        if lo.entropy_coef:
-            loss = loss - lo.entropy_coef * ent_mean
-        return loss, stats, ent_mean.detach()
-
-    def sample_loss(self, sample: Sample, enc: Encoded, prox: torch.Tensor,
-                    ref: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-        """:meth:`micro_loss` of one sample (``prox`` [1, T])."""
-        return self.micro_loss([sample], collate([enc], self.pad_id), prox.reshape(1, -1),
-                               None if ref is None else ref.reshape(1, -1))
-
     # -- update -------------------------------------------------------------------------------------
 
     def update(self, samples: Sequence[Sample]) -> UpdateStats:
@@ -305,11 +178,11 @@ class Learner:
         return out
 
     @torch.no_grad()
-    def _proximal_pass(self, samples: Sequence[Sample], resp: Sequence[Sequence[int]],
+    def _proximal_pass(self, samples: Sequence[Sample], turns: Sequence[Sequence[Turn]],
                        plans: list[list[tuple[list[int], float]]]) -> tuple[dict[int, torch.Tensor],
                                                                           dict[int, torch.Tensor]]:
         """Per sample: log π_prox (the weights before this update) and, with a KL term, log π_ref
-        of its response tokens ([T] each, on this rank's samples)."""
+        of its trained tokens (every turn's, in order; on this rank's samples)."""
         self.model.eval()
         prox: dict[int, torch.Tensor] = {}
         refs: dict[int, torch.Tensor] = {}
@@ -319,7 +192,7 @@ class Learner:
                 todo = list(idx) if self.fsdp else [i for i in idx if i not in prox]
                 if not todo:
                     continue
-                mb = self._encode_micro(samples, resp, todo)
+                mb = self._encode_micro(samples, turns, todo)
                 logp, _ = self.forward(mb)
                 for i, row in zip(todo, mb.per_sample(logp), strict=True):
                     prox[i] = row.detach().float()
@@ -339,7 +212,7 @@ class Learner:
             # one prompt encoded at a time and dropped at once: memory stays that of one sample
             prompt = (None if b.max_prompt_tokens is None
                       else int(encode_chat(self.processor, list(prompt_messages(s)))["input_ids"].shape[1]))
-            why = b.overlong(prompt, len(self.response_ids(s)))
+            why = b.overlong(prompt, max(len(t.ids) for t in self.turns(s)))
             if why is not None:
                 log.warning("sample %s#%s left out of the update: %s", s.episode_id, s.step_index, why)
                 out.add(i)
@@ -349,25 +222,34 @@ class Learner:
         if not samples:
             raise ValueError("update needs at least one sample")
         t0 = time.perf_counter()
+        # an episode sample that is not the policy's own sequence token for token trains as its
+        # steps; so does one over the budget, whose earlier steps may fit
+        samples, not_one_sequence = steps_where_not_one_sequence(samples, self.processor)
         over = self._over_budget(samples)
+        if any(samples[i].whole_episode for i in over):
+            not_one_sequence["over_budget"] = sum(1 for i in over if samples[i].whole_episode)
+            samples = [x for i, s in enumerate(samples)
+                       for x in (as_step_samples(s) if i in over and s.whole_episode else [s])]
+            over = self._over_budget(samples)
         samples = [s for i, s in enumerate(samples) if i not in over]
         if not samples:  # nothing left to train: like an update whose every step was skipped
             return UpdateStats(version=self.version, samples=0, tokens=0, loss=0.0, entropy=0.0, kl_prox_behav=0.0,
                                grad_norm=float("nan"), seconds=round(time.perf_counter() - t0, 3), skipped_steps=1,
                                extra={"steps_taken": 0.0, "overlong_samples": float(len(over))})
-        if self.opts.loss.episode_weighting:  # a positive weight on A scales that sample's PPO term alike
-            samples = [replace(s, advantage=s.advantage * w)
-                       for s, w in zip(samples, episode_weights([s.episode_id for s in samples]), strict=True)]
+        turns = [self.turns(s) for s in samples]
+        flat = [t for ts in turns for t in ts]
+        if self.opts.loss.episode_weighting:  # a positive weight on A scales that turn's PPO term alike
+            for t, w in zip(flat, episode_weights([t.episode_id for t in flat]), strict=True):
+                t.advantage *= w
         rank, world = self.ctx.rank, self.ctx.world
-        resp = [self.response_ids(s) for s in samples]
-        lengths = [len(r) for r in resp]
         # checked on every rank before any collective, so all raise together
-        for s, n in zip(samples, lengths, strict=True):
-            if n == 0:
-                raise ValueError(f"sample {s.episode_id}#{s.step_index}: no response tokens")
-            if s.behav_logprobs is not None and len(s.behav_logprobs) != n:
-                raise ValueError(f"sample {s.episode_id}#{s.step_index}: {len(s.behav_logprobs)} behaviour "
-                                 f"log-probs for {n} response tokens")
+        for t in flat:
+            if not t.ids:
+                raise ValueError(f"sample {t.label}: no response tokens")
+            if t.behav is not None and len(t.behav) != len(t.ids):
+                raise ValueError(f"sample {t.label}: {len(t.behav)} behaviour log-probs for {len(t.ids)} "
+                                 f"response tokens")
+        lengths = [sum(len(t.ids) for t in ts) for ts in turns]
         agg = self.opts.loss.aggregation
         total_tokens = sum(lengths)
         n_mb = min(self.opts.minibatches, len(samples))
@@ -379,7 +261,7 @@ class Learner:
             count = max(math.ceil(len(p) / step) for p in per_rank)
             plans.append(self._micro_batches(per_rank[rank], count, mb_indices[0]))
 
-        prox, refs = self._proximal_pass(samples, resp, plans)
+        prox, refs = self._proximal_pass(samples, turns, plans)
         self.model.train()
         sums = {"loss": 0.0, "entropy": 0.0, "drift": 0.0}
         stat_sums: dict[str, float] = {}
@@ -389,34 +271,36 @@ class Learner:
         for mb_idx, plan in zip(minibatches, plans, strict=True):
             self.optimizer.zero_grad(set_to_none=True)
             mb_tokens = sum(lengths[i] for i in mb_idx)
+            mb_turns = sum(len(turns[i]) for i in mb_idx)
             for k, (idx, weight) in enumerate(plan):
                 if self.fsdp:  # reduce-scatter once, after the minibatch's last micro-batch
                     self.model.set_requires_gradient_sync(k == len(plan) - 1)
-                mb = self._encode_micro(samples, resp, idx)
-                width = mb.width
-                prox_rows = torch.stack([torch.nn.functional.pad(prox[i], (width - lengths[i], 0)) for i in idx])
-                ref_rows = (torch.stack([torch.nn.functional.pad(refs[i], (width - lengths[i], 0)) for i in idx])
-                            if refs else None)
-                loss, stats, ent = self.micro_loss([samples[i] for i in idx], mb, prox_rows, ref_rows)
+                mb = self._encode_micro(samples, turns, idx)
+                blank = torch.zeros(mb.size, mb.width)
+                prox_rows = mb.rows([prox[i] for i in idx], blank)
+                ref_rows = mb.rows([refs[i] for i in idx], blank) if refs else None
+                loss, stats, ent = self.micro_loss([turns[i] for i in idx], mb, prox_rows, ref_rows)
                 micro_tokens = sum(lengths[i] for i in idx)
                 # the micro-batch's mean, re-weighted so the minibatch's loss is the token (or
-                # sequence) mean over all of its samples, on all ranks together
-                share = (micro_tokens / mb_tokens if agg == "token_mean" else len(idx) / len(mb_idx)) * weight
+                # turn) mean over all of its samples, on all ranks together
+                share = (micro_tokens / mb_tokens if agg == "token_mean"
+                         else sum(len(turns[i]) for i in idx) / mb_turns) * weight
                 # the ranks' gradients are to be summed; FSDP's reduce-scatter averages them (and
                 # gloo has no pre-multiplied sum), so its shares count world-size times
                 (loss * (share * world if self.fsdp else share)).backward()
                 del mb, prox_rows, ref_rows  # freed before the next micro-batch is encoded
                 w = weight * micro_tokens / total_tokens
-                sums["loss"] += float(loss.detach()) * w
+                # the minibatches' losses weighed as their tokens (or turns): the update's objective
+                sums["loss"] += float(loss.detach()) * share * (mb_tokens / total_tokens if agg == "token_mean"
+                                                                else mb_turns / len(flat))
                 sums["entropy"] += float(ent) * w
                 for k2, v in stats.items():
                     stat_sums[k2] = stat_sums.get(k2, 0.0) + float(v) * w
                 if weight:
-                    for i in idx:
-                        s = samples[i]
-                        if s.behav_logprobs is not None and not s.from_pool:
-                            sums["drift"] += float((torch.tensor(s.behav_logprobs, dtype=torch.float32)
-                                                    - prox[i].cpu()).sum())
+                    for i in idx:  # a turn without behaviour log-probs adds nothing (nan)
+                        behav = [x for t in turns[i] for x in (t.behav if t.behav is not None else
+                                                                [math.nan] * len(t.ids))]
+                        sums["drift"] += float(torch.nansum(torch.tensor(behav, dtype=torch.float32) - prox[i].cpu()))
             if self.ctx.enabled and not self.fsdp:
                 all_reduce_grads(self.params)
             gn = float(torch.nn.utils.clip_grad_norm_(self.params, self.opts.grad_clip))
@@ -456,6 +340,9 @@ class Learner:
         extra = {f"loss/{k}": v for k, v in stat_sums.items()}
         extra["steps_taken"] = float(taken)
         extra["overlong_samples"] = float(len(over))
+        extra["turns"] = float(len(flat))
+        extra["episode_samples"] = float(sum(1 for s in samples if s.whole_episode))
+        extra.update({f"episode_fallback_{why}": float(n) for why, n in not_one_sequence.items()})
         finite = [g for g in grad_norms if math.isfinite(g)]
         return UpdateStats(version=self.version, samples=len(samples), tokens=total_tokens, loss=sums["loss"],
                            entropy=sums["entropy"], kl_prox_behav=sums["drift"] / total_tokens,
@@ -568,17 +455,3 @@ class Learner:
             self.commands = None
             leave_process_groups()
 
-
-def prompt_messages(sample: Sample) -> list[dict[str, Any]]:
-    """The chat the sample's response continues. A trajectory sample (``turns``) carries every
-    assistant turn, its last reply included, in ``messages``: that reply is the response, so it
-    is cut off here (encoded twice, the model would be trained on a sequence the policy never
-    produced). Its earlier turns are context: only the last one trains (per-turn loss masks are
-    not built)."""
-    if not sample.turns:
-        return sample.messages
-    last = int(sample.turns[-1]["message_index"])
-    if not (0 < last < len(sample.messages)) or sample.messages[last].get("role") != "assistant":
-        raise ValueError(f"sample {sample.episode_id}: turns[-1].message_index {last} is not an assistant message "
-                         f"of its {len(sample.messages)} messages")
-    return sample.messages[:last]

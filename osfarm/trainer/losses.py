@@ -35,14 +35,16 @@ def _check_same_shape(mask: torch.Tensor, **tensors: torch.Tensor | None) -> Non
 
 
 def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: Aggregation = "token_mean",
-                     *, count_mask: torch.Tensor | None = None) -> torch.Tensor:
+                     *, count_mask: torch.Tensor | None = None, segments: torch.Tensor | None = None) -> torch.Tensor:
     """Reduce per-token ``values`` to a scalar over ``mask``.
 
     ``token_mean``: Σ values·mask / Σ count_mask (every token of the batch weighs the same; long
     responses weigh more). ``seq_mean``: each sequence's token mean, then the mean over sequences
     that have at least one token (every sequence weighs the same). ``count_mask`` (default
     ``mask``) is what the denominators count: AReaL's rejected tokens are 0 in ``mask`` but 1 in
-    ``count_mask``. With no token at all the result is a zero that still carries a gradient.
+    ``count_mask``. ``segments`` ([B, T] integers ≥ 0): the sequences of ``seq_mean`` are the
+    (row, segment) pairs, e.g. the turns of an episode trained as one row. With no token at all
+    the result is a zero that still carries a gradient.
     """
     count = mask if count_mask is None else count_mask
     v = torch.where(mask > 0, values, torch.zeros_like(values)) * mask
@@ -50,9 +52,16 @@ def masked_aggregate(values: torch.Tensor, mask: torch.Tensor, aggregation: Aggr
         n = count.sum()
         return v.sum() / n.clamp(min=1.0)
     if aggregation == "seq_mean":
-        per_seq_n = count.sum(dim=-1)
+        if segments is not None and v.numel():
+            _check_same_shape(mask, segments=segments)
+            per_row = int(segments.max()) + 1
+            seq = (torch.arange(v.shape[0], device=v.device)[:, None] * per_row + segments.long()).reshape(-1)
+            sums = torch.zeros(v.shape[0] * per_row, dtype=v.dtype, device=v.device).index_add(0, seq, v.reshape(-1))
+            per_seq_n = torch.zeros_like(sums).index_add(0, seq, count.to(v.dtype).reshape(-1))
+        else:
+            sums, per_seq_n = v.sum(dim=-1), count.sum(dim=-1)
         has = per_seq_n > 0
-        per_seq = v.sum(dim=-1) / per_seq_n.clamp(min=1.0)
+        per_seq = sums / per_seq_n.clamp(min=1.0)
         n_seq = has.sum()
         return (per_seq * has).sum() / n_seq.clamp(min=1).to(per_seq.dtype)
     raise ValueError(f"aggregation must be 'token_mean' or 'seq_mean', got {aggregation!r}")
@@ -76,6 +85,7 @@ def decoupled_ppo_loss(
     behav_reject: float | None = None,
     dual_clip: float | None = None,
     aggregation: Aggregation = "token_mean",
+    segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO loss (scalar, to minimise) and its statistics.
 
@@ -83,7 +93,7 @@ def decoupled_ppo_loss(
     (None: π_prox = π_b, i.e. ordinary PPO on the behaviour policy); ``logp_behav``: log π_b
     from the recorded rollout (None: w = 1). ``advantages``: ``[B]`` (one per sequence, spread
     over its tokens) or ``[B, T]``. ``dual_clip`` = c > 1 caps the loss of a negative-advantage
-    token at c·|Â| (the ratio can no longer blow it up).
+    token at c·|Â| (the ratio can no longer blow it up). ``segments``: see :func:`masked_aggregate`.
     """
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
@@ -138,7 +148,7 @@ def decoupled_ppo_loss(
         dual = on & (adv < 0) & (pg > cap)
         pg = torch.where(adv < 0, torch.minimum(pg, cap), pg)
     per_token = w * pg
-    loss = masked_aggregate(per_token, keep, aggregation, count_mask=mask)
+    loss = masked_aggregate(per_token, keep, aggregation, count_mask=mask, segments=segments)
 
     n_tok = float(mask.sum())
 
@@ -164,7 +174,7 @@ def decoupled_ppo_loss(
 
 
 def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, kind: KLKind = "k3",
-               aggregation: Aggregation | None = "token_mean") -> torch.Tensor:
+               aggregation: Aggregation | None = "token_mean", *, segments: torch.Tensor | None = None) -> torch.Tensor:
     """KL(π_θ ‖ π_ref) estimated on tokens sampled from π_θ (Schulman's k1/k2/k3).
 
     With δ = log π_ref − log π_θ: k1 = −δ (unbiased, can be negative), k2 = δ²/2 (biased, low
@@ -186,7 +196,7 @@ def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, k
     kl = kl * mask
     if aggregation is None:
         return kl
-    return masked_aggregate(kl, mask, aggregation)
+    return masked_aggregate(kl, mask, aggregation, segments=segments)
 
 
 def token_entropy(logits: torch.Tensor, *, chunk: int = 1024) -> torch.Tensor:

@@ -8,13 +8,23 @@ default: the top 80%) then keeps the top fraction of a batch's samples: the fork
 most of the learning, and the rest only costs learner time. Experience-pool episodes train with
 the group (their old policy version does not make them stale: they are replayed as successes,
 π_b taken as π_prox).
+
+Granularity ``episode``: after selection, an episode's step samples are joined into one sample
+of the whole conversation, which the learner encodes once, every kept reply trained in place
+(``episode_encoding.py``) instead of each step's prompt encoded anew. The join is only sound when
+each step's prompt, as the agent sent it, is the conversation up to that turn with its reply
+following verbatim: the policy was conditioned on exactly that prefix, so the turn's behaviour
+log-probs still belong to its tokens. Otherwise the episode stays as its step samples (each with
+its true prompt) and the reason is counted (``episode_fallback_<reason>``); it is never joined
+into a sequence the policy did not see. Steps left out (selection, the version window, no
+recorded ids) stay in the conversation as context and do not train.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from osfarm.stream.blobs import BlobMissing
@@ -45,7 +55,9 @@ class Sample:
     use π_prox as π_b, weight 1).
     Trajectory samples (``step_index`` 0) put every assistant turn in ``messages`` and list the
     trained ones in ``turns``: ``{"message_index", "step_index", "token_ids", "logprobs",
-    "policy_version"}``; their ``response_*`` fields are those of the last turn.
+    "policy_version"}``; their ``response_*`` fields are those of the last turn. An episode sample
+    (``whole_episode``) is laid out alike and every turn in ``turns`` trains on its own reply.
+    ``context_trimmed``: ``messages`` is shorter than the prompt the agent sent.
     """
 
     messages: list[dict[str, Any]]
@@ -62,6 +74,8 @@ class Sample:
     entropy: float | None = None
     from_pool: bool = False
     turns: list[dict[str, Any]] | None = None
+    whole_episode: bool = False
+    context_trimmed: bool = False
 
 
 @dataclass
@@ -118,6 +132,8 @@ class SampleBuilder:
             keep = select_high_entropy([s.entropy for s in samples], self.config.entropy_fraction)
             counts["entropy_filtered"] = sum(1 for k in keep if not k)
             samples = [s for s, k in zip(samples, keep, strict=True) if k]
+        if self.config.granularity == "episode":
+            samples = join_episodes(samples, counts)
         counts["samples"] = len(samples)
         counts["pool_samples"] = sum(1 for s in samples if s.from_pool)
         return Batch(samples, groups, counts)
@@ -167,7 +183,8 @@ class SampleBuilder:
             s = Sample(messages=msgs, response_token_ids=list(ids) if ids else None, behav_logprobs=lps,
                        policy_version=_version_of(m, ep), advantage=adv, reward=ep.reward,
                        task_id=rec["task_id"], group_id=group_id, episode_id=rec["episode_id"],
-                       step_index=st["index"], response_text=m.get("response_text") or "", from_pool=ep.from_pool)
+                       step_index=st["index"], response_text=m.get("response_text") or "", from_pool=ep.from_pool,
+                       context_trimmed=msgs != sent)
             s.entropy = self._entropy(s, raw)
             out.append(s)
         return out, skipped
@@ -215,3 +232,54 @@ class SampleBuilder:
         s.entropy = self._entropy(s, all_lps)
         return s
 
+
+
+# why an episode's steps were not joined (counted as ``episode_fallback_<reason>``)
+CONTEXT_TRIMMED = "context_trimmed"  # context_turns / context_images cut a step's prompt for the learner
+HISTORY_CUT = "history_cut"  # a step's prompt is not the conversation so far (the agent cut its history)
+REPLY_REWRITTEN = "reply_rewritten"  # the history holds another text than the step's reply
+
+
+def join_episode(steps: list[Sample]) -> Sample | str:
+    """One sample for an episode's step samples (in step order, two or more), or why they
+    cannot be one (``HISTORY_CUT`` etc.)."""
+    if len(steps) < 2:
+        raise ValueError("joining an episode needs two or more step samples")
+    if any(s.context_trimmed for s in steps):
+        return CONTEXT_TRIMMED
+    last = steps[-1]
+    messages: list[dict[str, Any]] = [*last.messages, {"role": "assistant", "content": last.response_text}]
+    turns = []
+    for s in steps:
+        k = len(s.messages)
+        if k >= len(messages) or messages[:k] != s.messages:
+            return HISTORY_CUT
+        reply = messages[k]
+        if reply.get("role") != "assistant" or reply.get("content") != s.response_text:
+            return REPLY_REWRITTEN
+        turns.append({"message_index": k, "step_index": s.step_index, "token_ids": s.response_token_ids,
+                      "logprobs": s.behav_logprobs, "policy_version": s.policy_version})
+    known = [s.entropy for s in steps if s.entropy is not None]
+    return replace(last, messages=messages, turns=turns, whole_episode=True,
+                   entropy=sum(known) / len(known) if known else None)
+
+
+def join_episodes(samples: list[Sample], counts: dict[str, int]) -> list[Sample]:
+    """``samples`` with each episode's steps joined where they can be (episodes in their
+    order); ``counts`` gains ``episode_samples`` and ``episode_fallback_<reason>``."""
+    by_episode: dict[tuple[str, str, bool], list[Sample]] = {}
+    for s in samples:  # an experience-pool replay may share its episode id with the original
+        by_episode.setdefault((s.group_id, s.episode_id, s.from_pool), []).append(s)
+    counts.setdefault("episode_samples", 0)
+    out: list[Sample] = []
+    for steps in by_episode.values():
+        steps.sort(key=lambda s: s.step_index)
+        joined = join_episode(steps) if len(steps) > 1 else steps[0]
+        if isinstance(joined, str):
+            key = f"episode_fallback_{joined}"
+            counts[key] = counts.get(key, 0) + 1
+            out += steps
+            continue
+        counts["episode_samples"] += 1
+        out.append(joined)
+    return out
