@@ -144,7 +144,6 @@ def _guard_zygote():
 
 
 _ns = {"__name__": "__main__", "__builtins__": __builtins__}
-_boot_started = __import__("time").monotonic()
 _settle = None  # "settle": the module with InputSettle, shipped next to this file
 _spare = None  # "settle": X connections opened for the next forked child
 _boot_error = None
@@ -167,8 +166,6 @@ try:
         _patch_pyautogui_x11(_ns["pyautogui"])
 except BaseException:
     _boot_error = traceback.format_exc()
-# what `import pyautogui` costs on this machine now: most of a `python -c` start (see _wait_apps_idle)
-_boot_s = __import__("time").monotonic() - _boot_started
 _send({"ready": True, "error": _boot_error})
 
 
@@ -225,49 +222,8 @@ def _settled_child(run_id, code, zygote):
             sleep_pause(_pause)
 
     pyautogui._handlePause = settled_pause
-    _wait_apps_idle()
     return _run(run_id, code, {"__name__": "__main__", "__builtins__": __builtins__,
                                "pyautogui": pyautogui, "time": _ns["time"]})
-
-
-# Before a code action's first event: OSWorld's `python -c` start (0.3-1 s, longer on a loaded
-# machine) gives the apps that long to finish what the previous action started; a forked child
-# starts at once. So the child waits until none of the agent's processes (its apps, and GNOME's
-# shell, which runs as the agent) is running or waiting for a CPU, at most as long as this
-# zygote's own imports took (within IDLE_CAP_S): on an idle desktop one short look, on a busy or
-# loaded one about what the interpreter start would have given. Runnable, not CPU used: on a
-# loaded machine a starved app uses little CPU and is still busy. The offline suite's Impress task
-# ...0306 failed without it on a loaded machine: a Ctrl+S sent at once after the Slide Properties
-# dialog closed was lost (no 'Confirm File Format', the file unsaved).
-IDLE_CAP_S = (0.3, 5.0)
-IDLE_POLL_S = 0.005
-
-
-def _agent_runnable(me, uid):
-    """Whether a process of this user but this one is running or waiting for a CPU (state R)."""
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == me:
-            continue
-        try:
-            if os.stat("/proc/" + name).st_uid != uid:
-                continue
-            with open("/proc/" + name + "/stat", "rb") as f:
-                if f.read().rpartition(b")")[2].split()[0] == b"R":
-                    return True
-        except (OSError, IndexError):
-            continue
-    return False
-
-
-def _wait_apps_idle():
-    import time
-    me, uid = os.getpid(), os.getuid()
-    deadline = time.monotonic() + min(max(_boot_s, IDLE_CAP_S[0]), IDLE_CAP_S[1])
-    quiet = 0  # polls in a row with nothing runnable: two, so that one between time slices does not count
-    while quiet < 2 and time.monotonic() < deadline:
-        quiet = 0 if _agent_runnable(me, uid) else quiet + 1
-        if quiet < 2:
-            time.sleep(IDLE_POLL_S)
 
 
 def _connect():
