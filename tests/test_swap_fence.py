@@ -355,3 +355,35 @@ def test_a_step_moves_to_a_server_that_serves_its_adapter_or_waits_for_the_mark(
     assert [c[1] for c in b.calls()] == ["policy-v1"] and [c[1] for c in a.calls()] == ["policy-v1"]
     assert moved.step_versions == waited.step_versions == [1]
     assert not r.zcard(f"osfarm:train:run-move:calls:{b.url}")  # the call left the server's calls
+
+
+def test_a_dead_workers_call_holds_a_swap_only_until_its_lease_lapses(broker: RedisServer) -> None:
+    """A worker killed mid-call never leaves nor renews its call's entry: the trainer's swap waits
+    for it only until the entry lapses, not for the server's whole timeout. While the mark is up
+    no step enters; once it is lifted one does, and sees the server's new route."""
+    from osfarm.runner.executors.rollout_control import RolloutControl
+    from osfarm.trainer.swap_fence import QueueFence
+
+    r = redis.Redis.from_url(broker.url)
+    url = "http://127.0.0.1:9"  # never dialled: only its keys are used
+
+    async def in_thread(fn: Any) -> Any:
+        return await asyncio.to_thread(fn)
+
+    assert RolloutControl(r, "run-dead", "ep-dead", url).enter(url, lease_s=1.0).entered  # then it dies
+    fence = QueueFence(r, "run-dead", in_thread)
+    live = RolloutControl(r, "run-dead", "ep-live", url)
+
+    async def swap() -> tuple[float, bool]:
+        t0 = time.monotonic()
+        await fence.begin(url, 30)
+        took = time.monotonic() - t0
+        during = live.enter(url).entered
+        await fence.end(url, ("policy-v2", 2), ["policy", "policy-v2"])
+        return took, during
+
+    took, entered_during = asyncio.run(swap())
+    assert 0.5 < took < 5 and fence.drain_timeouts == 0
+    assert not entered_during
+    after = live.enter(url)
+    assert after.entered and not after.swapping and after.routes[url].model == "policy-v2"

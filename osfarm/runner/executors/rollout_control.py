@@ -20,7 +20,8 @@ adapter load or unload), though the workers are on other hosts:
   own clock, seconds): the trainer marks a server for as long as a swap runs and renews the mark;
   a trainer that dies mid-swap leaves a mark that lapses within :data:`MARK_TTL_S`.
 * ``osfarm:train:<run>:calls:<url>`` — a sorted set of the episodes with a model call in flight to
-  that server (score: when the entry lapses, should its worker die mid-call).
+  that server (score: when the entry lapses; the worker renews it while the call runs, so a worker
+  that dies mid-call holds a swap for :data:`CALL_LEASE_S` at most).
 
 A worker's step is one script (:func:`RolloutControl.enter`): it reads the abort flag, the routes
 and the marks, and unless the server is marked adds the episode to the server's calls, all at once.
@@ -49,7 +50,7 @@ from osfarm.schema.actions import AgentAction
 
 KEY_TTL_S = 24 * 3600
 MARK_TTL_S = 15.0  # a swap mark lapses this long after the trainer's last renewal (it renews every third of it)
-CALL_LEASE_S = 900.0  # a call entry of a worker that died mid-call lapses after this (the trainer waits less)
+CALL_LEASE_S = 10.0  # a call's entry lapses this long after its last renewal (the worker renews it every third)
 
 # A worker's step: abort flag, routes, marks; enter the server's calls unless it is marked (or aborted).
 _ENTER = """
@@ -66,6 +67,11 @@ if aborted == 0 and (not mark or mark <= now) then
   entered = 1
 end
 return {aborted, routes, marks, tostring(now), entered}
+"""
+# A call still in flight: its entry lives on (only if it is there: a renewal never enters a call).
+_RENEW = """
+local t = redis.call('TIME')
+return redis.call('ZADD', KEYS[1], 'XX', tonumber(t[1]) + tonumber(t[2]) / 1000000 + tonumber(ARGV[2]), ARGV[1])
 """
 # The trainer's mark (set or renewed): returns the calls still in flight to the server.
 _MARK = """
@@ -228,6 +234,10 @@ class RolloutControl:
         swapping = frozenset(m[i] for i in range(0, len(m), 2) if _deadline(m[i + 1]) > float(_text(now)))
         return Step(bool(aborted), {u: rt for u, rt in parsed.items() if rt is not None}, swapping, bool(entered))
 
+    def renew(self, url: str, lease_s: float = CALL_LEASE_S) -> None:
+        """The call to ``url`` is still running: its entry lives ``lease_s`` more (blocking)."""
+        self.r.eval(_RENEW, 1, calls_key(self.run_id, url), self.episode_id, lease_s)
+
     def leave(self, url: str) -> None:
         """The call to ``url`` came back (blocking; an entry left behind lapses on its own)."""
         try:
@@ -266,9 +276,13 @@ class ControlledAgent:
 
     async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         url = await self._enter()
+        renewing = asyncio.create_task(self._renew(url)) if url is not None else None
         try:
             out = await self.agent.apredict(instruction, obs)
         finally:
+            if renewing is not None:
+                renewing.cancel()
+                await asyncio.gather(renewing, return_exceptions=True)
             if url is not None:
                 await asyncio.to_thread(self.control.leave, url)
         tag_version(self.agent, self.version, self.step_versions)
@@ -301,6 +315,14 @@ class ControlledAgent:
             attempt += 1
             self.swap_waits += 1
             await asyncio.sleep(backoff_s(attempt, base_s=0.05, cap_s=MARK_TTL_S / 15))
+
+    async def _renew(self, url: str) -> None:
+        while True:
+            await asyncio.sleep(CALL_LEASE_S / 3)
+            try:
+                await asyncio.to_thread(self.control.renew, url)
+            except redis.RedisError:  # the next renewal tries again; a lapsed entry only lets a swap start early
+                pass
 
     async def _abort(self) -> None:
         self.aborted = True
