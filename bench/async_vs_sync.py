@@ -94,8 +94,14 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console, sa
     run_dir = root / (name or f"eta{eta}")
     cfg = load_train_config(args.config, run_dir=run_dir, updates=args.updates, resume=False)
     cfg = cfg.model_copy(update={
+        # groups of exactly one batch: with DART's n (8 while a task is unsolved) over a smaller batch
+        # the capacity gets a slack of the largest group less one, and η = 0 then keeps rolling out
+        # during the update (its desktops were 100 % busy through a 54 s update): no synchronous
+        # baseline. A fixed n that tiles the batch also gives every update the same work.
         "rollout": cfg.rollout.model_copy(update={"eta": eta, "envs": args.envs, "batch_size": args.batch_size,
-                                                  "max_steps": args.max_steps}),
+                                                  "max_steps": args.max_steps,
+                                                  "options": {**cfg.rollout.options, "allocator": "fixed",
+                                                              "group_size": args.batch_size}}),
         "agent": cfg.agent.model_copy(update={"screenshot": args.screenshot}),
         "suite": args.suite,
         # a group whose rewards are all equal still trains (zero advantages): every setting does the
