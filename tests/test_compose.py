@@ -47,15 +47,15 @@ def compose(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess
 # ---------------------------------------------------------------- the model, no image needed
 
 
-def config(*files: str, **env: str) -> subprocess.CompletedProcess[str]:
+def config(*files: str, profile: str = "gpu", **env: str) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("OSFARM_")}
     args = [a for f in files for a in ("-f", str(ROOT / f))]
-    return subprocess.run(["docker", "compose", *args, "--profile", "gpu", "config", "--format", "json"],
+    return subprocess.run(["docker", "compose", *args, "--profile", profile, "config", "--format", "json"],
                           env={**base, **env}, capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
 
 
-def model(*files: str, **env: str) -> dict[str, Any]:
-    r = config(*files, **env)
+def model(*files: str, profile: str = "gpu", **env: str) -> dict[str, Any]:
+    r = config(*files, profile=profile, **env)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)["services"]
 
@@ -125,6 +125,45 @@ def test_vllm_refuses_to_start_without_an_api_key() -> None:
     r = subprocess.run(entry + ["--model", "x"], env={"PATH": "/usr/bin:/bin", "VLLM_API_KEY": "k"},
                        capture_output=True, text=True, timeout=30, check=False)
     assert "OSFARM_POLICY_TOKEN" not in r.stderr and r.returncode != 2, (r.returncode, r.stderr)
+
+
+def test_the_train_cpu_profile_trains_through_the_queue_without_gpus() -> None:
+    """The train profile on CPUs: our policy server on the tiny model for vLLM, a trainer with
+    --executor celery and no GPU reservation (bench/compose_train.sh runs it end to end)."""
+    for files in (("compose.yaml",), ("compose.yaml", "compose.host.yaml")):
+        services = model(*files, profile="train-cpu", **SECRETS)
+        assert {"policy-cpu", "trainer-cluster-cpu", "worker"} <= set(services) and "vllm" not in set(services)
+        policy, trainer = services["policy-cpu"], services["trainer-cluster-cpu"]
+        assert policy["command"][:5] == ["osfarm", "policy", "serve", "--model", "tiny"]
+        assert trainer["command"][-2:] == ["--executor", "celery"]
+        assert not (trainer.get("deploy") or {}).get("resources", {}).get("reservations"), trainer.get("deploy")
+        # the token from the environment, never on a command line; the trainer and the workers send it
+        for name in ("policy-cpu", "trainer-cluster-cpu", "worker"):
+            assert services[name]["environment"]["OSFARM_POLICY_TOKEN"] == POLICY_TOKEN, name
+        assert POLICY_TOKEN not in json.dumps(policy["command"])
+        assert trainer["environment"]["OSFARM_BROKER"].startswith(f"redis://:{REDIS_PASSWORD}@")
+        # the weight sync hands the server a checkpoint path under the trainer's /runs: the same mount
+        runs = {svc: next(v["source"] for v in services[svc]["volumes"] if v["target"] == "/runs")
+                for svc in ("policy-cpu", "trainer-cluster-cpu")}
+        assert len(set(runs.values())) == 1, runs
+        # the suites at the same path for the trainer and the workers (jobs name it)
+        suites = {svc: [v["target"] for v in services[svc]["volumes"] if v["target"] == "/etc/osfarm/suites"]
+                  for svc in ("trainer-cluster-cpu", "worker")}
+        assert all(suites.values()), suites
+    host = model("compose.yaml", "compose.host.yaml", profile="train-cpu", **SECRETS)
+    cmd = host["policy-cpu"]["command"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1" and "--allow-remote" not in cmd
+    assert all(host[n]["network_mode"] == "host" for n in ("policy-cpu", "trainer-cluster-cpu"))
+    bridge = model("compose.yaml", profile="train-cpu", **SECRETS)["policy-cpu"]["ports"]
+    assert all(p.get("host_ip") == "127.0.0.1" for p in bridge), bridge
+    # no token, no server: the entrypoint's guard, run by the same sh without the image
+    entry = [a.replace("$$", "$") for a in host["policy-cpu"]["entrypoint"]]
+    r = subprocess.run(entry + ["true"], env={"PATH": "/usr/bin:/bin", "OSFARM_POLICY_TOKEN": ""},
+                       capture_output=True, text=True, timeout=30, check=False)
+    assert r.returncode == 2 and "OSFARM_POLICY_TOKEN" in r.stderr, (r.returncode, r.stderr)
+    r = subprocess.run(entry + ["true"], env={"PATH": "/usr/bin:/bin", "OSFARM_POLICY_TOKEN": "k"},
+                       capture_output=True, text=True, timeout=30, check=False)
+    assert r.returncode == 0, (r.returncode, r.stderr)
 
 
 # ---------------------------------------------------------------- the running cluster
