@@ -198,7 +198,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
            "pending": pending,
            "summary": json.loads((run_dir / "summary.json").read_text()), "log": log.read_text(), "workers": workers,
            "pool_b": pool_b, "left": left, "mid_episode": mid_episode, "killed_rows": killed_rows,
-           "redis_peers": (redis_peers_workers, redis_peers_end),
+           "redis_peers": (redis_peers_workers, redis_peers_end), "broker_password": broker.password,
+           "worker_logs": "".join((base / f"worker-{n}.log").read_text(errors="replace") for n in farms),
            "lease_peers": {name: _lease_peers(f) for name, f in farms.items()}}
 
 
@@ -206,6 +207,8 @@ def test_the_run_reaches_its_versions_through_the_queue(cluster: dict[str, Any])
     assert read_state(latest_checkpoint(cluster["dir"] / "checkpoints"))["version"] == UPDATES
     assert sorted({r["version"] for r in cluster["rows"]}) == list(range(1, UPDATES + 1))
     assert "rollouts go to the Celery queue" in cluster["log"]
+    # the broker URL carries Redis's password: no log shows it
+    assert cluster["broker_password"] not in cluster["log"] + cluster["worker_logs"]
     queue = cluster["summary"]["totals"]["queue"]
     resumed = (UPDATES - KILL_TRAINER_AT) * BATCH  # summary.json: the resumed process's own jobs
     assert queue["sent"] >= resumed and queue["timed"] >= resumed
