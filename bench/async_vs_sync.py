@@ -76,6 +76,8 @@ def measure(rows: list[dict[str, Any]], envs: int) -> dict[str, float]:
             "update_s_mean": sum(r["update_s"] for r in steady) / len(steady),
             "learner_utilisation": sum(r["update_s"] for r in steady) / wall,
             "samples_per_update": samples / len(steady),
+            # the run's own rollout time per update, less the update (of η = 0: the batch's rollouts)
+            "rollout_s": max(wall / len(steady) - sum(r["update_s"] for r in steady) / len(steady), 0.0),
             "staleness_max": max(r["staleness_max"] for r in steady)}
 
 
@@ -153,6 +155,9 @@ def main() -> None:
     ap.add_argument("--update-ratios", default="",
                     help="model a real learner: update held r × a batch's rollout time (measured by a first η=0 "
                          "run) for each r, e.g. 0.5,1,2 (default: the tiny model's own update time)")
+    ap.add_argument("--sample-s", type=float, default=None,
+                    help="with --update-ratios: the hold per sample in seconds, given (no measuring run; give one "
+                         "ratio, it only labels the table)")
     ap.add_argument("--quick", action="store_true",
                     help="a smaller run that fits ~10 min: 4 updates, 4 desktops, batch 4, latency 1 s σ 0.5, "
                          "ratios 1, 0.5, 2 (the target first; flags given explicitly still win)")
@@ -179,12 +184,16 @@ def main() -> None:
             show(results, title)
             figures = {str(k): v for k, v in results.items()}
         else:
-            base = run_one(0, args, Path(tmp), console, name="measure")
-            rollout_s = rollout_seconds(base, args.updates)
-            figures.update(measured=base, rollout_s=rollout_s)
+            if args.sample_s is not None:  # given: no measuring run
+                base = {"samples_per_update": float("nan")}
+                rollout_s = float("nan")
+            else:
+                base = run_one(0, args, Path(tmp), console, name="measure")
+                rollout_s = rollout_seconds(base, args.updates)
+                figures.update(measured=base, rollout_s=rollout_s)
             every: dict[str, dict[int, dict[str, float]]] = {}
             for r in ratios:
-                per = sample_seconds(base, args.updates, r)
+                per = args.sample_s if args.sample_s is not None else sample_seconds(base, args.updates, r)
                 every[f"{r:g}"] = {}
                 for eta in etas:
                     every[f"{r:g}"][eta] = run_one(eta, args, Path(tmp), console, per, f"r{r:g}-eta{eta}")
@@ -192,7 +201,7 @@ def main() -> None:
                     if args.out:  # as each setting ends: a long run cut short keeps what it measured
                         args.out.write_text(json.dumps(figures, indent=2))
             for r, results in every.items():  # the tables together at the end, where they are read
-                per = sample_seconds(base, args.updates, float(r))
+                per = args.sample_s if args.sample_s is not None else sample_seconds(base, args.updates, float(r))
                 show(results, f"{title}; update held {per:.2f} s per sample = {r} × a batch's rollout time "
                               f"{rollout_s:.1f} s over its {base['samples_per_update']:.0f} samples")
     if args.out:
@@ -201,6 +210,9 @@ def main() -> None:
 
 def show(results: dict[int, dict[str, float]], title: str) -> None:
     base = results.get(0)
+    if base and base["rollout_s"] > 0:  # the measuring run and this one may meet another load
+        title += (f"; η = 0's own rollouts {base['rollout_s']:.1f} s per update: update / rollouts = "
+                  f"{base['update_s_mean'] / base['rollout_s']:.2f}")
     table = Table(title=title)
     for col in ("η", "samples/s", "× sync", "episodes/s", "× sync", "env util", "learner util", "samples/update",
                 "update s", "max staleness", "wall s"):
