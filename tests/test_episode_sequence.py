@@ -48,9 +48,9 @@ def _reply_ids(lrn: Learner, text: str) -> list[int]:
 
 
 def _steps(lrn: Learner, *, episode: str = "e", advantage: float = 1.0, images: bool = True,
-           replies: list[str] = REPLIES) -> list[Sample]:
+           replies: list[str] = REPLIES, behav: bool = True) -> list[Sample]:
     """An episode's step samples as the agent sent them (each prompt the whole history so far),
-    with behaviour log-probs off the current ones by a different amount per turn."""
+    with behaviour log-probs off the current ones by a different amount per turn (``behav``)."""
     history: list[dict[str, Any]] = [SYSTEM]
     out = []
     for i, reply in enumerate(replies):
@@ -61,10 +61,17 @@ def _steps(lrn: Learner, *, episode: str = "e", advantage: float = 1.0, images: 
         s = Sample(messages=prompt, response_token_ids=_reply_ids(lrn, reply), behav_logprobs=None,
                    policy_version=i, advantage=advantage, reward=float(advantage > 0), task_id="t", group_id="g",
                    episode_id=episode, step_index=i + 1, response_text=reply)
-        s.behav_logprobs = [x + (0.3 if i % 2 else -0.2) * (i + 1) for x in lrn.score(s)]
+        if behav:
+            s.behav_logprobs = [x + (0.3 if i % 2 else -0.2) * (i + 1) for x in lrn.score(s)]
         out.append(s)
         history = [*prompt, {"role": "assistant", "content": reply}]
     return out
+
+
+@pytest.fixture(scope="module")
+def with_images(learner: Learner) -> list[Sample]:
+    """A 3-step episode with a screenshot per turn (built once: scoring it costs vision passes)."""
+    return _steps(learner)
 
 
 def _joined(steps: list[Sample]) -> Sample:
@@ -73,8 +80,9 @@ def _joined(steps: list[Sample]) -> Sample:
     return ep
 
 
-def test_the_loss_mask_covers_each_reply_and_no_observation_or_system_token(learner: Learner) -> None:
-    steps = _steps(learner)
+def test_the_loss_mask_covers_each_reply_and_no_observation_or_system_token(learner: Learner,
+                                                                          with_images: list[Sample]) -> None:
+    steps = with_images
     ep = _joined(steps)
     enc = learner.encode(ep)
     tok = learner.processor.tokenizer
@@ -101,14 +109,16 @@ def test_the_loss_mask_covers_each_reply_and_no_observation_or_system_token(lear
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
-def test_an_episode_sequence_has_the_loss_of_its_step_samples(learner: Learner, aggregation: str) -> None:
+def test_an_episode_sequence_has_the_loss_of_its_step_samples(learner: Learner, with_images: list[Sample],
+                                                               aggregation: str) -> None:
     """One forward pass over the episode scores every reply as its own prompt did (causal
     attention: the same prefix), each turn's importance weight from its own behaviour log-probs;
     with a one-step episode beside it, episode weighting and micro-batches of 2."""
-    steps = _steps(learner)  # behaviour log-probs differ per turn: misaligned, the loss would differ
+    steps = with_images  # behaviour log-probs differ per turn: misaligned, the loss would differ
     other = _steps(learner, episode="short", advantage=-1.0, images=False, replies=["Action: wait()"])
     ep = _joined(steps)
-    assert learner.score(ep) == pytest.approx([x for s in steps for x in learner.score(s)], abs=1e-4)
+    if aggregation == "token_mean":  # the log-probs themselves, once
+        assert learner.score(ep) == pytest.approx([x for s in steps for x in learner.score(s)], abs=1e-4)
     saved = learner.opts
     try:
         learner.opts = saved.model_copy(update={"micro_batch_size": 2, "loss": LossOptions(
@@ -132,14 +142,13 @@ def test_a_reply_that_retokenises_differently_trains_as_step_samples(learner: Le
     """The history holds the reply's text; where that text encodes to other ids than the policy
     sampled, the joined sequence is not the one the policy saw: the learner trains the episode's
     steps on their own prompts and counts why."""
-    steps = _steps(learner, images=False)
+    steps = _steps(learner, images=False, behav=False)
     tok = learner.processor.tokenizer
     # the first reply sampled character by character: the same text, other ids than it encodes to
     first = steps[0]
     chars = [i for ch in first.response_text for i in tok(ch, add_special_tokens=False)["input_ids"]]
     assert tok.decode(chars) == first.response_text and chars != (first.response_token_ids or [])[:-1]
     steps[0] = dataclasses.replace(first, response_token_ids=[*chars, tok.convert_tokens_to_ids("<|im_end|>")])
-    steps[0].behav_logprobs = learner.score(steps[0])
     ep = _joined(steps)  # the messages agree: only the token level tells
     with pytest.raises(ValueError, match="reply_retokenized"):
         learner.encode(ep)
@@ -153,7 +162,7 @@ def test_a_reply_that_retokenises_differently_trains_as_step_samples(learner: Le
 def test_an_episode_over_the_budget_trains_the_steps_that_fit(learner: Learner) -> None:
     """The budget's max_prompt_tokens is the longest prompt the server took: an episode whose
     sequence is over it is not cut, it trains as its steps, and the steps over it are left out."""
-    steps = _steps(learner, images=False)
+    steps = _steps(learner, images=False, behav=False)
     lengths = [learner.encode(s).prompt_len for s in steps]
     budget = type(learner.opts.budget)(max_prompt_tokens=(lengths[1] + lengths[2]) // 2)
     saved = learner.opts
@@ -172,7 +181,7 @@ def test_an_update_holds_one_micro_batch_of_episodes_at_a_time(learner: Learner)
 
     from osfarm.trainer.batching import Encoded
 
-    episodes = [_joined(_steps(learner, episode=f"e{i}", images=False, advantage=1.0 if i % 2 else -1.0))
+    episodes = [_joined(_steps(learner, episode=f"e{i}", images=False, behav=False, advantage=1.0 if i % 2 else -1.0))
                 for i in range(4)]
     alive: list[int] = []
     saved = learner.opts
