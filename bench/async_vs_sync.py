@@ -86,6 +86,15 @@ def rollout_seconds(res: dict[str, float], updates: int) -> float:
     return max(res["wall_s"] / (updates - 1) - res["update_s_mean"], 0.0)
 
 
+def lease_wait(episodes: Path) -> float:
+    """Mean seconds an episode waited for its desktop (the farm's reset of a released one): the
+    synchronous mode resets during the update, off the rollouts' path; an asynchronous one
+    resets while the other desktops run, on it (where this machine's overlap went: 7-18 s per
+    episode at η = 2, warm resets timing out at 10 s under load and falling back to cold)."""
+    waits = [json.loads(line)["timings"].get("lease", 0.0) for line in episodes.read_text().splitlines() if line]
+    return sum(waits) / len(waits) if waits else 0.0
+
+
 def sample_seconds(res: dict[str, float], updates: int, ratio: float) -> float:
     """The hold per sample that makes a synchronous update ``ratio`` × its batch's rollout time."""
     return ratio * rollout_seconds(res, updates) / res["samples_per_update"]
@@ -122,6 +131,7 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console, sa
     t0 = time.time()
     train(cfg, console)
     res = measure(read_rows(run_dir / "metrics.jsonl"), args.envs)
+    res["lease_wait_s"] = lease_wait(run_dir / "episodes.jsonl")
     res["total_s"] = time.time() - t0
     return res
 
@@ -215,14 +225,15 @@ def show(results: dict[int, dict[str, float]], title: str) -> None:
                   f"{base['update_s_mean'] / base['rollout_s']:.2f}")
     table = Table(title=title)
     for col in ("η", "samples/s", "× sync", "episodes/s", "× sync", "env util", "learner util", "samples/update",
-                "update s", "max staleness", "wall s"):
+                "update s", "lease wait s", "max staleness", "wall s"):
         table.add_column(col, justify="right")
     for eta, r in results.items():
         ratio = r["samples_per_s"] / base["samples_per_s"] if base else float("nan")
         eps = r["episodes_per_s"] / base["episodes_per_s"] if base else float("nan")
         table.add_row(str(eta), f"{r['samples_per_s']:.3f}", f"{ratio:.2f}", f"{r['episodes_per_s']:.3f}",
                       f"{eps:.2f}", f"{r['env_utilisation']:.2f}", f"{r['learner_utilisation']:.2f}",
-                      f"{r['samples_per_update']:.1f}", f"{r['update_s_mean']:.1f}", str(r["staleness_max"]),
+                      f"{r['samples_per_update']:.1f}", f"{r['update_s_mean']:.1f}", f"{r['lease_wait_s']:.1f}",
+                      str(r["staleness_max"]),
                       f"{r['wall_s']:.0f}")
     Console().print(table)
 
