@@ -18,10 +18,12 @@ import socket
 
 import httpx
 
+from osfarm.errors import OsfarmError
+
 ENV = "OSFARM_SOURCE_ADDRESS"
 
 
-class SourceAddressError(ValueError):
+class SourceAddressError(OsfarmError, ValueError):
     """The address given cannot be a source address of this machine; the message names the option."""
 
 

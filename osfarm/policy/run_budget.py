@@ -13,10 +13,11 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from osfarm.config import read_yaml_mapping, yaml_line
+from osfarm.errors import OsfarmError
 from osfarm.schema.budget import Budget
 
 
-class BudgetError(ValueError):
+class BudgetError(OsfarmError, ValueError):
     """train.yaml's budget cannot be read, or a flag disagrees with it (the message names both)."""
 
 
