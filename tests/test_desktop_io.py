@@ -100,7 +100,10 @@ class TkApp:
         p = self.dir / "events.jsonl"
         if not p.exists():
             return []
-        return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+        # The app appends as it goes: a last line without its newline is still being written.
+        text = p.read_text()
+        complete = text[: text.rfind("\n") + 1]
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
     def mark(self) -> int:
         return len(self.events())
