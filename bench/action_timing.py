@@ -15,7 +15,9 @@ whether the text landed where it was meant to:
 ``osworld`` runs each code action in a new interpreter with pyautogui's 0.1 s pause after each
 call; ``fast`` in one kept interpreter with no pause. Then the cost of one step per timing: a
 computer_13 CLICK with a one-call JPEG observation, and a pyautogui code action (a click) with the
-same observation. Prints both tables. Usage: python bench/action_timing.py [ROUNDS] [--races a,b]
+same observation, each timing's steps in bursts back to back (``--think-ms`` apart): what settle
+defers to the next input event shows as the next step's cost. Prints both tables.
+Usage: python bench/action_timing.py [ROUNDS] [--races a,b] [--think-ms MS]
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from percentiles import median_ms, p90_ms  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
+from settle_step import BURST, measure  # noqa: E402
 from timing_races import RACES, TK_RACE, Race  # noqa: E402
 
 from osfarm.client import Farm, RemoteDesktop  # noqa: E402
@@ -78,9 +81,10 @@ def run_race(desk: RemoteDesktop, race: Race, rounds: int, console: Console) -> 
     return {"right": right, "done": done}
 
 
-def step_costs(desk: RemoteDesktop, rounds: int) -> dict[str, dict[ActionTiming, list[float]]]:
+def step_costs(desk: RemoteDesktop, rounds: int, think_s: float) -> dict[str, dict[ActionTiming, list[float]]]:
     """A computer_13 CLICK and a pyautogui click on the Tk dialog's Find field, each with a one-call JPEG
-    observation, and a CLICK where no window is, per timing."""
+    observation, and a CLICK where no window is, per timing; in bursts back to back, ``think_s``
+    apart (bench/settle_step.py's ``measure``: what settle defers is paid by the next step)."""
     x, y = TK_RACE.read(desk)["find_at"].values()
     kinds: dict[str, Any] = {"computer_13 CLICK + observation": {"action_type": "CLICK",
                                                                  "parameters": {"x": x, "y": y}},
@@ -88,21 +92,11 @@ def step_costs(desk: RemoteDesktop, rounds: int) -> dict[str, dict[ActionTiming,
                              # nothing answers a click on the empty desktop: each timing's floor
                              "computer_13 CLICK on the empty desktop + observation": {
                                  "action_type": "CLICK", "parameters": {"x": EMPTY[0], "y": EMPTY[1]}}}
-    times: dict[str, dict[ActionTiming, list[float]]] = {k: {t: [] for t in TIMINGS} for k in kinds}
-    for action in kinds.values():  # warm-up: interpreters, connections
-        for timing in TIMINGS:
-            desk.step(action, observe=OBSERVE, timing=timing)
-    for i in range(rounds):
-        for kind, action in kinds.items():
-            for timing in rotated(i):
-                t0 = time.perf_counter()
-                res = desk.step(action, observe=OBSERVE, timing=timing)
-                times[kind][timing].append(time.perf_counter() - t0)
-                assert res.results[0].ok and res.observation is not None, res.results[0].error
-    return times
+    times = measure(desk, kinds, rounds, think_s)
+    return {k: {t: times[(k, t)] for t in TIMINGS} for k in kinds}
 
 
-def main(rounds: int = 10, only: list[str] | None = None, cost_rounds: int = 20) -> None:
+def main(rounds: int = 10, only: list[str] | None = None, cost_rounds: int = 20, think_ms: float = 0.0) -> None:
     console = Console(width=160)
     races = [r for r in RACES if only is None or r is TK_RACE or any(o in r.name.lower() for o in only)]
     outcomes: dict[str, dict[str, Any]] = {}
@@ -112,7 +106,7 @@ def main(rounds: int = 10, only: list[str] | None = None, cost_rounds: int = 20)
                 t0 = time.monotonic()
                 outcomes[race.name] = run_race(desk, race, rounds, console)
                 console.print(f"{race.name}: {outcomes[race.name]} ({time.monotonic() - t0:.0f} s)")
-            costs = step_costs(desk, cost_rounds)
+            costs = step_costs(desk, cost_rounds, think_ms / 1000)
 
     table = Table(title=f"races: rounds where the typing landed as intended ({rounds} rounds, timings interleaved)")
     table.add_column("race")
@@ -127,7 +121,8 @@ def main(rounds: int = 10, only: list[str] | None = None, cost_rounds: int = 20)
         if "error" in outcomes[race.name]:
             console.print(f"[yellow]{race.name} stopped: {outcomes[race.name]['error']}")
 
-    cost = Table(title=f"one step per timing, {cost_rounds} rounds interleaved (median / p90 ms, vs osworld)")
+    cost = Table(title=f"one step per timing, {cost_rounds} bursts of {BURST - 1} counted steps back to back, "
+                       f"{think_ms:g} ms think time between steps (median / p90 ms, vs osworld)")
     cost.add_column("step")
     for t in TIMINGS:
         cost.add_column(t, justify="right")
@@ -146,6 +141,8 @@ if __name__ == "__main__":
     ap.add_argument("--races", default=None,
                     help="comma-separated words of race names to run (e.g. tk,gtk,libreoffice,window,chromium,"
                          "terminal); default: all. The Tk dialog always runs: the others use it.")
-    ap.add_argument("--cost-rounds", type=int, default=20, help="rounds of the step cost table")
+    ap.add_argument("--cost-rounds", type=int, default=20, help="rounds (bursts) of the step cost table")
+    ap.add_argument("--think-ms", type=float, default=0.0,
+                    help="sleep between the step cost table's steps, as an agent's policy call (default 0)")
     a = ap.parse_args()
-    main(a.rounds, a.races.split(",") if a.races else None, a.cost_rounds)
+    main(a.rounds, a.races.split(",") if a.races else None, a.cost_rounds, a.think_ms)

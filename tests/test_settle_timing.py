@@ -100,6 +100,20 @@ def test_settle_waits_for_the_focus_the_click_moves(farm: FarmServer) -> None:
             time.sleep(0.3)  # the dialog saves on key release
             st = read_state(desk)
             assert (st["find"], st["replace"]) == ("", "abc"), actions
+        # The click's longer quiet is owed by the next event, also when that comes in the next
+        # step, back to back, from the other kind of action (the record crosses guest and child).
+        click = {"code": f"pyautogui.click({g['x']}, {g['y']})",
+                 "computer_13": {"action_type": "CLICK", "parameters": {"x": g["x"], "y": g["y"]}}}
+        typing = {"code": "pyautogui.typewrite('abc')",
+                  "computer_13": {"action_type": "TYPING", "parameters": {"text": "abc"}}}
+        for first, then in [("code", "code"), ("computer_13", "code"), ("code", "computer_13")]:
+            reset_dialog(desk)
+            for action in (click[first], typing[then]):
+                sr = desk.step([action], timing="settle")
+                assert sr.results[0].ok, sr.results
+            time.sleep(0.3)
+            st = read_state(desk)
+            assert (st["find"], st["replace"]) == ("", "abc"), (first, then)
 
 
 def test_settle_runner_needs_its_wait() -> None:
@@ -163,3 +177,30 @@ def test_a_click_no_app_gets_waits_only_for_quiet(farm: FarmServer) -> None:
         sr = desk.step([f"SOURCE = {source!r}\nPOINTS = {fields!r}\n" + CLICK_PROBE], timing="fast")
         assert sr.results[0].ok, sr.results[0].error
         assert json.loads(sr.results[0].output or "[]") == [False, False, True]
+
+
+# In the box: a record handed over from the agent's side is checked (the code could forge one).
+OWED_PROBE = r"""
+import json, os, time
+ns = {"__name__": "osfarm_input_settle"}
+exec(compile(SOURCE, "input_settle.py", "exec"), ns)
+settle = ns["InputSettle"](os.environ["DISPLAY"])
+now = time.monotonic()
+waits = []
+for record in [{"until": now + 100, "quiet": 50, "damage_t": now + 100, "hold": 1, "focus": 0},
+               "not a record", {"until": "soon"}, None]:
+    settle.take_owed(record)
+    waits.append(settle.before_event())
+print(json.dumps(waits))
+"""
+
+
+def test_a_forged_owed_record_waits_at_most_the_cap(farm: FarmServer) -> None:
+    """What a code action's last event owes comes back from the agent's side: a record asking for
+    100 s waits at most OSWorld's pause, a malformed one is dropped (no wait, no crash)."""
+    source = Path(input_settle.__file__).read_text(encoding="utf-8")
+    with Farm(farm.url, farm.token) as f, f.lease(wait_s=120) as desk:
+        sr = desk.step([f"SOURCE = {source!r}\n" + OWED_PROBE], timing="fast")
+        assert sr.results[0].ok, sr.results[0].error
+        forged, *malformed = json.loads(sr.results[0].output or "[]")
+        assert forged < 1.0 and malformed == [0.0, 0.0, 0.0]

@@ -178,17 +178,19 @@ def _die_with_zygote(zygote):
     _prctl(4, 1)  # dumpable again, as any process the agent starts (its /proc entries its own)
 
 
-def _settled_child(run_id, code, zygote):
+def _settled_child(run_id, code, zygote, owed):
     """In the forked child: OSWorld's fresh start for this code (pyautogui's defaults, globals
     holding only pyautogui and time, as `python -c "import pyautogui; import time; ..."`), with
-    pyautogui's sleep of PAUSE after each call replaced by the settle wait (capped at PAUSE)."""
+    pyautogui's sleep of PAUSE after each call replaced by the settle wait (capped at PAUSE).
+    ``owed``: what the guest's last input event still owes (InputSettle.give_owed), paid before
+    this code's first event. Returns the error text and what this code's last event owes."""
     os.close(_rfd)
     os.close(_wfd)
     _die_with_zygote(zygote)
     pyautogui = _ns["pyautogui"]
     x11 = getattr(pyautogui, "platformModule", None)
     conn, settle = _spare if _spare is not None else _connect()
-    settle.arm()  # what was drawn before this action is not its answer
+    settle.take_owed(owed)
     if x11 is not None and hasattr(x11, "_display"):
         # Not the zygote's own connection: its request sequence numbers went stale with every
         # earlier child, so replies would be matched to the wrong requests.
@@ -207,12 +209,22 @@ def _settled_child(run_id, code, zygote):
             return fn(*args, **kwargs)
         return flagged
 
+    def paid(fn):  # every event first pays what the last one owes (and arms the answer's wait)
+        def paying(*args, **kwargs):
+            settle.before_event()
+            return fn(*args, **kwargs)
+        return paying
+
     if x11 is not None:
         for name in ("_mouseDown", "_mouseUp", "_click"):
             if hasattr(x11, name):
                 setattr(x11, name, flag(getattr(x11, name), lambda *a: True, button=True))
         if hasattr(x11, "_keyDown"):
             x11._keyDown = flag(x11._keyDown, lambda key, *a: isinstance(key, str) and _settle.focus_key(key))
+        for name in ("_moveTo", "_mouseDown", "_mouseUp", "_click", "_scroll", "_vscroll", "_hscroll",
+                     "_keyDown", "_keyUp"):
+            if hasattr(x11, name):
+                setattr(x11, name, paid(getattr(x11, name)))
 
     def settled_pause(_pause):
         (focus_may_move, button), focus[:] = focus[:], [False, False]
@@ -222,8 +234,9 @@ def _settled_child(run_id, code, zygote):
             sleep_pause(_pause)
 
     pyautogui._handlePause = settled_pause
-    return _run(run_id, code, {"__name__": "__main__", "__builtins__": __builtins__,
-                               "pyautogui": pyautogui, "time": _ns["time"]})
+    err = _run(run_id, code, {"__name__": "__main__", "__builtins__": __builtins__,
+                              "pyautogui": pyautogui, "time": _ns["time"]})
+    return err, settle.give_owed()
 
 
 def _connect():
@@ -240,8 +253,9 @@ def _prepare_spare():
         _spare = None  # the child connects itself, and reports what fails
 
 
-def _run_forked(run_id, code):
-    """Run ``code`` in a child forked from this zygote; its error text (None: it ran)."""
+def _run_forked(run_id, code, owed):
+    """Run ``code`` in a child forked from this zygote, paying ``owed`` first; its error text
+    (None: it ran) and what its last input event owes."""
     global _spare
     d = getattr(getattr(_ns["pyautogui"], "platformModule", None), "_display", None)
     if d is not None:  # the zygote never reads its connection: drop what the server queued on it
@@ -253,14 +267,15 @@ def _run_forked(run_id, code):
     zygote = os.getpid()
     pid = os.fork()
     if pid == 0:
+        owed_after = None
         try:
             os.close(r)
-            err = _settled_child(run_id, code, zygote)
+            err, owed_after = _settled_child(run_id, code, zygote, owed)
         except BaseException:
             err = traceback.format_exc()
         try:
             # at most ~60 KB of JSON, under a pipe's buffer: the write never blocks
-            os.write(w, json.dumps(err if err is None else err[-10000:]).encode("utf-8"))
+            os.write(w, json.dumps([err if err is None else err[-10000:], owed_after]).encode("utf-8"))
         finally:
             os._exit(0)
     os.close(w)
@@ -283,8 +298,12 @@ def _run_forked(run_id, code):
     os.close(r)
     if not data:
         code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
-        return f"code process exited (exit code {code})"
-    return json.loads(data.decode("utf-8"))
+        return f"code process exited (exit code {code})", None
+    try:
+        err, owed_after = json.loads(data.decode("utf-8"))
+    except (ValueError, TypeError):  # the code wrote to the pipe itself: the guest checks what it gets anyway
+        return "code process sent a malformed result", None
+    return err, owed_after
 
 
 def _run(run_id, code, ns):
@@ -339,10 +358,11 @@ while True:
         req = _recv()
     except EOFError:
         break
+    owed_after = None
     if _timing == "settle":
-        err = _run_forked(req["id"], req["code"])
+        err, owed_after = _run_forked(req["id"], req["code"], req.get("owed"))
     else:
         err = _run(req["id"], req["code"], _ns)
-    _send({"id": req["id"], "error": err})
+    _send({"id": req["id"], "error": err, "owed": owed_after})
     if _timing == "settle" and _boot_error is None:
         _prepare_spare()

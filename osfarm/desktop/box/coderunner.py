@@ -219,6 +219,13 @@ class CodeRunner:
         An exception gives ``ok=False`` with the traceback's last lines in ``error``; on timeout
         the interpreter is killed (the next run starts a fresh one, losing session state).
         """
+        return self.run_settled(code, timeout, None)[0]
+
+    def run_settled(self, code: str, timeout: float, owed: object) -> tuple[CodeResult, object]:
+        """``run`` for the settle timing: ``owed`` is what the last input event still owes
+        (``InputSettle.give_owed``), paid before the code's first event; returns with the result
+        what the code's own last event owes, as the agent's side sent it (``InputSettle.take_owed``
+        checks it), None when the run failed."""
         t0 = time.perf_counter()
         with self._lock:
             if self._proc is not None and self._proc.poll() is not None:
@@ -226,7 +233,7 @@ class CodeRunner:
             if self._proc is None:
                 err = self._start()
                 if err is not None:
-                    return CodeResult(ok=False, error=err, t_ms=(time.perf_counter() - t0) * 1000)
+                    return CodeResult(ok=False, error=err, t_ms=(time.perf_counter() - t0) * 1000), None
             self._run_id += 1
             run_id = self._run_id
             t_run = time.monotonic()
@@ -234,7 +241,7 @@ class CodeRunner:
             child: int | None = None  # settle: a pidfd of the child the zygote forked for this code
             answered = False
             try:
-                self._send({"id": run_id, "code": code})
+                self._send({"id": run_id, "code": code, "owed": owed})
                 reply = self._recv(t_run + timeout)
                 if "child" in reply:
                     child = _open_child(reply["child"], zygote)
@@ -246,7 +253,7 @@ class CodeRunner:
                 return CodeResult(
                     ok=False, output=out, error=f"timed out after {timeout:g} s",
                     t_ms=(time.perf_counter() - t0) * 1000,
-                )
+                ), None
             except (EOFError, OSError):
                 out = self._take_output(run_id)
                 proc = self._proc
@@ -255,7 +262,7 @@ class CodeRunner:
                 return CodeResult(
                     ok=False, output=out, error=f"interpreter exited (exit code {rc})",
                     t_ms=(time.perf_counter() - t0) * 1000,
-                )
+                ), None
             finally:
                 if child is not None:
                     # The child dies with its zygote, but the code can clear that signal: on a
@@ -268,7 +275,7 @@ class CodeRunner:
             return CodeResult(
                 ok=err is None, output=out, error=_last_lines(err) if err else None,
                 t_ms=(time.perf_counter() - t0) * 1000,
-            )
+            ), reply.get("owed")
 
     def close(self) -> None:
         """Stop the interpreter (processes it launched keep running)."""

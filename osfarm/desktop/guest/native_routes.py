@@ -117,7 +117,10 @@ def run_code(desk: Desktop, code: str, timeout: float, timing: ActionTiming) -> 
     if timing == "osworld":
         return desk.run_fresh(code, timeout)
     if timing == "settle":
-        return desk.settle_runner.run(code, timeout=timeout)
+        # the child's first event pays what the last event owes, and hands back what its last owes
+        res, owed = desk.settle_runner.run_settled(code, timeout, desk.input_settle.give_owed())
+        desk.input_settle.take_owed(owed)
+        return res
     return desk.runner.run(code, timeout=timeout)
 
 
@@ -146,8 +149,8 @@ def run_actions(desk: Desktop, actions: list[Action], code_timeout: float,
                 continue
             else:
                 try:
-                    if timing == "settle":
-                        desk.input_settle.arm()  # damage from here on is the app's answer
+                    if timing == "settle":  # what the last event owes, then damage from here on is the answer
+                        desk.input_settle.before_event()
                     desk.input.execute(a)
                     results.append(ActionResult(index=i, ok=True))
                     if timing == "osworld":

@@ -42,6 +42,18 @@ does not wrap (no ``Xlib.ext.xsync``), and only GTK/Qt windows answer it (Tk, xt
 LibreOffice's own toolkit do not); AT-SPI focus events arrive over D-Bus with more latency than
 the damage they come with. DAMAGE sees every toolkit the same way.
 
+The longer quiet is owed, not paid at once (:meth:`InputSettle.before_event`): it exists only to
+protect the *next* input event, so ``wait`` returns once the app's first answer has gone quiet for
+``QUIET_S`` (what an observation needs to show it) and records what the next event still owes:
+the rest of the longer quiet, counted from the last damage seen, never past the cap after the
+event. An event that closed a window or moved the focus (an unmap or destroy of a top-level, a
+change of ``_NET_ACTIVE_WINDOW`` or of the X input focus) owes the whole cap: OSWorld's 0.1 s
+after that event, whatever the screen shows (the offline suite's Impress ...0306 lost its Ctrl+S
+right after the Slide Properties dialog closed). An agent's think time between steps pays the debt
+for free; back-to-back actions pay it before their first event. The record travels between the
+guest and the code runner's children (:meth:`give_owed` / :meth:`take_owed`), so a code action's
+first event pays what a computer_13 action owes and the other way round.
+
 This module imports nothing but python-xlib and the standard library and runs on Python >= 3.8:
 the code runner (:mod:`osfarm.desktop.box.coderunner`) ships its source into the agent's
 interpreter, which may be the guest's system ``python3``.
@@ -61,6 +73,8 @@ CAP_S = 0.1  # pyautogui.PAUSE's default: never wait longer than OSWorld would h
 # in one frame or a few back to back (GTK's frame clock: 16 ms apart at most when busy).
 QUIET_S = 0.012
 QUIET_AFTER_FOCUS_S = 0.07
+# root events that say a window closed (SubstructureNotify: unmap, destroy) or the active window changed
+ROOT_EVENTS = X.SubstructureNotifyMask | X.PropertyChangeMask
 # pyautogui key names (lower case) that run commands or move the focus; with them, any key
 # pressed while a modifier is held (a hotkey)
 FOCUS_KEYS = frozenset({"enter", "return", "\n", "\r", "tab", "\t", "esc", "escape"})
@@ -84,54 +98,135 @@ class InputSettle:
         self.damage_ok = self._d.has_extension("DAMAGE") and hasattr(self._d, "damage_subtract")
         self._damage = 0
         self._wm_state = self._d.intern_atom("WM_STATE")
+        self._active_window = self._d.intern_atom("_NET_ACTIVE_WINDOW")
         self.last_click_reached_nobody = False  # what the wait after the last mouse button found (tests read it)
+        self._owed: dict[str, float] | None = None  # what the next input event owes the last one (before_event)
+        self._armed = False  # damage and focus were taken after the last wait: the next event's answer is fresh
+        self._focus_at_arm = 0  # the X input focus before the event
+        self._focus_moved = False  # since arm: a top-level unmapped or destroyed, or the active window changed
+        self._last_damage_t = 0.0  # monotonic time damage was last read on this connection
         if self.damage_ok:
             self._d.damage_query_version()  # the server must hear a version before DamageCreate
             root = self._d.screen().root
+            root.change_attributes(event_mask=ROOT_EVENTS)
             # NonEmpty: one event when the damage region goes from empty to non-empty; subtracting
             # it re-arms the report, so a burst of painting costs a few events, not one per rectangle.
             self._damage = root.damage_create(3)
             self.arm()
 
     def _drain(self) -> bool:
-        """Read every queued event; True if any was damage (then the report is re-armed)."""
+        """Read every queued event; True if any was damage (then the report is re-armed). Notes a
+        closed top-level or a new active window in ``_focus_moved``."""
         seen = False
         while self._d.pending_events():
             ev = self._d.next_event()
             if type(ev).__name__ == "DamageNotify":
                 seen = True
+            elif ev.type in (X.UnmapNotify, X.DestroyNotify) or (
+                    ev.type == X.PropertyNotify and ev.atom == self._active_window):
+                self._focus_moved = True
         if seen:
+            self._last_damage_t = time.monotonic()
             self._d.damage_subtract(self._damage)
             self._d.flush()
         return seen
+
+    def _input_focus(self) -> int:
+        """The X input focus (a round trip, so it also orders after every request sent so far)."""
+        focus = self._d.get_input_focus().focus
+        return focus if isinstance(focus, int) else focus.id
 
     def arm(self) -> None:
         """Forget damage so far: what comes after this is the answer to the next event."""
         if not self.damage_ok:
             return
         self._d.damage_subtract(self._damage)
-        self._d.sync()
+        self._focus_at_arm = self._input_focus()  # the XSync round trip, and where the focus is
         self._drain()
+        self._focus_moved = False
+        self._armed = True
+
+    def before_event(self) -> float:
+        """Call before each input event: waits what the last event still owes (the module
+        docstring), then arms if a wait came since the last arm. Returns the seconds waited; free
+        when nothing is owed (after the first event of a burst, or once an agent's think time paid)."""
+        waited = self._pay_owed()
+        if not self._armed:
+            self.arm()
+        return waited
+
+    def _pay_owed(self) -> float:
+        owed, self._owed = self._owed, None
+        t0 = time.monotonic()
+        if owed is None or t0 >= owed["until"] or not (owed["quiet"] or owed["hold"]):
+            return 0.0
+        if not self.damage_ok:
+            time.sleep(owed["until"] - t0)
+            return time.monotonic() - t0
+        self._armed = False
+        focus = self._input_focus()
+        # drawn since the record: when is not known, so the quiet counts from now
+        last = t0 if self._drain() else owed["damage_t"]
+        fd = self._d.fileno()
+        while True:
+            hold = owed["hold"] or self._focus_moved or focus != owed["focus"]
+            now = time.monotonic()
+            until = owed["until"] if hold else min(last + owed["quiet"], owed["until"])
+            if now >= until:
+                break
+            ready, _, _ = select.select([fd], [], [], until - now)
+            if ready and self._drain():
+                last = time.monotonic()
+        return time.monotonic() - t0
+
+    def give_owed(self) -> dict[str, float] | None:
+        """Hand what the next input event owes to another process (a code action's child, or the
+        guest after one); this one then owes nothing."""
+        owed, self._owed = self._owed, None
+        return owed
+
+    def take_owed(self, record: object) -> None:
+        """Take over another process's :meth:`give_owed`. It may come from the agent's code:
+        anything malformed is dropped, and no record makes the next event wait past ``CAP_S``
+        from now or longer than ``QUIET_AFTER_FOCUS_S`` of quiet."""
+        self._owed = None
+        if self.damage_ok:  # what this connection saw before the handover is the other process's to judge
+            self._drain()
+            self._focus_moved = False
+            self._armed = False
+        if not isinstance(record, dict):
+            return
+        try:
+            now = time.monotonic()
+            self._owed = {"until": min(float(record["until"]), now + CAP_S),
+                          "quiet": min(max(float(record["quiet"]), 0.0), QUIET_AFTER_FOCUS_S),
+                          "damage_t": min(float(record["damage_t"]), now),
+                          "hold": float(bool(record["hold"])), "focus": float(int(record["focus"]))}
+        except (KeyError, TypeError, ValueError, OverflowError):
+            self._owed = None
 
     def wait(self, cap: float = CAP_S, focus_may_move: bool = False, button: bool = False) -> float:
-        """Block until the app answered the last input event and went quiet, or ``cap`` seconds
-        passed; returns the seconds waited. ``focus_may_move``: the event was a mouse button
-        or a :func:`focus_key`; ``button``: it was a mouse button, which no app may have got (see
-        the module docstring). Re-arms for the next event."""
+        """Block until the app answered the last input event and went quiet for ``QUIET_S``, or
+        ``cap`` seconds passed; returns the seconds waited. ``focus_may_move``: the event was a
+        mouse button or a :func:`focus_key`; ``button``: it was a mouse button, which no app may
+        have got (see the module docstring). What the next event still owes (the longer quiet,
+        the rest of the cap after a closed window or a moved focus) is recorded for
+        :meth:`before_event`."""
         t0 = time.monotonic()
         deadline = t0 + cap
+        self._armed = False
         if not self.damage_ok:
             time.sleep(cap)
             return cap
-        quiet = QUIET_AFTER_FOCUS_S if focus_may_move else QUIET_S
-        self._d.sync()  # XSync: the input is dispatched; damage it caused so far is queued
+        owed_quiet = QUIET_AFTER_FOCUS_S if focus_may_move else 0.0
+        focus = self._input_focus()  # XSync: the input is dispatched; damage it caused so far is queued
         nobody = button and self._nobody_under_pointer()
         if button:
             self.last_click_reached_nobody = nobody
-        if nobody:  # no answer is coming: only the screen going quiet is left to wait for
-            quiet = QUIET_S
+        if nobody:  # nobody got the click: nothing deferred can follow it
+            owed_quiet = 0.0
         answered = self._drain()
-        quiet_until = time.monotonic() + quiet if answered or nobody else deadline
+        quiet_until = time.monotonic() + QUIET_S if answered or nobody else deadline
         fd = self._d.fileno()
         while True:
             now = time.monotonic()
@@ -140,10 +235,10 @@ class InputSettle:
                 break
             ready, _, _ = select.select([fd], [], [], until - now)
             if ready and self._drain():
-                quiet_until = time.monotonic() + quiet
-        self._d.damage_subtract(self._damage)
-        self._d.sync()
-        self._drain_events_only()
+                quiet_until = time.monotonic() + QUIET_S
+        self._owed = {"until": deadline, "quiet": owed_quiet, "damage_t": self._last_damage_t,
+                      "hold": float(self._focus_moved or focus != self._focus_at_arm),
+                      "focus": float(self._focus_at_arm)}
         return time.monotonic() - t0
 
     def _nobody_under_pointer(self) -> bool:
@@ -159,10 +254,6 @@ class InputSettle:
                        for w in [top, *top.query_tree().children])
         except xerror.XError:  # the window went away while we looked: someone's, maybe
             return False
-
-    def _drain_events_only(self) -> None:
-        while self._d.pending_events():
-            self._d.next_event()
 
     def forget(self) -> None:
         """Let go of this process's end of the connection without a word to the server: a forked
