@@ -48,7 +48,8 @@ def test_a_background_checkpoint_holds_the_state_of_its_version(model_dir: Path,
     release.set()
     lrn.wait_saved()
     assert latest_checkpoint(tmp_path) == ckpt
-    saved = torch.load(ckpt / "state" / "optimizer.pt", weights_only=True)["state"][0]
+    first = next(name for name, p in lrn.model.named_parameters() if p is lrn.params[0])  # keyed by name
+    saved = torch.load(ckpt / "state" / "optimizer.pt", weights_only=True)["state"][first]
     assert all(torch.equal(saved[k], want[k]) for k in want)
     state = json.loads((ckpt / STATE_FILE).read_text())
     assert state["version"] == 1 and state["note"] == "x"

@@ -7,17 +7,24 @@
                               processor files: what a policy server loads (``/v1/weights/reload``,
                               a vLLM restart); with LoRA the merged model (``save_merged``)
         adapter/              with LoRA: the PEFT adapter (vLLM's LoRA hot-load)
-        state/                what only the trainer needs to resume: ``optimizer.pt`` (fp32 moments),
-                              ``schedule.json`` (LR schedule position), ``master.safetensors`` (the
-                              fp32 master weights when the served ones are bf16), the data manager's
-                              and rollout controller's JSON
+        state/                what only the trainer needs to resume: ``optimizer.pt`` (fp32 moments
+                              and step counts, whole, keyed by parameter name whatever the rank
+                              count that saved it: ``optimizer_state.py``), ``master.safetensors``
+                              (the fp32 master weights when the served ones are bf16), the data
+                              manager's and rollout controller's JSON
+
+The LR schedule's position is ``trainer_state.json``'s ``counters.optimizer_steps``. A checkpoint
+resumes with any rank count (one, data-parallel or FSDP): under FSDP rank 0 reads the weights and
+the optimizer state and the other ranks receive their shards.
 
 A checkpoint dir is written under a temporary name and renamed into place, so a crash never
 leaves half a checkpoint; the last ``keep`` are kept. Versions between full checkpoints
 (``checkpoint_every``) get the served weights only (no ``state/``, no ``trainer_state.json``: never
 resumed from); ``state/`` and ``trainer_state.json`` may be written after the rename, in the
 background (``learner_saving.py``), the state file last. Checkpoints of the first layout (model files
-at the top of ``v<N>/``, schema ``osfarm.trainer_state/1``) still resume.
+at the top of ``v<N>/``, schema ``osfarm.trainer_state/1``) still resume, and so do optimizer files
+keyed by parameter position (``optimizer.state_dict()`` as it is, which earlier versions wrote on
+one rank).
 """
 
 from __future__ import annotations
@@ -34,7 +41,6 @@ MODEL_DIR = "model"
 ADAPTER_DIR = "adapter"
 TRAIN_STATE_DIR = "state"
 OPTIMIZER_FILE = "optimizer.pt"
-SCHEDULE_FILE = "schedule.json"
 MASTER_FILE = "master.safetensors"
 
 # the files of a model dir that are not weights or config: tokenizer, processor, chat template

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from osfarm.policy.processing import encode_chat, load_processor
+from osfarm.trainer import optimizer_state
 from osfarm.trainer.advantages import episode_weights
 from osfarm.trainer.batching import Encoded, encode_sample, plain_token, response_mask
 from osfarm.trainer.checkpoint import (
@@ -414,15 +415,9 @@ class Learner(LearnerPasses):
                           version=int(state["version"]), ctx=ctx, device=device, before_sharding=load_master)
             learner.model_path = Path(state.get("base_model", ckpt))
         opt_file = sdir / OPTIMIZER_FILE
-        if opt_file.is_file():
-            optim_sd = torch.load(opt_file, map_location="cpu" if learner.fsdp else learner.device, weights_only=True)
-            if learner.fsdp:
-                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-                set_optimizer_state_dict(learner.model, learner.optimizer, optim_sd,
-                                         options=StateDictOptions(full_state_dict=True))
-            else:
-                learner.optimizer.load_state_dict(optim_sd)
+        if opt_file.is_file():  # saved by any rank count; under FSDP rank 0 alone reads it
+            optimizer_state.load(opt_file, learner.model, learner.optimizer, sharded=learner.fsdp,
+                                 reader=learner.ctx.is_main, device=learner.device)
         learner.counters.update({k: int(v) for k, v in state.get("counters", {}).items()})
         return learner, state
 

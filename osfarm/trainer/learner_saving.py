@@ -40,6 +40,7 @@ from osfarm.trainer.checkpoint import (
 )
 from osfarm.trainer.distributed import DistContext
 from osfarm.trainer.learner_options import LearnerOptions
+from osfarm.trainer.optimizer_state import named, param_names
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -178,9 +179,11 @@ class TrainingState:
 
 
 def snapshot(learner: Learner, got: Gathered, extra_state: dict[str, Any] | None) -> TrainingState:
-    """Rank 0's copy of the optimizer state, the fp32 master weights (when the served ones are
-    another dtype) and ``trainer_state.json``'s contents."""
-    optim = got.optimizer if got.optimizer is not None else _host_copy(learner.optimizer.state_dict())
+    """Rank 0's copy of the optimizer state (keyed by parameter name), the fp32 master weights
+    (when the served ones are another dtype) and ``trainer_state.json``'s contents."""
+    # keyed by parameter name, as FSDP's gathered state is: any rank count resumes it
+    optim = got.optimizer if got.optimizer is not None else \
+        named(_host_copy(learner.optimizer.state_dict()), param_names(learner.model, learner.optimizer))
     master = None
     if learner.master_dtype != learner.compute_dtype and not learner.lora:
         sd = _live_state(learner, got.model)
