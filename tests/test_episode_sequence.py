@@ -138,10 +138,12 @@ def test_an_episode_sequence_has_the_loss_of_its_step_samples(learner: Learner, 
         learner.opts = saved
 
 
-def test_a_reply_that_retokenises_differently_trains_as_step_samples(learner: Learner) -> None:
+def test_a_reply_that_retokenises_differently_trains_apart_and_the_rest_stays_one_sequence(learner: Learner) -> None:
     """The history holds the reply's text; where that text encodes to other ids than the policy
-    sampled, the joined sequence is not the one the policy saw: the learner trains the episode's
-    steps on their own prompts and counts why."""
+    sampled (a byte token of a random model, a non-canonical split), that turn is not in place in
+    the joined sequence: it trains as its own step sample and the episode's other turns stay one
+    sequence (they were prompted with the text's ids, which the sequence holds). The loss is the
+    step samples'. With one turn left in place the episode trains per step."""
     steps = _steps(learner, images=False, behav=False)
     tok = learner.processor.tokenizer
     # the first reply sampled character by character: the same text, other ids than it encodes to
@@ -153,10 +155,17 @@ def test_a_reply_that_retokenises_differently_trains_as_step_samples(learner: Le
     with pytest.raises(ValueError, match="reply_retokenized"):
         learner.encode(ep)
     per_step = learner.update(steps)
-    fallback = learner.update([ep])
+    split = learner.update([ep])
+    assert split.extra["episode_fallback_turn_retokenized"] == 1.0 and split.extra["episode_samples"] == 1.0
+    assert split.samples == 2 and split.extra["turns"] == 3.0
+    assert split.loss == pytest.approx(per_step.loss, rel=1e-5, abs=1e-7)
+    # both earlier replies re-tokenised: the last turn alone is in place, no sequence is left
+    second = steps[1]
+    chars = [i for ch in second.response_text for i in tok(ch, add_special_tokens=False)["input_ids"]]
+    steps[1] = dataclasses.replace(second, response_token_ids=[*chars, tok.convert_tokens_to_ids("<|im_end|>")])
+    fallback = learner.update([_joined(steps)])
     assert fallback.extra["episode_fallback_reply_retokenized"] == 1.0 and fallback.samples == 3
     assert fallback.extra["episode_samples"] == 0.0
-    assert fallback.loss == pytest.approx(per_step.loss, rel=1e-5, abs=1e-7)
 
 
 def test_an_episode_over_the_budget_trains_the_steps_that_fit(learner: Learner) -> None:
@@ -226,6 +235,10 @@ def test_episodes_that_are_not_one_conversation_stay_step_samples_and_are_counte
     assert join_episode(cut) == HISTORY_CUT
     rewritten = [dataclasses.replace(good[0], response_text="Action: click 9"), *good[1:]]
     assert join_episode(rewritten) == REPLY_REWRITTEN
+    # an agent without history asks every step the same prompt: no turn holds the one before it,
+    # even where the replies agree (every turn would train on one message)
+    same = [dataclasses.replace(good[2], step_index=i, response_text=good[2].response_text) for i in (1, 2)]
+    assert join_episode(same) == HISTORY_CUT
     # a step left out (high-entropy selection) stays in the conversation as context, untrained
     ep = join_episode([good[0], good[2]])
     assert isinstance(ep, Sample) and [t["message_index"] for t in ep.turns or []] == [3, 7]
@@ -242,3 +255,26 @@ def test_granularity_is_validated() -> None:
     assert DataConfig(granularity="episode").granularity == "episode"
     with pytest.raises(ValueError, match="granularity must be 'step', 'episode' or 'trajectory'"):
         DataConfig(granularity="sequence")  # type: ignore[arg-type]
+
+
+def test_granularity_episode_gives_the_agent_the_whole_episode_as_history(caplog: pytest.LogCaptureFixture) -> None:
+    """An episode is one sequence only when each prompt holds every earlier turn: under
+    granularity episode the agent's unset history window is the whole episode (both agents);
+    otherwise each kind keeps its own default, and a window set below the episode is warned about."""
+    from osfarm.trainer.config import TrainConfig
+    from osfarm.trainer.run_wiring import rollout_agent_options
+
+    def cfg(kind: str, granularity: str = "step", **agent: Any) -> TrainConfig:
+        return TrainConfig.model_validate({"agent": {"kind": kind, **agent}, "rollout": {"max_steps": 15},
+                                           "data": {"options": {"granularity": granularity}}})
+
+    for kind in ("choice", "vlm"):
+        a = cfg(kind, "episode").agent
+        assert (a.history_turns, a.history_images) == (15, 15)
+        opts = rollout_agent_options(a, "http://127.0.0.1:1", "policy")
+        assert (opts["history_turns"], opts["history_images"]) == (15, 15)
+    assert (cfg("choice").agent.history_turns, cfg("vlm").agent.history_turns) == (0, 2)
+    assert cfg("vlm").agent.history_images == 1
+    with caplog.at_level("WARNING", logger="osfarm.trainer"):
+        assert cfg("vlm", "episode", history_turns=3).agent.history_turns == 3
+    assert "episode_fallback_history_cut" in caplog.text

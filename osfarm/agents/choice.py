@@ -8,6 +8,13 @@ learn is to put its probability mass on the tokens that map to the right action.
 actions come from the task's ``osfarm_choices`` list (or the agent's ``choices``); a task's
 ``osfarm_choice_steps`` (default 1) is how many choices an episode makes before DONE.
 
+With ``history_turns`` > 0 the prompt is a conversation, as the VLM agent's is (the same
+:func:`~osfarm.agents.prompts.messages.build_messages`): the earlier observations with the
+replies the policy gave, screenshots on the last ``history_images``. Kept whole (both at least
+the episode's steps) each step's prompt is the one before it plus that step's reply and the new
+observation, which is what the trainer's ``granularity: episode`` needs to train an episode as
+one sequence. The default, 0, asks every step with the menu and the current screenshot alone.
+
 The model call is async (``apredict``, our chat client): an episode waiting for the policy holds
 no thread.
 
@@ -18,12 +25,12 @@ log-probs, policy version) after each ``predict`` for the episode record.
 from __future__ import annotations
 
 import asyncio
-import base64
 import os
 from typing import Any
 
 from osfarm.agents.base import ActionSpace, BaseAgent
 from osfarm.agents.chat_client import ChatClient, ChatResult, PolicyBadResponse
+from osfarm.agents.prompts.messages import Turn, build_messages
 from osfarm.schema.actions import AgentAction
 from osfarm.schema.episode import ModelCall
 
@@ -36,9 +43,13 @@ class ChoiceAgent(BaseAgent):
 
     def __init__(self, base_url: str | None = None, model: str = "policy", *, choices: list[str] | None = None,
                  temperature: float = 1.0, timeout_s: float = 120.0, screenshot: bool = True,
-                 seed: int | None = None, api_key: str | None = None, **_: Any):
+                 seed: int | None = None, api_key: str | None = None, history_turns: int = 0,
+                 history_images: int = 1, **_: Any):
         if not base_url:
             raise ValueError("choice agent: option 'base_url' is required (--model-url: its policy server)")
+        for name, value, least in (("history_turns", history_turns, 0), ("history_images", history_images, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"choice agent: option {name!r}: expected an integer >= {least}, got {value!r}")
         # the policy server's bearer token: from the options, else OSFARM_POLICY_TOKEN (as the VLM agent)
         self.client = ChatClient(base_url, model, timeout_s=timeout_s,
                                  api_key=api_key or os.environ.get("OSFARM_POLICY_TOKEN") or None)
@@ -51,6 +62,9 @@ class ChoiceAgent(BaseAgent):
         self.timeout_s = timeout_s
         self.screenshot = screenshot
         self.seed = seed  # reproducible sampling: step i of an episode asks with seed + i
+        self.history_turns = history_turns
+        self.history_images = history_images
+        self.turns: list[Turn] = []  # this episode's finished turns (observation, reply)
         self.last_model_call: ModelCall | None = None
 
     def reset(self, task: Any = None) -> None:
@@ -63,34 +77,43 @@ class ChoiceAgent(BaseAgent):
             raise ValueError(f"osfarm_choice_steps: expected an integer >= 1, got {steps!r}")
         self.steps = steps
         self.taken = 0
+        self.turns = []
         self.last_model_call = None
 
-    def messages(self, instruction: str, obs: dict[str, Any]) -> list[dict[str, Any]]:
+    def _observation(self, instruction: str, obs: dict[str, Any]) -> Turn:
         menu = "\n".join(f"{i}: {c}" for i, c in enumerate(self.choices))
-        parts: list[dict[str, Any]] = [{"type": "text", "text": f"{instruction}\nActions:\n{menu}\n"}]
         png = obs.get("screenshot")
-        if self.screenshot and png:
-            parts.append({"type": "image_url",
-                          "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}})
-        return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": parts}]
+        return Turn(screenshot=png if self.screenshot and png else None, text=f"{instruction}\nActions:\n{menu}\n")
 
-    def _act(self, messages: list[dict[str, Any]], res: ChatResult) -> tuple[str, list[AgentAction]]:
+    def _request(self, current: Turn) -> list[dict[str, Any]]:
+        return build_messages([{"role": "system", "content": SYSTEM_PROMPT}], self.turns, current,
+                              self.history_turns, self.history_images)
+
+    def messages(self, instruction: str, obs: dict[str, Any]) -> list[dict[str, Any]]:
+        """The request of this step: the system prompt, the kept history, the observation."""
+        return self._request(self._observation(instruction, obs))
+
+    def _act(self, messages: list[dict[str, Any]], res: ChatResult, current: Turn) -> tuple[str, list[AgentAction]]:
         if not res.token_ids or res.logprobs is None:
             raise PolicyBadResponse("policy server sent no token ids / log-probs for the choice token")
         self.last_model_call = ModelCall(request=messages, response_text=res.text, response_token_ids=res.token_ids,
                                          response_logprobs=res.logprobs, policy_version=res.policy_version,
                                          t_ms=res.t_ms)
         self.taken += 1
+        current.response = res.text  # verbatim: the next prompt holds the reply the policy sampled
+        self.turns.append(current)
+        del self.turns[:-max(1, self.history_turns)]  # only the window is ever sent again
         action = self.choices[res.token_ids[0] % len(self.choices)]
         return res.text, [action, "DONE"] if self.taken >= self.steps else [action]
 
     async def apredict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         """One sampled token (through :class:`ChatClient`: transient failures retried, a server that
         stays unreachable is an infra error, not the agent's)."""
-        messages = self.messages(instruction, obs)
+        current = self._observation(instruction, obs)
+        messages = self._request(current)
         seed = None if self.seed is None else self.seed + self.taken
         res = await self.client.complete(messages, temperature=self.temperature, max_tokens=1, logprobs=True, seed=seed)
-        return self._act(messages, res)
+        return self._act(messages, res, current)
 
     def predict(self, instruction: str, obs: dict[str, Any]) -> tuple[str, list[AgentAction]]:
         return asyncio.run(self.apredict(instruction, obs))

@@ -8,6 +8,7 @@ farm, the in-process scheduler, one CPU policy server subprocess and the tiny ch
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,7 @@ from osfarm.trainer.metrics import WandbOptions
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_SUITE = REPO_ROOT / "tests" / "fixtures" / "train_suite"
+log = logging.getLogger("osfarm.trainer")
 
 
 class TrainConfigError(OsfarmError, ValueError):
@@ -66,8 +68,11 @@ class AgentSection(_Strict):
     )
     prompt_format: str = "pyautogui"
     observation: str = "screenshot"
-    history_turns: int = Field(default=2, ge=0)
-    history_images: int = Field(default=1, ge=0)
+    history_turns: int | None = Field(default=None, ge=0, description="earlier turns kept in the prompt (default: "
+                                      "2 for vlm, 0 for choice; rollout.max_steps, the whole episode, with "
+                                      "data.options granularity: episode)")
+    history_images: int | None = Field(default=None, ge=1, description="screenshots in the prompt, the current one "
+                                       "included (default: 1; rollout.max_steps with granularity: episode)")
     temperature: float = Field(default=0.1, ge=0, description="sampling temperature (learner.temperature must match)")
     max_tokens: int | None = Field(default=None, ge=1, description="reply token budget (default: the prompt "
                                    "format's, REPLY_TOKENS: a UI-TARS thought + action runs to hundreds)")
@@ -211,6 +216,7 @@ class TrainConfig(_Strict):
                                  "in budget")
             if want is not None:
                 setattr(self.agent, agent_name, want)
+        self._history_window()
         if self.eval_every is not None and self.eval_suite is None:
             raise ValueError("eval_every needs eval_suite (the held-out tasks)")
         if self.devices.learner and len(self.devices.learner) not in (1, self.nproc) and self.nproc > 1:
@@ -220,6 +226,21 @@ class TrainConfig(_Strict):
             raise ValueError(f"devices.policy lists {len(self.devices.policy)} devices for policy.spawn="
                              f"{self.policy.spawn} servers (one each)")
         return self
+
+    def _history_window(self) -> None:
+        """The agent's history window where unset: its kind's default, or under ``granularity: episode``
+        the whole episode: an episode trains as one sequence only when each step's prompt is the one
+        before it plus that step's reply (a cut window makes every longer episode train per step)."""
+        a, steps = self.agent, self.rollout.max_steps
+        whole = self.data.options.get("granularity") == "episode"
+        if a.history_turns is None:
+            a.history_turns = steps if whole else (2 if a.kind == "vlm" else 0)
+        if a.history_images is None:
+            a.history_images = steps if whole else 1
+        if whole and (a.history_turns < steps - 1 or (a.history_images < steps and (a.kind == "vlm" or a.screenshot))):
+            log.warning("granularity: episode with agent.history_turns %d and history_images %d below "
+                        "rollout.max_steps %d: episodes longer than the window train per step "
+                        "(episode_fallback_history_cut)", a.history_turns, a.history_images, steps)
 
 
 def load_train_config(path: Path | None, **overrides: Any) -> TrainConfig:

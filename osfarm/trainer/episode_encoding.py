@@ -9,8 +9,10 @@ prompt stay 0): one forward pass scores every turn, the shared prefix computed o
 That sequence is the policy's own only where each turn's prompt, as the policy server encoded
 it, is a token prefix of the sequence and its sampled reply ids follow it there. A history the
 agent cut (its last K turns, its last M screenshots) or a reply whose text re-tokenises to other
-ids breaks it; :func:`episode_layout` checks it on the text alone (one placeholder per image, no
-image decoded) and says where each reply lies, or why the episode is not one sequence.
+ids breaks it; :func:`reply_spans` checks it on the text alone (one placeholder per image, no
+image decoded) and says where each reply lies, or why the episode is not one sequence. A reply
+that re-tokenises differently spoils only its own turn (the later turns were prompted with the
+re-tokenised text, which is what the sequence holds): that turn trains apart, on its own prompt.
 """
 
 from __future__ import annotations
@@ -71,10 +73,12 @@ def _placeholder_ids(tokenizer: Any) -> set[int]:
     return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
 
 
-def episode_layout(processor: Any, messages: Sequence[dict[str, Any]],
-                   turns: Sequence[EpisodeTurn]) -> list[tuple[int, int]] | str:
-    """(start, length) of each turn's reply in the episode's sequence with one placeholder per
-    image, or the reason the episode is not one sequence (``CONTEXT_DIFFERS`` etc.)."""
+def reply_spans(processor: Any, messages: Sequence[dict[str, Any]],
+                turns: Sequence[EpisodeTurn]) -> list[tuple[int, int] | str] | str:
+    """Each turn's reply as it lies in the episode's sequence with one placeholder per image:
+    (start, length), or ``REPLY_RETOKENIZED`` for an earlier turn whose text encodes to other ids
+    than the policy sampled (the later turns saw the text's ids: that turn alone cannot train in
+    place); or the reason the episode is not one sequence at all (``CONTEXT_DIFFERS`` etc.)."""
     if not turns:
         raise ValueError("an episode sample needs at least one turn")
     if any(b.message_index <= a.message_index for a, b in zip(turns, turns[1:], strict=False)):
@@ -82,18 +86,28 @@ def episode_layout(processor: Any, messages: Sequence[dict[str, Any]],
     last = turns[-1]
     prompt = template_ids(processor, messages[:last.message_index])
     placeholders = _placeholder_ids(processor.tokenizer)
-    spans = []
+    spans: list[tuple[int, int] | str] = []
     for t in turns[:-1]:
         if placeholders & set(t.token_ids):  # rendered as text it would be an image slot
             return PLACEHOLDER_IN_REPLY
         own = template_ids(processor, messages[:t.message_index])
         if prompt[:len(own)] != own:
             return CONTEXT_DIFFERS
-        if prompt[len(own):len(own) + len(t.token_ids)] != list(t.token_ids):
-            return REPLY_RETOKENIZED
-        spans.append((len(own), len(t.token_ids)))
-    spans.append((len(prompt), len(last.token_ids)))
+        in_place = prompt[len(own):len(own) + len(t.token_ids)] == list(t.token_ids)
+        spans.append((len(own), len(t.token_ids)) if in_place else REPLY_RETOKENIZED)
+    spans.append((len(prompt), len(last.token_ids)))  # the sampled ids themselves: always in place
     return spans
+
+
+def episode_layout(processor: Any, messages: Sequence[dict[str, Any]],
+                   turns: Sequence[EpisodeTurn]) -> list[tuple[int, int]] | str:
+    """(start, length) of each turn's reply in the episode's sequence with one placeholder per
+    image, or the reason the episode is not one sequence with every turn in place."""
+    spans = reply_spans(processor, messages, turns)
+    if isinstance(spans, str):
+        return spans
+    placed = [s for s in spans if not isinstance(s, str)]
+    return placed if len(placed) == len(spans) else REPLY_RETOKENIZED
 
 
 def _collapsed_positions(ids: torch.Tensor, placeholders: set[int]) -> torch.Tensor:

@@ -121,7 +121,8 @@ def rollout_agent_options(a: AgentSection, base_url: str, name: str, seed: int |
     asking the policy server at ``base_url`` for model ``name``."""
     if a.kind == "choice":
         return {"base_url": base_url, "model": name, "choices": a.choices, "temperature": a.temperature,
-                "timeout_s": a.timeout_s, "screenshot": a.screenshot, "seed": seed}
+                "timeout_s": a.timeout_s, "screenshot": a.screenshot, "seed": seed,
+                "history_turns": a.history_turns, "history_images": a.history_images}
     return {"base_url": base_url, "model": name, "prompt_format": a.prompt_format, "observation": a.observation,
             "history_turns": a.history_turns, "history_images": a.history_images, "temperature": a.temperature,
             "max_tokens": a.reply_tokens(), "timeout_s": a.timeout_s, "capture_logprobs": True, "seed": seed,

@@ -249,10 +249,12 @@ def join_episode(steps: list[Sample]) -> Sample | str:
         return CONTEXT_TRIMMED
     last = steps[-1]
     messages: list[dict[str, Any]] = [*last.messages, {"role": "assistant", "content": last.response_text}]
-    turns = []
+    turns: list[dict[str, Any]] = []
     for s in steps:
         k = len(s.messages)
-        if k >= len(messages) or messages[:k] != s.messages:
+        # a prompt no longer than the one before holds no earlier reply: an agent without history
+        # asks each step afresh (equal prompts would otherwise put every turn on one message)
+        if k >= len(messages) or messages[:k] != s.messages or (turns and k <= turns[-1]["message_index"]):
             return HISTORY_CUT
         reply = messages[k]
         if reply.get("role") != "assistant" or reply.get("content") != s.response_text:

@@ -6,9 +6,10 @@ importance weight π_prox/π_b of a token uses its own turn's π_b) and its adva
 weighting scales per turn as it scales step samples: an episode trained as one sequence has the
 loss its step samples would have.
 
-An episode sample whose sequence is not the policy's own on the token level (``episode_layout``:
-a reply that re-tokenises differently, a prompt that is no prefix) is trained as its step samples
-instead, each with its true prompt, and counted.
+An episode sample whose sequence is not the policy's own on the token level (``reply_spans``: a
+prompt that is no prefix) is trained as its step samples instead, each with its true prompt, and
+counted; a turn whose reply re-tokenises to other ids than were sampled trains apart, on its own
+prompt, and the rest of the episode stays one sequence.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from osfarm.trainer.episode_encoding import EpisodeTurn, episode_layout
+from osfarm.trainer.episode_encoding import REPLY_RETOKENIZED, EpisodeTurn, reply_spans
 from osfarm.trainer.samples import Sample
+
+# a turn of a joined episode trained apart, as a step sample (its reply re-tokenises to other ids): counted
+# per turn, as ``episode_fallback_turn_retokenized``, while the rest of its episode stays one sequence
+TURN_RETOKENIZED = "turn_retokenized"
 
 
 @dataclass
@@ -97,15 +102,27 @@ def as_step_samples(sample: Sample) -> list[Sample]:
 
 def steps_where_not_one_sequence(samples: Sequence[Sample], processor: Any) -> tuple[list[Sample], dict[str, int]]:
     """``samples`` with each episode sample that is not one sequence on the token level replaced
-    by its step samples; the count of each reason (text only: no image is decoded)."""
+    by its step samples, and each turn of a joined episode whose reply re-tokenises differently
+    split off as a step sample of its own (the rest still one sequence: that reply stays in it as
+    context, as the later turns saw it); the count of each reason, and of the turns split off
+    (``TURN_RETOKENIZED``). Text only: no image is decoded."""
     out: list[Sample] = []
     why: dict[str, int] = {}
     for s in samples:
-        if s.whole_episode:
-            layout = episode_layout(processor, s.messages, episode_turns(s, sample_turns(s, processor.tokenizer)))
-            if isinstance(layout, str):
-                why[layout] = why.get(layout, 0) + 1
-                out += as_step_samples(s)
-                continue
+        if not s.whole_episode:
+            out.append(s)
+            continue
+        spans = reply_spans(processor, s.messages, episode_turns(s, sample_turns(s, processor.tokenizer)))
+        apart = [] if isinstance(spans, str) else [i for i, x in enumerate(spans) if isinstance(x, str)]
+        if isinstance(spans, str) or len(spans) - len(apart) < 2:  # one turn left in place: a step sample
+            reason = spans if isinstance(spans, str) else REPLY_RETOKENIZED
+            why[reason] = why.get(reason, 0) + 1
+            out += as_step_samples(s)
+            continue
+        if apart:
+            steps = as_step_samples(s)
+            out += [steps[i] for i in apart]
+            s = replace(s, turns=[t for i, t in enumerate(s.turns or []) if i not in apart])
+            why[TURN_RETOKENIZED] = why.get(TURN_RETOKENIZED, 0) + len(apart)
         out.append(s)
     return out, why

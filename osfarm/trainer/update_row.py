@@ -99,6 +99,21 @@ def update_row(w: Window, now: float, running_since: Iterable[float], stats: Upd
         "ranks": ranks,
         "counters": counters,
     }
+    if "episode_samples" in batch.counts:  # granularity episode: what trained as one sequence, and why not
+        row.update(episode_row(batch.counts, stats.extra))
     if last_eval is not None:
         row["eval_version"], row["eval_success_rate"] = last_eval["version"], last_eval["success_rate"]
+    return row
+
+
+def episode_row(joined: dict[str, int], trained: dict[str, float]) -> dict[str, int]:
+    """``episode_samples``: the episodes the update trained as one sequence; ``episode_fallback_<reason>``:
+    those trained per step instead, whether the data manager could not join them (``joined``: the
+    batch's counts) or the learner found the joined sequence not the policy's own (``trained``: the
+    update's extras), and ``episode_fallback_turn_retokenized`` the single turns trained apart."""
+    row = {"episode_samples": int(trained.get("episode_samples", 0))}
+    for counts in (joined, trained):
+        for k, v in counts.items():
+            if k.startswith("episode_fallback_"):
+                row[k] = row.get(k, 0) + int(v)
     return row
