@@ -3,11 +3,14 @@ format on disk (keyed by parameter name), read by rank 0 alone under FSDP, the o
 shards. Saved on one rank, resumed by two FSDP2 ranks (gloo on the CPU: the code path of GPU
 runs), saved there and resumed on one rank again: the moments, step counts and lr schedule
 position come back, and each update is the one a single rank makes continuing without a break.
-Files of earlier versions (moments keyed by position) still resume."""
+The full fine-tune runs on a model whose output embeddings are tied to its input ones (as
+Qwen2-VL-2B's are): the tie survives the sharded init. Files of earlier versions (moments keyed
+by position) still resume."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,12 +57,14 @@ ctx = DistContext.from_env()
 out = Path({out!r})
 lrn, _ = Learner.resume(Path({ckpt!r}), options({lora!r}, fsdp="on"), ctx=ctx)
 assert lrn.fsdp
+m = lrn.model.get_base_model() if hasattr(lrn.model, "get_base_model") else lrn.model
+tied = m.lm_head.weight is m.get_input_embeddings().weight
 torch.load = real_load
 local = {{}}  # this rank's slices of the moments, as the resume left them
 for name, p in zip(param_names(lrn.model, lrn.optimizer), lrn.params, strict=True):
     st = lrn.optimizer.state[p]
     local[name] = {{k: (v.to_local() if isinstance(v, DTensor) else v).clone() for k, v in st.items()}}
-torch.save(dict(moments=local, reads=reads), out / f"rank{{ctx.rank}}.pt")
+torch.save(dict(moments=local, reads=reads, tied=tied), out / f"rank{{ctx.rank}}.pt")
 if ctx.is_main:
     stats = lrn.update([make_sample(m, ids, None, advantage=a) for m, ids, a in BATCHES[1]])
     lrn.save(out / "v2")
@@ -72,6 +77,23 @@ else:
 
 def options(lora: bool, **more: Any) -> LearnerOptions:
     return LearnerOptions(**OPTS, lora=LoraOptions(r=4, alpha=8) if lora else None, **more)
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with ``lm_head.weight`` tied to the input embeddings."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    src, dst = tiny_model_dir(), tmp_path_factory.mktemp("tied")
+    config = AutoConfig.from_pretrained(src)
+    config.tie_word_embeddings = config.text_config.tie_word_embeddings = True
+    model = AutoModelForImageTextToText.from_pretrained(src, config=config)
+    model.lm_head.weight = model.get_input_embeddings().weight
+    model.save_pretrained(dst)
+    for f in src.iterdir():  # the processor's files
+        if not (dst / f.name).exists():
+            shutil.copy2(f, dst / f.name)
+    return dst
 
 
 def _batch(i: int) -> list[Any]:
@@ -94,11 +116,13 @@ def _assert_moments_close(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_saved_on_one_rank_resumed_by_two_fsdp_ranks_and_back(tmp_path: Path, lora: bool) -> None:
+def test_saved_on_one_rank_resumed_by_two_fsdp_ranks_and_back(tmp_path: Path, lora: bool,
+                                                               tied_model_dir: Path) -> None:
     if lora:
         pytest.importorskip("peft")
-    base = tiny_model_dir()
+    base = tiny_model_dir() if lora else tied_model_dir
     one = Learner(base, options(lora))  # the run that never stops
+    assert (one.model.lm_head.weight is one.model.get_input_embeddings().weight) is not lora
     one.update(_batch(0))
     ckpt = one.save(tmp_path / "v1")
     saved = torch.load(train_state_dir(ckpt) / OPTIMIZER_FILE, weights_only=True)
@@ -112,6 +136,7 @@ def test_saved_on_one_rank_resumed_by_two_fsdp_ranks_and_back(tmp_path: Path, lo
     # each rank holds its slice (FSDP2 cuts dim 0 as torch.chunk does) of the saved moments
     dumps = [torch.load(tmp_path / f"rank{i}.pt", weights_only=True) for i in (0, 1)]
     assert dumps[0]["reads"] == [OPTIMIZER_FILE] and dumps[1]["reads"] == []  # rank 0 alone reads the file
+    assert [d["tied"] for d in dumps] == [not lora] * 2  # rank 0's loaded model was tied before sharding too
     ranks = [d["moments"] for d in dumps]
     assert sorted(ranks[0]) == sorted(saved["state"]) == sorted(ranks[1])
     for name, full in saved["state"].items():

@@ -9,6 +9,10 @@ allocates just its own shards on its device (``to_empty``), and rank 0 broadcast
 one tensor at a time, each rank keeping its slice (``set_model_state_dict`` with
 ``broadcast_from_rank0``). The reference is sharded the same way and never gathered whole.
 
+Tied parameters (input and output embeddings) stay one parameter on every rank: moving rank 0's
+loaded model to ``meta`` gives each place a parameter of its own, so they are tied again before
+sharding, as in the other ranks' twin built from the config.
+
 Buffers are not parameters: FSDP leaves them whole on every rank, and ``state_dict`` omits the
 non-persistent ones (the rotary embeddings' ``inv_freq``), which ``to_empty`` leaves as
 uninitialised memory; rank 0 broadcasts all of them after the weights.
@@ -65,7 +69,9 @@ def shard_from_rank0(model: Any, ctx: DistContext, device: torch.device, compute
         # the tensors stay alive in these dicts after the module itself goes to meta below
         weights = {k: v.detach() for k, v in model.state_dict().items()}
         buffers = {k: v.detach() for k, v in model.named_buffers()}
-        model.to("meta")
+        ties = _tied(model)
+        model.to("meta")  # a new parameter per place: tied embeddings come apart here
+        _retie(model, ties)  # as the other ranks' meta twin has them, or the ranks shard different trees
     else:
         weights, buffers = {}, {}
     shard_units(model, compute_dtype)
@@ -77,6 +83,24 @@ def shard_from_rank0(model: Any, ctx: DistContext, device: torch.device, compute
             if ctx.is_main:
                 buf.copy_(buffers[name])
             dist.broadcast(buf, src=0)
+
+
+def _tied(model: Any) -> list[list[str]]:
+    """The names of each parameter registered in several places (tied input and output
+    embeddings: ``lm_head.weight`` is ``embed_tokens.weight``)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [n for n in names.values() if len(n) > 1]
+
+
+def _retie(model: Any, ties: list[list[str]]) -> None:
+    """Make each group of :func:`_tied`'s names one parameter again (its first name's)."""
+    for names in ties:
+        shared = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
 
 
 def load_reference(path: Path, dtype: torch.dtype, ctx: DistContext, device: torch.device, *,
