@@ -91,8 +91,9 @@ def episode_run(farm: FarmServer, tmp_path_factory: pytest.TempPathFactory) -> d
 def _trained(episodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The episodes the two updates trained: the groups with a success (a group of failures only
     is dropped; at η = 0 each update trains one whole group and nothing rolls out after the last)."""
-    solved = {e["group_id"] for e in episodes if e["status"] == "success"}
-    return [e for e in episodes if e["group_id"] in solved]
+    solved = sorted({e["group_id"] for e in episodes if e["status"] == "success"},
+                    key=lambda g: int(g.rpartition("#g")[2]))[:2]  # groups are planned g1, g2, ... in order
+    return [e for e in episodes if e["group_id"] in solved and e["status"] in ("success", "failure")]
 
 
 def test_whole_episodes_train_as_one_sequence_each(episode_run: dict[str, Any]) -> None:
@@ -115,13 +116,22 @@ def test_whole_episodes_train_as_one_sequence_each(episode_run: dict[str, Any]) 
 
 
 def test_turns_trained_apart_are_the_replies_that_do_not_encode_back(episode_run: dict[str, Any]) -> None:
-    """A turn trains apart exactly when its reply's text does not encode back to the id sampled."""
-    tok = load_processor(tiny_model_dir()).tokenizer
+    """A turn trains apart exactly when its reply's text, in the chat template as the next prompt
+    holds it, does not encode back to the id sampled."""
+    proc = load_processor(tiny_model_dir())
+
+    def ids(messages: list[dict[str, str]], prompt: bool) -> list[int]:
+        text = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+        return list(proc.tokenizer(text)["input_ids"])
+
     apart = 0
     for e in _trained(episode_run["episodes"]):
         for st in e["steps"][:-1]:  # the last turn's sampled ids close the sequence: always in place
             m = st["model"]
-            apart += tok(m["response_text"], add_special_tokens=False)["input_ids"] != m["response_token_ids"]
+            ask = [{"role": "user", "content": "next?"}]
+            before = ids(ask, True)
+            after = ids([*ask, {"role": "assistant", "content": m["response_text"]}, *ask], True)
+            apart += after[len(before):len(before) + len(m["response_token_ids"])] != m["response_token_ids"]
     rows = episode_run["rows"]
     assert apart == sum(r.get("episode_fallback_turn_retokenized", 0) + 2 * r.get(
         "episode_fallback_reply_retokenized", 0) for r in rows)
