@@ -108,6 +108,7 @@ def load(path: Path, model: Any, optimizer: torch.optim.Optimizer, *, sharded: b
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    full = named(torch.load(path, map_location="cpu", weights_only=True), names) if reader else {}
+    # memory-mapped: rank 0 pages each tensor in as it is broadcast instead of holding the whole file
+    full = named(torch.load(path, map_location="cpu", weights_only=True, mmap=True), names) if reader else {}
     set_optimizer_state_dict(model, optimizer, full,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
