@@ -75,3 +75,27 @@ def test_the_policy_token_comes_from_the_environment_unless_given(monkeypatch: p
     assert ChoiceAgent(closed_port_url(), "tiny", api_key="own").client.api_key == "own"
     monkeypatch.delenv("OSFARM_POLICY_TOKEN")
     assert ChoiceAgent(closed_port_url(), "tiny").client.api_key is None
+
+
+def test_with_history_each_prompt_is_the_last_one_plus_its_reply(server: str) -> None:
+    """What an episode trained as one sequence needs (train.yaml's granularity episode gives the
+    agent the whole episode as history): step k's request is step k-1's, its reply verbatim, and
+    the new observation."""
+    agent = ChoiceAgent(server, "tiny", temperature=1.0, screenshot=False, history_turns=3, history_images=3)
+    agent.reset(_task(osfarm_choice_steps=3))
+
+    async def episode() -> list[tuple[list[dict[str, object]], str]]:
+        out = []
+        for _ in range(3):
+            text, _ = await agent.apredict("spell CAB", {"screenshot": None})
+            assert agent.last_model_call is not None
+            out.append((agent.last_model_call.request, text))
+        await agent.aclose()
+        return out
+
+    calls = asyncio.run(episode())
+    for (before, reply), (after, _) in zip(calls, calls[1:], strict=False):
+        assert after[:len(before)] == before and after[len(before)] == {"role": "assistant", "content": reply}
+        assert len(after) == len(before) + 2 and after[-1]["role"] == "user"
+    with pytest.raises(ValueError, match="history_images"):
+        ChoiceAgent(server, "tiny", history_images=0)

@@ -227,3 +227,21 @@ async def test_top_logprobs_are_recorded_for_top_k_entropy(policy: str) -> None:
     h = topk_entropy(call.response_logprobs)
     assert h is not None and 0.0 < h <= math.log(4) + 1e-9
     assert "top_logprobs" not in ChatClient(policy, "tiny").payload([], logprobs=True)
+
+
+async def test_a_seeded_agent_samples_each_step_with_its_own_seed(policy: str) -> None:
+    """The seed makes an episode reproducible; one seed for every step would draw the same random
+    numbers at each (the same prompt, the same reply: every step of an episode alike)."""
+    async def replies() -> list[str]:
+        agent = make_agent("vlm", base_url=policy, model="tiny", max_tokens=6, temperature=1.0, seed=11,
+                           history_turns=0, **FAST)
+        agent.reset(None)
+        obs = {"screenshot": _png(), "accessibility_tree": None, "terminal": None}
+        try:
+            return [(await agent.apredict("open the terminal", obs))[0] for _ in range(2)]
+        finally:
+            await agent.aclose()
+
+    first = await replies()
+    assert first[0] != first[1]  # the same prompt twice
+    assert await replies() == first  # and still reproducible

@@ -134,10 +134,12 @@ class VLMAgent(BaseAgent):
         self.client = ChatClient(o.base_url, o.model, api_key=o.api_key, timeout_s=o.timeout_s, retries=o.retries,
                                  backoff_s=o.backoff_s, backoff_max_s=o.backoff_max_s)
         self.turns: list[Turn] = []
+        self.taken = 0  # model calls this episode: step i samples with seed + i
         self.last_model_call: ModelCall | None = None
 
     def reset(self, task: Any = None) -> None:
         self.turns = []
+        self.taken = 0
         self.last_model_call = None
 
     def _screen(self, png: bytes | None) -> tuple[int, int]:
@@ -163,7 +165,9 @@ class VLMAgent(BaseAgent):
         self.last_model_call = call
         try:
             res = await self.client.complete(messages, temperature=o.temperature, top_p=o.top_p,
-                                             max_tokens=o.max_tokens, seed=o.seed, logprobs=o.capture_logprobs,
+                                             max_tokens=o.max_tokens, logprobs=o.capture_logprobs,
+                                             # one seed for every step would draw the same random numbers at each
+                                             seed=None if o.seed is None else o.seed + self.taken,
                                              top_logprobs=o.top_logprobs if o.capture_logprobs else 0)
         except PolicyError as e:
             call.error = str(e)
@@ -175,6 +179,7 @@ class VLMAgent(BaseAgent):
         call.policy_version, call.t_ms, call.finish_reason, call.usage = (res.policy_version, res.t_ms,
                                                                           res.finish_reason, res.usage)
         current.response = res.text
+        self.taken += 1
         self.turns.append(current)
         del self.turns[:-max(1, o.history_turns)]  # only the window is ever sent again
         try:
