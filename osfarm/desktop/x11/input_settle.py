@@ -44,13 +44,17 @@ the damage they come with. DAMAGE sees every toolkit the same way.
 
 The longer quiet is owed, not paid at once (:meth:`InputSettle.before_event`): it exists only to
 protect the *next* input event, so ``wait`` returns once the app's first answer has gone quiet for
-``QUIET_S`` (what an observation needs to show it) and records what the next event still owes:
+``QUIET_S`` and records what the next event still owes:
 the rest of the longer quiet, counted from the last damage seen, never past the cap after the
-event. An event that closed a window or moved the focus (an unmap or destroy of a top-level, a
-change of ``_NET_ACTIVE_WINDOW`` or of the X input focus) owes the whole cap: OSWorld's 0.1 s
-after that event, whatever the screen shows (the offline suite's Impress ...0306 lost its Ctrl+S
+event. A key that runs a command (:func:`focus_key`, not a click) and an event that closed a
+window or moved the focus (an unmap or destroy of a top-level, a change of ``_NET_ACTIVE_WINDOW``
+or of the X input focus) owe the whole cap: OSWorld's 0.1 s after that event, whatever the screen
+shows (the offline suite's Impress ...0306 lost its Ctrl+S
 right after the Slide Properties dialog closed). An agent's think time between steps pays the debt
-for free; back-to-back actions pay it before their first event. The record travels between the
+for free; back-to-back actions pay it before their first event. The price: an observation taken
+right after the action shows the app's first answer only, so what the app does a moment later (the
+race dialog's focus move 30-60 ms after a click; a dialog mapped after a button's pressed look)
+can be missing from it, where OSWorld's 0.1 s pause would have shown it. The record travels between the
 guest and the code runner's children (:meth:`give_owed` / :meth:`take_owed`), so a code action's
 first event pays what a computer_13 action owes and the other way round.
 
@@ -236,8 +240,12 @@ class InputSettle:
             ready, _, _ = select.select([fd], [], [], until - now)
             if ready and self._drain():
                 quiet_until = time.monotonic() + QUIET_S
+        # A key that runs a command (a hotkey, Enter, Tab, Escape) may open or close a window well
+        # after its first repaint (bench/action_timing.py's "typing as a window opens": ctrl+H, then
+        # the keys must go to the dialog): no quiet proves it done, so it owes OSWorld's whole pause.
+        command_key = focus_may_move and not button
         self._owed = {"until": deadline, "quiet": owed_quiet, "damage_t": self._last_damage_t,
-                      "hold": float(self._focus_moved or focus != self._focus_at_arm),
+                      "hold": float(command_key or self._focus_moved or focus != self._focus_at_arm),
                       "focus": float(self._focus_at_arm)}
         return time.monotonic() - t0
 
