@@ -4,8 +4,9 @@ shards. Saved on one rank, resumed by two FSDP2 ranks (gloo on the CPU: the code
 runs), saved there and resumed on one rank again: the moments, step counts and lr schedule
 position come back, and each update is the one a single rank makes continuing without a break.
 The full fine-tune runs on a model whose output embeddings are tied to its input ones (as
-Qwen2-VL-2B's are): the tie survives the sharded init. Files of earlier versions (moments keyed
-by position) still resume."""
+Qwen2-VL-2B's are): the tie survives the sharded init. The FSDP update gives one rank a sample
+with a screenshot and the other a text-only one (a rank without vision-tower gradients still
+joins the reduce-scatter). Files of earlier versions (moments keyed by position) still resume."""
 
 from __future__ import annotations
 
@@ -27,15 +28,15 @@ from osfarm.trainer.learner import Learner, LearnerOptions, LoraOptions
 from osfarm.trainer.optimizer_state import indexed, named, param_names
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_learner import MESSAGES, make_sample  # noqa: E402
+from test_learner import MESSAGES, TEXT_ONLY, make_sample  # noqa: E402
 
 # the lr warms up over the first steps, so an update after a resume shows the schedule's position
 OPTS = {"lr": 1e-2, "warmup_steps": 4, "micro_batch_size": 1}
-# every sample has its screenshot: under FSDP a minibatch where one rank runs the vision tower and
-# another does not breaks the reduce-scatter (noted in the issue; not this test's subject)
-BATCHES = [[(MESSAGES, [107, 108], 1.0), (MESSAGES, [121, 122, 123], -1.0)],
-           [(MESSAGES, [131], 1.0), (MESSAGES, [141, 142, 143], -0.5)],
-           [(MESSAGES, [151, 152], -1.0), (MESSAGES, [161, 162], 1.0)]]
+# the update on two ranks gives one the sample with a screenshot, the other a text-only one: a
+# rank with no gradient for the vision tower still joins the reduce-scatter
+BATCHES = [[(MESSAGES, [107, 108], 1.0), (TEXT_ONLY, [121, 122, 123], -1.0)],
+           [(TEXT_ONLY, [131], 1.0), (MESSAGES, [141, 142, 143], -0.5)],
+           [(MESSAGES, [151, 152], -1.0), (TEXT_ONLY, [161, 162], 1.0)]]
 
 RANKS = """
 import json, sys

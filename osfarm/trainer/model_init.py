@@ -48,7 +48,11 @@ def shard_units(model: Any, compute_dtype: torch.dtype) -> None:
 
     The vision tower stays in the root unit: a rank whose micro-batch has no image skips it, and
     a unit of its own would then all-gather on some ranks and not on others (a collective
-    mismatch that hangs or aborts the ranks); the root unit is gathered by every forward."""
+    mismatch that hangs or aborts the ranks); the root unit is gathered by every forward. Its
+    gradients are the same problem: a rank whose share of a minibatch has no image has none for
+    the vision tower, and its reduce-scatter would be shorter than the others' (gloo: "Received
+    data size doesn't match expected size"), so such a rank contributes zeros. (A minibatch with
+    no image on any rank then steps the tower with a zero gradient, where one rank would skip it.)"""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
@@ -57,6 +61,8 @@ def shard_units(model: Any, compute_dtype: torch.dtype) -> None:
         if type(m).__name__ in units and "visual" not in name.split(".") and "Vision" not in type(m).__name__:
             fully_shard(m, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
+    if hasattr(model, "set_reduce_scatter_unused_params"):  # recent torch (2.13 has it); older: as before
+        model.set_reduce_scatter_unused_params(True)
 
 
 def shard_from_rank0(model: Any, ctx: DistContext, device: torch.device, compute_dtype: torch.dtype) -> None:
