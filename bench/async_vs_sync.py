@@ -24,6 +24,13 @@ update would charge the bigger batch nothing extra and flatter samples/s of η =
 update as long as the rollouts, synchronous training waits for both in turn and asynchronous
 overlaps them: up to 2x the samples/s.
 
+Where the overlap goes on a small machine: GNOME desktops' warm resets (8-12 s under load) run on
+the rollouts' path in an asynchronous run and during the update in a synchronous one, and on 2 cores
+4 GNOME desktops, their resets and the policy server share one CPU: η = 2 then fell below η = 0
+(0.88x). ``--desktop light`` keeps that CPU off the rollout side (the choice task reads no screen):
+at update = rollouts η = 2 reached 1.88x, at the ceiling (R + U) / max(R, U) for each ratio. A
+cluster sizes the farm's spare desktops (``local_farm_settings(spares=)``) to its reset time instead.
+
 Throughput is measured from the first update to the last (the start-up and the first batch,
 identical in all settings, are left out): learner samples/s = samples trained / wall seconds;
 environment utilisation = busy desktop-seconds / (desktops × wall seconds); learner utilisation
@@ -123,7 +130,8 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console, sa
         # a small step keeps the choice task from saturating: an all-success group has no GRPO
         # signal and is dropped, which would stall the run (throughput is measured, not learning)
         "learner": cfg.learner.model_copy(update={"lr": args.lr, "simulated_sample_s": sample_s}),
-        "farm": cfg.farm.model_copy(update={"overrides": {**cfg.farm.overrides, "reset_mode": args.reset_mode}}),
+        "farm": cfg.farm.model_copy(update={"overrides": {**cfg.farm.overrides, "reset_mode": args.reset_mode,
+                                                           "desktop": args.desktop}}),
         "max_episodes": args.max_episodes,
         "learner_cpus": args.learner_cpus,
     })
@@ -162,6 +170,9 @@ def main() -> None:
     ap.add_argument("--reset-mode", choices=("cold", "warm"), default="warm",
                     help="the in-process farm's reset_mode in every setting (the farm's default is warm; run once "
                          "with each to compare)")
+    ap.add_argument("--desktop", choices=("gnome", "light"), default="gnome",
+                    help="the desktops' session in every setting (the choice task reads no screen: light keeps "
+                         "GNOME's CPU and its 8-12 s warm resets under load off a 2-core machine's rollout side)")
     ap.add_argument("--update-ratios", default="",
                     help="model a real learner: update held r × a batch's rollout time (measured by a first η=0 "
                          "run) for each r, e.g. 0.5,1,2 (default: the tiny model's own update time)")
@@ -186,7 +197,7 @@ def main() -> None:
     ratios = [float(x) for x in args.update_ratios.split(",") if x]
     split = f"learner on CPUs {args.learner_cpus}, rollouts on the rest" if args.learner_cpus else "shared CPUs"
     title = (f"async vs sync: {args.updates} updates, {args.envs} desktops, batch {args.batch_size}, policy latency "
-             f"{args.delay_ms:g} ms σ {args.delay_sigma:g}, {split}, {args.reset_mode} resets")
+             f"{args.delay_ms:g} ms σ {args.delay_sigma:g}, {split}, {args.desktop} desktops, {args.reset_mode} resets")
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="osfarm-async-bench-") as tmp:
         if not ratios:
@@ -235,7 +246,7 @@ def show(results: dict[int, dict[str, float]], title: str) -> None:
                       f"{r['samples_per_update']:.1f}", f"{r['update_s_mean']:.1f}", f"{r['lease_wait_s']:.1f}",
                       str(r["staleness_max"]),
                       f"{r['wall_s']:.0f}")
-    Console().print(table)
+    Console(width=200).print(table)  # whole columns when piped to a file
 
 
 if __name__ == "__main__":
