@@ -131,7 +131,8 @@ def run_one(eta: int, args: argparse.Namespace, root: Path, console: Console, sa
         # signal and is dropped, which would stall the run (throughput is measured, not learning)
         "learner": cfg.learner.model_copy(update={"lr": args.lr, "simulated_sample_s": sample_s}),
         "farm": cfg.farm.model_copy(update={"overrides": {**cfg.farm.overrides, "reset_mode": args.reset_mode,
-                                                           "desktop": args.desktop}}),
+                                                           "desktop": args.desktop},
+                                            "spares": args.spares}),
         "max_episodes": args.max_episodes,
         "learner_cpus": args.learner_cpus,
     })
@@ -173,6 +174,8 @@ def main() -> None:
     ap.add_argument("--desktop", choices=("gnome", "light"), default="gnome",
                     help="the desktops' session in every setting (the choice task reads no screen: light keeps "
                          "GNOME's CPU and its 8-12 s warm resets under load off a 2-core machine's rollout side)")
+    ap.add_argument("--spares", type=int, default=1,
+                    help="desktops kept ready beyond --envs (farm.spares): resets off the rollouts' path")
     ap.add_argument("--update-ratios", default="",
                     help="model a real learner: update held r × a batch's rollout time (measured by a first η=0 "
                          "run) for each r, e.g. 0.5,1,2 (default: the tiny model's own update time)")
@@ -197,7 +200,8 @@ def main() -> None:
     ratios = [float(x) for x in args.update_ratios.split(",") if x]
     split = f"learner on CPUs {args.learner_cpus}, rollouts on the rest" if args.learner_cpus else "shared CPUs"
     title = (f"async vs sync: {args.updates} updates, {args.envs} desktops, batch {args.batch_size}, policy latency "
-             f"{args.delay_ms:g} ms σ {args.delay_sigma:g}, {split}, {args.desktop} desktops, {args.reset_mode} resets")
+             f"{args.delay_ms:g} ms σ {args.delay_sigma:g}, {split}, {args.desktop} desktops + {args.spares} spare, "
+             f"{args.reset_mode} resets")
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="osfarm-async-bench-") as tmp:
         if not ratios:

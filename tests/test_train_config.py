@@ -10,6 +10,7 @@ import pytest
 
 from osfarm.trainer.config import TrainConfigError, load_train_config
 from osfarm.trainer.loop import Trainer, TrainError, learner_options
+from osfarm.trainer.run_wiring import in_process_farm_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,3 +65,13 @@ def test_bad_combinations_name_the_key(tmp_path: Path) -> None:
     f.write_text("data: {options: {entropy_fraction: 2}}\n")
     with pytest.raises(TrainError, match="data.options: entropy_fraction"):
         Trainer(load_train_config(f)).data_config()
+
+
+def test_spare_desktops_size_the_in_process_farm(tmp_path: Path) -> None:
+    f = tmp_path / "t.yaml"
+    f.write_text("rollout: {envs: 3}\nfarm: {spares: 4, overrides: {desktop: light}}\n")
+    settings = in_process_farm_settings(load_train_config(f))
+    assert (settings.pool_min, settings.pool_max, settings.desktop) == (7, 7, "light")
+    f.write_text("farm: {spares: -1}\n")
+    with pytest.raises(TrainConfigError, match="farm.spares"):
+        load_train_config(f)

@@ -39,6 +39,9 @@ class FarmSection(_Strict):
     url: str | None = Field(default=None, description="farm API URL; none: start an in-process farm")
     token: str | None = Field(default=None, description="farm token (or OSFARM_TOKEN)")
     overrides: dict[str, Any] = Field(default_factory=dict, description="FarmSettings for the in-process farm")
+    spares: int = Field(default=1, ge=0, description="in-process farm: desktops kept ready beyond rollout.envs, so "
+                        "an episode leases one while a released desktop resets (asynchronous runs reset on the "
+                        "rollouts' path: about envs x reset time / episode time hides the resets)")
 
 
 class PolicySection(_Strict):

@@ -30,6 +30,7 @@ from rich.console import Console
 
 from osfarm.agents import Agent, make_agent
 from osfarm.client import AsyncFarm
+from osfarm.config import FarmSettings
 from osfarm.errors import OsfarmError
 from osfarm.farm.local import local_farm_settings, start_local_farm
 from osfarm.farm.server import FarmServer
@@ -172,6 +173,11 @@ async def cancel_and_wait(task: asyncio.Task[Any]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await task
+
+
+def in_process_farm_settings(cfg: TrainConfig) -> FarmSettings:
+    """The run's own farm: ``rollout.envs`` desktops busy at once plus ``farm.spares`` ready."""
+    return local_farm_settings(cfg.rollout.envs, cfg.farm.spares, **cfg.farm.overrides)
 
 
 class RunResources:
@@ -377,7 +383,7 @@ class RunResources:
             if not token:
                 raise TrainError("farm.url needs farm.token (or OSFARM_TOKEN)")
             return f.url, token, None
-        server = start_local_farm(local_farm_settings(self.cfg.rollout.envs, **f.overrides))
+        server = start_local_farm(in_process_farm_settings(self.cfg))
         return server.url, server.token, server
 
     async def farm_client(self, url: str, token: str) -> AsyncFarm:
