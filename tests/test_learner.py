@@ -427,8 +427,10 @@ def test_two_gloo_ranks_make_the_update_of_one(model_dir: Path, tmp_path: Path, 
     gradients are summed (data parallel: an all-reduce of full replicas; FSDP2: sharded weights,
     reduce-scatter in the backward pass, the code path of GPU runs), and the update is the one a
     single rank makes on the whole batch; rank 0's checkpoint (gathered from the shards under
-    FSDP) loads in the policy server's engine. Samples with and without screenshots are mixed, so
-    a rank may skip the vision tower that another runs."""
+    FSDP) loads in the policy server's engine. Samples with and without screenshots share
+    micro-batches (left-padded together); every micro-batch of either rank holds a screenshot,
+    so both run the vision tower: a rank or a minibatch without one is test_resume_rank_counts'
+    and test_untouched_params' case."""
     import subprocess
     import sys
 

@@ -12,7 +12,9 @@ update is the one a single rank would make: each sample's loss is weighted by it
 whole minibatch's tokens, the ranks' gradients are summed, and every rank takes the same optimizer
 step. On CPUs (gloo) each rank keeps a full replica and the gradients are all-reduced
 (:func:`all_reduce_grads`); on GPUs (NCCL) the model is sharded with FSDP2 ``fully_shard`` (fp32
-master shards, bf16 compute) and the reduce-scatter happens in the backward pass.
+master shards, bf16 compute) and the reduce-scatter happens in the backward pass. Either way a
+parameter that no rank used (the vision tower, in a minibatch without a screenshot) has no
+gradient at the step and the optimizer skips it, as on one rank (:func:`drop_unreached_grads`).
 
 Commands travel on a gloo group of their own with a long timeout: rank 0 may roll out for hours
 between two updates, while a collective inside an update that hangs is a failure to report.
@@ -121,6 +123,28 @@ def all_reduce_grads(params: Sequence[torch.nn.Parameter]) -> None:
             n = g.numel()
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
+
+
+def drop_unreached_grads(params: Sequence[torch.nn.Parameter], reached: Sequence[bool]) -> None:
+    """FSDP2: set to None the gradient of every parameter that no rank's forward passes reached
+    (``reached``: this rank's view, ``forward_reach.py``), so the optimizer skips it as one rank
+    does; FSDP2 reduce-scatters zeros for those. A parameter with a non-zero gradient somewhere
+    keeps it, whatever the hooks saw (one used outside its module's forward). Every rank drops
+    the same ones: the gradient-norm clip and the step are collectives over the same tensors."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
+
+    if not params:
+        return
+    keep = torch.tensor([bool(r) for r in reached], dtype=torch.int32, device=local(params[0]).device)
+    unreached = {i: p.grad for i, (p, r) in enumerate(zip(params, reached, strict=True))
+                 if not r and p.grad is not None}
+    if unreached:  # one transfer for all of them, not a device sync per parameter
+        keep[list(unreached)] = torch.stack([local(g).any() for g in unreached.values()]).to(torch.int32)
+    dist.all_reduce(keep, op=dist.ReduceOp.SUM)
+    for p, anywhere in zip(params, keep.tolist(), strict=True):
+        if not anywhere:
+            p.grad = None
 
 
 def all_reduce_floats(values: Sequence[float], device: torch.device) -> list[float]:

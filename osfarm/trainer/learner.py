@@ -66,10 +66,12 @@ from osfarm.trainer.distributed import (
     DistContext,
     all_reduce_floats,
     all_reduce_grads,
+    drop_unreached_grads,
     init_process_groups,
     leave_process_groups,
     shard,
 )
+from osfarm.trainer.forward_reach import ForwardReach
 from osfarm.trainer.learner_options import (
     LearnerOptions,
     LoraOptions,
@@ -152,6 +154,9 @@ class Learner(LearnerPasses):
             self.ref_model = load_reference(Path(self.opts.reference or self.model_path), self.compute_dtype,
                                             self.ctx, self.ref_device, fsdp=self.fsdp)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # FSDP2 gives every parameter a gradient, zeros where no rank used it: which ones no
+        # rank's forward passes reached is asked before each step, so they skip it as on one rank
+        self.reach = ForwardReach(self.model, self.params) if self.fsdp else None
         self.optimizer = torch.optim.AdamW(self.params, lr=self.opts.lr, weight_decay=self.opts.weight_decay,
                                            betas=self.opts.betas)
         self.model.eval()
@@ -271,6 +276,8 @@ class Learner(LearnerPasses):
         lr = 0.0
         for mb_idx, plan in zip(minibatches, plans, strict=True):
             self.optimizer.zero_grad(set_to_none=True)
+            if self.reach is not None:
+                self.reach.clear()
             mb_tokens = sum(lengths[i] for i in mb_idx)
             mb_turns = sum(len(turns[i]) for i in mb_idx)
             for k, (idx, weight) in enumerate(plan):
@@ -304,6 +311,8 @@ class Learner(LearnerPasses):
                         sums["drift"] += float(torch.nansum(torch.tensor(behav, dtype=torch.float32) - prox[i].cpu()))
             if self.ctx.enabled and not self.fsdp:
                 all_reduce_grads(self.params)
+            if self.reach is not None:
+                drop_unreached_grads(self.params, self.reach.reached())
             gn = float(torch.nn.utils.clip_grad_norm_(self.params, self.opts.grad_clip))
             grad_norms.append(gn)
             if math.isfinite(gn):

@@ -51,8 +51,9 @@ def shard_units(model: Any, compute_dtype: torch.dtype) -> None:
     mismatch that hangs or aborts the ranks); the root unit is gathered by every forward. Its
     gradients are the same problem: a rank whose share of a minibatch has no image has none for
     the vision tower, and its reduce-scatter would be shorter than the others' (gloo: "Received
-    data size doesn't match expected size"), so such a rank contributes zeros. (A minibatch with
-    no image on any rank then steps the tower with a zero gradient, where one rank would skip it.)"""
+    data size doesn't match expected size"), so such a rank contributes zeros. A minibatch with
+    no image on any rank then gives the tower a zero gradient, which the learner drops before the
+    step (``distributed.drop_unreached_grads``): one rank would have none and skip it."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
