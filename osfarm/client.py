@@ -40,7 +40,7 @@ from osfarm.http.errors import error_detail
 from osfarm.http.retry import Deadline
 from osfarm.http.source_address import async_transport, sync_transport
 from osfarm.schema.actions import AgentAction, action_json
-from osfarm.schema.guest import ActionTiming, StepResult
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING, ActionTiming, StepResult
 from osfarm.schema.lease import LeaseInfo
 from osfarm.schema.observation import Observation, ObserveOptions
 from osfarm.schema.pool import PoolStatus
@@ -191,7 +191,7 @@ def screenshot_image(obs: Observation) -> Image.Image:
 
 
 def _step_body(actions: AgentAction | Sequence[AgentAction], observe: ObserveOptions | dict[str, Any] | bool | None,
-               code_timeout: float, timing: ActionTiming = "osworld") -> dict[str, Any]:
+               code_timeout: float, timing: ActionTiming = DEFAULT_ACTION_TIMING) -> dict[str, Any]:
     # One action (dict, model or code string) or a list of them.
     items = [actions] if isinstance(actions, (str, dict, BaseModel)) else actions
     body: dict[str, Any] = {"actions": [action_json(a) for a in items], "code_timeout": code_timeout,
@@ -263,10 +263,11 @@ class AsyncRemoteDesktop:
 
     async def step(self, actions: AgentAction | Sequence[AgentAction],
                    observe: ObserveOptions | dict[str, Any] | bool | None = None,
-                   code_timeout: float = 30.0, timing: ActionTiming = "osworld") -> StepResult:
-        """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
-        OSWorld paces them (``timing="osworld"``), with OSWorld's semantics but each pause cut short once the
-        screen answered (``"settle"``), or as fast as the desktop takes them (``"fast"``)."""
+                   code_timeout: float = 30.0, timing: ActionTiming = DEFAULT_ACTION_TIMING) -> StepResult:
+        """Run one action or a list of them (computer_13 dicts/models or pyautogui code) with
+        OSWorld's semantics, each pause cut short once the screen answered (``timing="settle"``,
+        the default), paced exactly as OSWorld paces them (``"osworld"``), or as fast as the
+        desktop takes them (``"fast"``)."""
         body = _step_body(actions, observe, code_timeout, timing)
         r = await self.farm._request("POST", self._path("/step"), json=body, headers=self._headers,
                                      timeout=_step_timeout(body))
@@ -452,10 +453,11 @@ class RemoteDesktop:
 
     def step(self, actions: AgentAction | Sequence[AgentAction],
              observe: ObserveOptions | dict[str, Any] | bool | None = None,
-             code_timeout: float = 30.0, timing: ActionTiming = "osworld") -> StepResult:
-        """Run one action or a list of them (computer_13 dicts/models or pyautogui code), paced as
-        OSWorld paces them (``timing="osworld"``), with OSWorld's semantics but each pause cut short once the
-        screen answered (``"settle"``), or as fast as the desktop takes them (``"fast"``)."""
+             code_timeout: float = 30.0, timing: ActionTiming = DEFAULT_ACTION_TIMING) -> StepResult:
+        """Run one action or a list of them (computer_13 dicts/models or pyautogui code) with
+        OSWorld's semantics, each pause cut short once the screen answered (``timing="settle"``,
+        the default), paced exactly as OSWorld paces them (``"osworld"``), or as fast as the
+        desktop takes them (``"fast"``)."""
         body = _step_body(actions, observe, code_timeout, timing)
         r = self.farm._request("POST", self._path("/step"), json=body, headers=self._headers,
                                timeout=_step_timeout(body))

@@ -56,7 +56,7 @@ from pydantic import BaseModel, Field
 from osfarm.client import AsyncFarm, AsyncRemoteDesktop, FarmAPIError
 from osfarm.errors import EpisodeTimeout, InfraError
 from osfarm.schema.actions import ENDINGS, AgentAction, action_json, special_action
-from osfarm.schema.guest import ActionResult, ActionTiming
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING, ActionResult, ActionTiming
 from osfarm.schema.lease import ControlInfo, LeaseInfo
 from osfarm.schema.observation import AgentObservation
 from osfarm.tasks.controller import GuestController, GuestError
@@ -164,11 +164,11 @@ class TaskEnv:
         lease_ttl_s, lease_wait_s: the lease's time-to-live (kept alive by heartbeats) and how
             long ``reset`` waits for a free desktop.
         code_timeout_s: the limit of each pyautogui code action.
-        action_timing: ``"osworld"`` (default): actions paced as OSWorld paces them (each code
-            action in a new interpreter, pyautogui's 0.1 s pause after every call), so an agent
-            scores what it would on OSWorld; ``"settle"``: the same semantics, each pause cut short
-            once the screen answered the input; ``"fast"``: one kept interpreter, no pause, the
-            observation waits for the screen to settle instead.
+        action_timing: ``"settle"`` (default): OSWorld's semantics (nothing kept between code
+            actions, pyautogui's defaults), each of pyautogui's 0.1 s pauses cut short once the
+            screen answered the input; ``"osworld"``: paced exactly as OSWorld paces them (each code
+            action in a new interpreter, the whole pause after every call); ``"fast"``: one kept
+            interpreter, no pause, the observation waits for the screen to settle instead.
 
     After ``reset``: :attr:`task`, :attr:`desktop` (the :class:`~osfarm.schema.lease.LeaseInfo`:
     provider, image, session, desktop and lease ids), :attr:`observation`, :attr:`steps`,
@@ -181,7 +181,7 @@ class TaskEnv:
                  time_limit_s: float | None = None, cache: FileCache | None = None, work_dir: Path | None = None,
                  offline: bool = True, a11y: bool = False, settle_s: float = SETTLE_S, record: bool = False,
                  lease_ttl_s: float = 120.0, lease_wait_s: float = 120.0, code_timeout_s: float = 30.0,
-                 action_timing: ActionTiming = "osworld"):
+                 action_timing: ActionTiming = DEFAULT_ACTION_TIMING):
         if max_steps < 1:
             raise ValueError(f"max_steps: expected >= 1, got {max_steps}")
         if action_timing not in get_args(ActionTiming):

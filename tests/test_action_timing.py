@@ -1,6 +1,6 @@
-"""OSWorld's action semantics by default (a new interpreter per code action, pyautogui's 0.1 s
-pause after every call), the fast path on request, and every record saying which one ran: on real
-desktops of the shared farm."""
+"""OSWorld's exact pacing on request (a new interpreter per code action, pyautogui's 0.1 s pause
+after every call), the fast path on request, settle by default, and every record saying which one
+ran: on real desktops of the shared farm (settle's own behaviour: tests/test_settle_timing.py)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,10 @@ def probe(results: list) -> list[tuple[str, ...]]:
     return [tuple(r.output.split()) for r in results if r.output]
 
 
-def test_default_is_osworlds_python_c_path_and_fast_is_one_kept_interpreter(farm: FarmServer) -> None:
+def test_osworld_is_osworlds_python_c_path_and_fast_is_one_kept_interpreter(farm: FarmServer) -> None:
     with Farm(farm.url, farm.token) as f, f.lease(wait_s=120) as desk:
-        # default: each code action is a new `python -c` with pyautogui's defaults; nothing is kept
-        sr = desk.step(["x = 1", PROBE, PROBE, "print(x)"])
+        # osworld: each code action is a new `python -c` with pyautogui's defaults; nothing is kept
+        sr = desk.step(["x = 1", PROBE, PROBE, "print(x)"], timing="osworld")
         (pid1, pause, failsafe, kept), (pid2, *_rest) = probe(sr.results[1:3])
         assert (pause, failsafe, kept) == ("0.1", "False", "False") and pid1 != pid2
         assert not sr.results[3].ok and "NameError: name 'x' is not defined" in (sr.results[3].error or "")
@@ -48,10 +48,11 @@ def test_default_is_osworlds_python_c_path_and_fast_is_one_kept_interpreter(farm
         # a pyautogui call is followed by OSWorld's pause, whatever the code sets beforehand in
         # an earlier action (each action starts from pyautogui's defaults again)
         sr = desk.step(["pyautogui.PAUSE = 0",
-                        "t = time.monotonic(); pyautogui.moveTo(10, 10); print(round(time.monotonic() - t, 3))"])
+                        "t = time.monotonic(); pyautogui.moveTo(10, 10); print(round(time.monotonic() - t, 3))"],
+                       timing="osworld")
         assert float(sr.results[1].output) >= 0.1
         # computer_13 actions are paced too (OSWorld runs each as a pyautogui call)
-        sr = desk.step([{"action_type": "MOVE_TO", "parameters": {"x": 20, "y": 20}}] * 3)
+        sr = desk.step([{"action_type": "MOVE_TO", "parameters": {"x": 20, "y": 20}}] * 3, timing="osworld")
         assert all(r.ok for r in sr.results) and sr.t_env_ms >= 300
         with pytest.raises(Exception, match="timing"):
             desk.step(["print(1)"], timing="slow")  # type: ignore[arg-type]
@@ -71,15 +72,15 @@ def test_task_env_reports_its_timing(farm: FarmServer, tmp_path: Path) -> None:
         SyncTaskEnv(farm.url, farm.token, action_timing="turbo")
 
 
-@pytest.mark.parametrize("timing", ["osworld", "fast"])
+@pytest.mark.parametrize("timing", ["settle", "osworld"])
 def test_results_and_records_say_which_timing_ran(farm: FarmServer, tmp_path: Path, timing: str) -> None:
     out = tmp_path / "run"
     idx = tmp_path / "idx.json"
     idx.write_text(json.dumps({"os": [MKDIR]}))
     argv = ["eval-command", "--suite", str(SUITE), "--index", str(idx), "--agent", "replay", "--no-progress",
             "--url", farm.url, "--token", farm.token, "--out", str(out)]
-    if timing == "fast":
-        argv += ["--action-timing", "fast"]
+    if timing != "settle":  # settle is the default: no flag
+        argv += ["--action-timing", timing]
     r = CliRunner().invoke(app, argv, catch_exceptions=False)
     assert r.exit_code == 0, r.output
     res = json.loads((out / "results.json").read_text())

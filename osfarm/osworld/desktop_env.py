@@ -65,7 +65,8 @@ class DesktopEnv:
     (compared with the leased desktop's, a warning when they differ: the farm sets it),
     ``require_a11y_tree``, ``require_terminal``, ``os_type`` (Ubuntu only), ``enable_proxy``
     (accepted; a farm has no proxy). osfarm's: ``farm_url``, ``farm_token``, ``offline`` (never download a file the
-    cache lacks), ``action_timing`` (TaskEnv's), ``lease_wait_s``, ``code_timeout_s``.
+    cache lacks), ``action_timing`` (TaskEnv's; ``"osworld"`` here, OSWorld's exact pacing, where TaskEnv's default is
+    ``"settle"``), ``lease_wait_s``, ``code_timeout_s``.
     """
 
     def __init__(self, provider_name: str = "vmware", region: str | None = None, path_to_vm: str | None = None,

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from osfarm.runner.options import FarmTokenOpt, FarmUrlOpt
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING
 
 if TYPE_CHECKING:
     from osfarm.schema.guest import ActionTiming
@@ -55,12 +56,12 @@ def eval_command(
     action_timing: Annotated[
         str,
         typer.Option("--action-timing", envvar="OSFARM_ACTION_TIMING",
-                     help="osworld: actions paced as OSWorld paces them (each code action a new python, pyautogui's "
-                     "0.1 s pause after every call), so scores mean what they mean there; settle: OSWorld's semantics, "
-                     "each pause cut short once the screen answered; fast: one kept interpreter, "
-                     "no pause, observations wait for the screen to settle (recorded in results.json and every "
-                     "episode record)"),
-    ] = "osworld",
+                     help="settle: OSWorld's semantics (each code action a fresh python state, pyautogui's "
+                     "defaults), each 0.1 s pause cut short once the screen answered; osworld: paced exactly as "
+                     "OSWorld paces them (each code action a new python, the whole pause after every call), for "
+                     "exact replication; fast: one kept interpreter, no pause, observations wait for the screen to "
+                     "settle (recorded in results.json and every episode record)"),
+    ] = DEFAULT_ACTION_TIMING,
     width: Annotated[int | None, typer.Option(help="screen width (in-process farm)", show_default=False)] = None,
     height: Annotated[int | None, typer.Option(help="screen height (in-process farm)", show_default=False)] = None,
     provider: Annotated[

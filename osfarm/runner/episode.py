@@ -28,7 +28,7 @@ from osfarm.env import DesktopUsage, EpisodeTimeout, InfraError, TaskEnv
 from osfarm.http.retry import backoff_s
 from osfarm.schema.actions import action_json
 from osfarm.schema.episode import ModelCall
-from osfarm.schema.guest import ActionTiming
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING, ActionTiming
 from osfarm.schema.lease import ControlInfo, LeaseInfo
 from osfarm.tasks.filecache import FileCache
 from osfarm.tasks.model import Task
@@ -51,7 +51,7 @@ class EpisodeConfig:
     code_timeout_s: float = 30.0
     work_dir: Path = field(default_factory=lambda: Path("cache"))  # per-episode getter caches go below
     record: bool = False  # an mp4 of the agent's part of the episode (OSWorld's recording.mp4)
-    action_timing: ActionTiming = "osworld"  # OSWorld's pacing of actions, or "fast" (osfarm.env.TaskEnv)
+    action_timing: ActionTiming = DEFAULT_ACTION_TIMING  # how actions are paced (osfarm.env.TaskEnv)
 
 
 @dataclass
@@ -91,7 +91,7 @@ class EpisodeResult:
     # seconds per phase of the final attempt: lease, setup, agent (model + actions), evaluate
     timings: dict[str, float] = field(default_factory=dict)
     recording_error: str | None = None  # a failed recording is noted, never the episode's failure
-    action_timing: ActionTiming = "osworld"  # how the actions were paced (EpisodeConfig.action_timing)
+    action_timing: ActionTiming = DEFAULT_ACTION_TIMING  # how the actions were paced (EpisodeConfig.action_timing)
     controlled_by: list[ControlInfo] = field(default_factory=list)  # dashboard take-overs (TaskEnv.controlled_by)
     desktop_usage: DesktopUsage = field(default_factory=DesktopUsage)  # CPU-seconds, reset (TaskEnv.desktop_usage)
     repeat: int | None = None  # which of a run's --repeats (1-based); None in a run without repeats

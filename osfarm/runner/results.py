@@ -31,6 +31,7 @@ from osfarm.agents.prompts.messages import strip_images
 from osfarm.runner.episode import INFRA_ERROR, SUCCESS, TIMEOUT, EpisodeResult, episode_id
 from osfarm.runner.variance import Outcome, repeat_stats, task_counts
 from osfarm.schema.episode import SCHEMA, ModelCall, SchemaError, check_record
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING
 from osfarm.stream.blobs import BlobStore
 from osfarm.stream.jsonl import JsonlSink
 from osfarm.tasks.suite import RefusedTask
@@ -182,7 +183,7 @@ def write_task(out: Path, res: EpisodeResult, run_id: str, blobs: BlobStore,
     return row
 
 
-def write_refused(out: Path, refused: RefusedTask, run_id: str, agent: str, action_timing: str = "osworld",
+def write_refused(out: Path, refused: RefusedTask, run_id: str, agent: str, action_timing: str = DEFAULT_ACTION_TIMING,
                   emit: Callable[[dict[str, Any]], Any] | None = None) -> dict[str, Any]:
     """A task whose file did not load: an ``infra_error`` row and episode record (no steps) whose
     error names the file and the JSON path of every issue; it gets no result.txt, so ``--resume``

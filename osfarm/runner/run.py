@@ -56,7 +56,7 @@ from osfarm.runner.results import (
     write_task,
 )
 from osfarm.runner.scheduler import Done, RolloutScheduler
-from osfarm.schema.guest import ActionTiming
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING, ActionTiming
 from osfarm.stream.jsonl import JsonlSink
 from osfarm.tasks.filecache import FileCache, suite_cache
 from osfarm.tasks.suite import OSWORLD_INDEX, Suite, load_suite
@@ -93,7 +93,7 @@ class RunOptions:
     sync_batches: bool = False  # batches of max_concurrent with a barrier (the comparison baseline)
     stream_url: str | None = None  # also publish records to this Redis (in-process executor)
     stream: str = "osfarm:episodes"
-    action_timing: ActionTiming = "osworld"  # OSWorld's pacing of agent actions, or "fast"
+    action_timing: ActionTiming = DEFAULT_ACTION_TIMING  # how agent actions are paced (TaskEnv's action_timing)
     allow_hosts: tuple[str, ...] | None = None  # --online: the download allow-list (None: $OSFARM_DOWNLOAD_ALLOW_HOSTS)
     repeats: int = 1  # episodes per task (independent, each on a reset desktop); > 1 adds the variance numbers
 

@@ -43,6 +43,7 @@ from osfarm.schema.actions import (
     parse_actions,
 )
 from osfarm.schema.guest import (
+    DEFAULT_ACTION_TIMING,
     ActionResult,
     ActionTiming,
     CodeRequest,
@@ -125,7 +126,7 @@ def run_code(desk: Desktop, code: str, timeout: float, timing: ActionTiming) -> 
 
 
 def run_actions(desk: Desktop, actions: list[Action], code_timeout: float,
-                timing: ActionTiming = "osworld") -> tuple[list[ActionResult], str | None]:
+                timing: ActionTiming = DEFAULT_ACTION_TIMING) -> tuple[list[ActionResult], str | None]:
     """Run validated actions in order until the first failure or DONE/FAIL (blocking). With
     ``osworld`` timing a computer_13 action is followed by pyautogui's pause, as OSWorld runs each
     one as a pyautogui call; with ``settle`` by a wait for the screen's answer, capped at that pause."""

@@ -43,6 +43,7 @@ from osfarm.http.source_address import source_address
 from osfarm.runner.episode import INFRA_ERROR, EpisodeConfig, EpisodeResult, episode_id, run_episode
 from osfarm.runner.executors.rollout_control import ControlledAgent, RolloutAborted, RolloutControl
 from osfarm.runner.results import BlobStore, episode_record, write_task
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING
 from osfarm.stream.jsonl import JsonlSink
 from osfarm.stream.redis_stream import DEFAULT_STREAM, RedisStreamSink, connect, store_result
 from osfarm.tasks.filecache import suite_cache
@@ -232,7 +233,7 @@ def _dead_result(job: dict[str, Any], reason: str) -> dict[str, Any]:
     res = EpisodeResult(task=task, status=INFRA_ERROR, score=0.0, error=reason,
                         episode_id=episode_id(job["run_id"], rollout_name(job)), attempt=1, infra_retries=0, steps=[],
                         started_at=now, finished_at=now, agent=job["agent"], repeat=job_repeat(job),
-                        action_timing=job.get("episode", {}).get("action_timing", "osworld"))
+                        action_timing=job.get("episode", {}).get("action_timing", DEFAULT_ACTION_TIMING))
     records: list[dict[str, Any]] = []
     row = write_task(out, res, job["run_id"], BlobStore(out), emit=records.append)
     return {"row": row, "record": records[0]}
@@ -268,7 +269,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     cfg = EpisodeConfig(max_steps=int(e["max_steps"]), time_limit_s=float(e["time_limit_s"]),
                         infra_retries=int(e["infra_retries"]), offline=bool(job.get("offline", True)),
                         work_dir=out / ".work", record=bool(e.get("record", False)),
-                        action_timing=e.get("action_timing", "osworld"))
+                        action_timing=e.get("action_timing", DEFAULT_ACTION_TIMING))
     if job.get("instruction_suffix"):  # XRPO's exemplar, seeded by the trainer
         task = task.model_copy(update={"instruction": task.instruction + job["instruction_suffix"]})
     agent: Agent = make_agent(job["agent"], **job.get("agent_options", {}))
