@@ -62,6 +62,7 @@ rollout:
   batch_size: {batch}
   max_steps: 1
   episode_time_limit_s: {limit}
+  action_timing: osworld
   stream: "{stream}"
   worker_out: {worker_out}
   options: {{allocator: fixed, group_size: 2}}
@@ -256,6 +257,8 @@ def test_every_episode_is_trained_at_most_once(cluster: dict[str, Any]) -> None:
     assert set(dm["seen"]) <= set(ids)  # nothing trained that did not come through the stream
     # every record carries the group its rollout was planned in: each is one of the trainer's rollouts
     assert all("#g" in rec["group_id"] for rec in cluster["records"])
+    # rollout.action_timing travels in the job to the workers, who pace and record by it
+    assert {rec["action_timing"] for rec in cluster["records"]} == {"osworld"}
 
 
 def test_the_trainer_reads_the_blobs_where_the_workers_wrote_them(cluster: dict[str, Any]) -> None:

@@ -200,6 +200,7 @@ def test_every_step_carries_a_policy_version(run: dict[str, Any]) -> None:
             assert m["response_token_ids"] and len(m["response_logprobs"]) == len(m["response_token_ids"])
         assert e["policy"]["version_start"] is not None and e["policy"]["version_end"] is not None
     assert {s["model"]["policy_version"] for e in eps for s in e["steps"]} >= {0, 1}
+    assert {e["action_timing"] for e in eps} == {"settle"}  # rollout.action_timing's default
 
 
 def test_staleness_never_exceeds_eta(run: dict[str, Any]) -> None:

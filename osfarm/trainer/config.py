@@ -18,6 +18,7 @@ from osfarm.config import read_yaml_mapping, validation_message
 from osfarm.errors import OsfarmError
 from osfarm.policy.client import PolicyServer
 from osfarm.schema.budget import Budget
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING, ActionTiming
 from osfarm.trainer.curriculum import Curriculum
 from osfarm.trainer.learner import LearnerOptions
 from osfarm.trainer.metrics import WandbOptions
@@ -100,6 +101,8 @@ class RolloutSection(_Strict):
     batch_size: int = Field(default=8, ge=1, description="episodes consumed per update (whole groups: at least this)")
     max_steps: int = Field(default=1, ge=1)
     episode_time_limit_s: float = Field(default=300.0, gt=0)
+    action_timing: ActionTiming = Field(default=DEFAULT_ACTION_TIMING, description="how the rollouts' actions are "
+                                        "paced: settle, osworld or fast (osfarm eval --action-timing)")
     dynamic_length: bool = Field(default=True, description="DART: a solved task's step limit follows its successes")
     length_margin: float = Field(default=1.5, ge=1.0, description="dynamic_length: limit = margin × longest success")
     interruptible: bool = Field(default=False, description="AReaL: an episode in flight moves to the newest weights "

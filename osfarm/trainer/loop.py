@@ -219,7 +219,8 @@ class Trainer:
         scheduler: RolloutScheduler[Rollout, RecordDict] = RolloutScheduler(self._run_one_factory(
             by_id, eval_by_id, suite_cache(suite, Path(cfg.suite), None, self.run_dir, True), eval_cache, url, token,
             servers, sync, EpisodeConfig(max_steps=ro.max_steps, time_limit_s=ro.episode_time_limit_s,
-                                         infra_retries=0, work_dir=self.run_dir / ".work"),
+                                         infra_retries=0, work_dir=self.run_dir / ".work",
+                                         action_timing=ro.action_timing),
             LocalBlobStore(self.run_dir), JsonlSink(self.run_dir / "episodes.jsonl"),
             JsonlSink(self.run_dir / "eval" / "episodes.jsonl")), ro.envs)
         infos = {t.id: TaskInfo(t.id, t.domain or "", t.instruction) for t in by_id.values()}
@@ -318,7 +319,7 @@ class Trainer:
                "agent_options": rollout_agent_options(cfg.agent, server.url, model,
                                                       request_seed(cfg.seed, self.start_version, item.seq)),
                "episode": {"max_steps": item.max_steps or ro.max_steps, "time_limit_s": ro.episode_time_limit_s,
-                           "infra_retries": 0},
+                           "infra_retries": 0, "action_timing": ro.action_timing},
                "out": str(self.run_dir), "cache": None, "offline": True, "policy_version": version,
                "interruptible": ro.interruptible,
                "record_fields": {"group_id": item.group_id, "seeded": bool(item.exemplar)},
