@@ -128,12 +128,13 @@ TASK = {
 
 
 def run_adversary(server: FarmServer, codes: list[str], work: Path, cache: Path) -> EpisodeResult:
-    """One episode of the adversary playing ``codes`` (then DONE), through the normal runner."""
+    """One episode of the adversary playing ``codes`` (then DONE), through the normal runner, paced
+    by the default action timing (settle: each code action a child of the pre-imported zygote)."""
 
     async def go() -> EpisodeResult:
         async with AsyncFarm(server.url, server.token, timeout=600) as farm:
             cfg = EpisodeConfig(max_steps=len(codes) + 2, time_limit_s=900, infra_retries=0, lease_wait_s=600,
-                                lease_ttl_s=900, code_timeout_s=300, work_dir=work, action_timing="fast")
+                                lease_ttl_s=900, code_timeout_s=300, work_dir=work)  # the default action timing
             return await run_episode(farm, parse_task(TASK, "redteam-box.json"), AdversaryAgent(codes),
                                      FileCache(cache, offline=True), cfg, run_id=f"redteam-{os.urandom(3).hex()}")
 
