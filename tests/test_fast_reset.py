@@ -262,6 +262,17 @@ SETTLE_ACTIONS = ["pyautogui.click(200, 200)",
                   "import ctypes; ctypes.CDLL(None).prctl(1, 0); time.sleep(60)"]
 
 
+def _kernel_timings(farm: FarmServer, desktop: str) -> list[str]:
+    """The timings of the code runners running in a desktop's box (seen from the host)."""
+    handle = farm.app.state.farm.pool._desktops[desktop].handle
+    out = []
+    for p in psutil.Process(handle.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any(a.endswith("/osfarm_kernel.py") for a in p.cmdline()):
+                out.append(p.environ().get("OSFARM_KERNEL_TIMING", "?"))
+    return out
+
+
 def test_warm_reset_after_settle_actions_stays_warm(warm_farm: FarmServer) -> None:
     """The settle timing's zygote (alive between actions, as the agent's user) and what its
     children left are the agent's processes like any other: the warm reset kills them and gives
@@ -279,9 +290,13 @@ def test_warm_reset_after_settle_actions_stays_warm(warm_farm: FarmServer) -> No
         info = c.get(f"/v1/desktops/{lease}").raise_for_status().json()
         assert info["reset_mode"] == "warm" and info["reset_fallback"] is None, info
         assert _count("osfarm_resets_total", "warm") == warm_before + 1
-        after = _fingerprint(c, lease)
+        after = _fingerprint(c, lease)  # it waits for the guest's start of the zygote in the background
         assert after["digest"] == cold["digest"], differences(cold, after)
-        r = c.post(f"/v1/desktops/{lease}/step", json={"actions": ["print('next')"], "timing": "settle"})
+        # the default timing's runner (settle's zygote) started again after the reset, before any
+        # step asked for it; the fast one starts on its first use
+        desktop = c.get(f"/v1/desktops/{lease}").raise_for_status().json()["desktop_id"]
+        assert _kernel_timings(warm_farm, desktop) == ["settle"]
+        r = c.post(f"/v1/desktops/{lease}/step", json={"actions": ["print('next')"]})
         assert r.raise_for_status().json()["results"][0]["output"] == "next\n"
         c.delete(f"/v1/desktops/{lease}").raise_for_status()
 

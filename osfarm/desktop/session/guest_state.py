@@ -28,7 +28,7 @@ from osfarm.desktop.x11.recording import Recorder
 from osfarm.desktop.x11.settle import total_cpu_seconds
 from osfarm.desktop.x11.windows import close_connections, list_windows
 from osfarm.desktop.x11.xinput import InputController
-from osfarm.schema.guest import CodeResult
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING, CodeResult
 from osfarm.schema.observation import Window
 
 # How long runner_pid waits for a background start (the interpreter's own start-up limit, and some).
@@ -130,6 +130,17 @@ class Desktop:
         """The ``settle`` timing's wait after a computer_13 action."""
         return self._input_settle.get()
 
+    def _prestarted(self) -> _OnFirstUse[CodeRunner]:
+        # the default timing's runner is the one the next step most likely needs; osworld's
+        # python -c has nothing to start ahead, so it keeps the kept interpreter warm
+        return self._settle_runner if DEFAULT_ACTION_TIMING == "settle" else self._runner
+
+    @property
+    def prestarted_runner(self) -> CodeRunner:
+        """The code runner started ahead of the first step (:meth:`restart_runner`): the default
+        action timing's (settle's zygote); the others start on their first use."""
+        return self._prestarted().get()
+
     def _new_settle_runner(self) -> CodeRunner:
         return CodeRunner(env=self.env(), python=self.code_python, agent=self.agent, timing="settle",
                           settle_source=Path(input_settle.__file__).read_text(encoding="utf-8"))
@@ -157,7 +168,7 @@ class Desktop:
         processes of its own (pyautogui's import asks `which gnome-screenshot`), which a
         fingerprint taken meanwhile would count as the agent's."""
         self._runner_settled.wait(timeout=_RUNNER_SETTLE_S)
-        obj = self._runner._obj
+        obj = self._prestarted()._obj
         return obj.pid if obj is not None else None
 
     def restart_runner(self, delay: float = 0.0) -> None:
@@ -170,7 +181,7 @@ class Desktop:
                 if delay:
                     time.sleep(delay)
                 with contextlib.suppress(Exception):
-                    self.runner.start()
+                    self.prestarted_runner.start()
             finally:
                 self._runner_settled.set()
 

@@ -80,7 +80,7 @@ def take_baseline(desk: Desktop) -> dict[str, Any]:
         from gi.repository import Gio, GLib  # noqa: F401
     # The interpreter's start-up runs agent processes of its own (pyautogui's import asks `which
     # scrot`): over before the baseline, or a loaded machine records one and every reset differs.
-    desk.runner.start()
+    desk.prestarted_runner.start()
     with _lock:
         forget_atom_names()
         _wait_settled(desk)
