@@ -23,13 +23,16 @@ and the computer_13 CLICK / HOTKEY):
    unstable and counted apart, not judged;
 4. the observation missed something when it differs from the settled screen: the bounding box of
    the differing pixels tells a caret (at most CARET_W px wide) from a moved focus ring or a
-   dialog that appeared. The top bar's clock is masked.
+   dialog that appeared, and the share of those pixels where the observation still equals a
+   screenshot taken before the step ("old") tells an answer missing altogether (100%) from one
+   caught halfway (a focus ring fading in: near 0%). The top bar's clock is masked.
 
 Prints one table: case x shape x timing -> missed / stable samples (how many of the misses are
-caret-sized), the median bounding box of the misses, the median step time; and the medians of
-the step time per timing over all cases. With ``--save DIR`` the first miss per case, shape and
-timing is saved as a pair of cropped PNGs (``...-observation.png``, ``...-settled.png``), and one
-whole settled screen (``screen.png``, the clock masked) to place them.
+caret-sized), the median bounding box, differing pixels and old share of the misses, the median step time; what
+changed in the unstable samples; the median step time per timing over all cases. With ``--save
+DIR`` the first miss per case, shape and timing is saved as a pair of cropped PNGs
+(``...-observation.png``, ``...-settled.png``), the first unstable one as ``unstable-...-settled-a/b.png``,
+and one whole settled screen (``screen.png``, the clock masked) to place them.
 
 Usage: python bench/settle_observation.py [ROUNDS] [--cases tk,gtk,...] [--save DIR] [--settled-at 0.35,0.7]
 """
@@ -46,6 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 from action_timing import TIMINGS, rotated  # noqa: E402
 from percentiles import median_ms  # noqa: E402
 from PIL import Image, ImageChops  # noqa: E402
@@ -136,6 +140,17 @@ def diff_box(a: Image.Image, b: Image.Image) -> tuple[int, int, int, int] | None
     return ImageChops.difference(a, b).getbbox()
 
 
+def missed_pixels(before: Image.Image, obs: Image.Image, settled: Image.Image) -> tuple[int, float]:
+    """How many pixels of the observation differ from the settled screen, and the share of them
+    where it still shows the screen from before the action: 1.0 when the app's answer there is
+    missing altogether (no focus ring yet, no dialog), near 0 when the observation caught it
+    halfway (a focus ring fading in)."""
+    o = np.asarray(obs, dtype=np.int16)
+    missed = np.abs(o - np.asarray(settled, dtype=np.int16)).sum(axis=2) > 0
+    unchanged = np.abs(o - np.asarray(before, dtype=np.int16)).sum(axis=2) == 0
+    return int(missed.sum()), float((missed & unchanged).sum() / max(1, missed.sum()))
+
+
 def area(box: tuple[int, int, int, int]) -> int:
     return (box[2] - box[0]) * (box[3] - box[1])
 
@@ -152,6 +167,8 @@ class Cell:
     stable: int = 0
     unstable: list[tuple[int, int, int, int]] = field(default_factory=list)  # what changed between the settled two
     misses: list[tuple[int, int, int, int]] = field(default_factory=list)
+    old_share: list[float] = field(default_factory=list)  # per miss: see missed_pixels()
+    missed_px: list[int] = field(default_factory=list)  # per miss: how many pixels differ
     saved: bool = False
 
 
@@ -168,6 +185,7 @@ def save_pair(where: Path, stem: str, pair: dict[str, Image.Image], box: tuple[i
 def sample(desk: RemoteDesktop, race: Race, action: Any, timing: ActionTiming, cell: Cell,
            settled_at_s: tuple[float, float], save: Path | None, stem: str) -> None:
     race.prepare(desk)
+    before = masked(screenshot_image(desk.observe(**OBSERVE)))
     t0 = time.perf_counter()
     res = desk.step([action], timing=timing, observe=OBSERVE)
     returned = time.perf_counter()
@@ -194,6 +212,9 @@ def sample(desk: RemoteDesktop, race: Race, action: Any, timing: ActionTiming, c
     if box is None:
         return
     cell.misses.append(box)
+    px, old = missed_pixels(before, obs, settled[1])
+    cell.missed_px.append(px)
+    cell.old_share.append(old)
     if save is not None and not cell.saved:
         save_pair(save, stem, {"observation": obs, "settled": settled[1]}, box)
         cell.saved = True
@@ -237,12 +258,14 @@ def box_text(cell: Cell) -> str:
     if not cell.misses:
         return "-"
     box = sorted(cell.misses, key=area)[len(cell.misses) // 2]  # the median miss by area
-    return f"{area(box)} ({box[2] - box[0]}x{box[3] - box[1]})"
+    old = sorted(cell.old_share)[len(cell.old_share) // 2]
+    px = sorted(cell.missed_px)[len(cell.missed_px) // 2]
+    return f"{area(box)} ({box[2] - box[0]}x{box[3] - box[1]}) {px} px {old:.0%} old"
 
 
 def main(rounds: int, only: list[str] | None, save: Path | None,
          settled_at_s: tuple[float, float] = SETTLED_AT_S) -> None:
-    console = Console(width=200)
+    console = Console(width=230)
     races = [r for r in RACES if only is None or r is TK_RACE or any(o in r.name.lower() for o in only)]
     if any(isinstance(r, WriterDialogOpens) for r in races):  # it opens the dialog in the Writer the other starts
         races = [r for r in RACES if r in races or type(r) is WriterFindReplace]
@@ -261,7 +284,8 @@ def main(rounds: int, only: list[str] | None, save: Path | None,
 
     table = Table(title=f"what the step's observation misses vs the screen +{settled_at_s[0]:g}/+{settled_at_s[1]:g} s "
                         f"later ({rounds} rounds, timings rotated; missed/stable samples, +Nu unstable; "
-                        "median miss bbox px² (WxH); median step ms incl. the PNG observation)")
+                        "median miss bbox px² (WxH), median differing pixels (px) and share of them still showing "
+                        "the screen before the action (old); median step ms incl. the PNG observation)")
     table.add_column("case")
     table.add_column("shape")
     for t in TIMINGS:
@@ -281,7 +305,8 @@ def main(rounds: int, only: list[str] | None, save: Path | None,
         for t in TIMINGS:
             cs = [cells[(shape, t)] for _, _, cells, _ in outcomes]
             total = Cell(step_s=[s for c in cs for s in c.step_s], stable=sum(c.stable for c in cs),
-                         unstable=[b for c in cs for b in c.unstable], misses=[b for c in cs for b in c.misses])
+                         unstable=[b for c in cs for b in c.unstable], misses=[b for c in cs for b in c.misses],
+                         old_share=[o for c in cs for o in c.old_share], missed_px=[p for c in cs for p in c.missed_px])
             row += [miss_text(total), box_text(total),
                     f"{median_ms(total.step_s):.0f}" if total.step_s else "-"]
         table.add_row(*row, end_section=shape == SHAPES[-1])
