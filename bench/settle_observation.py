@@ -260,7 +260,7 @@ def box_text(cell: Cell) -> str:
     box = sorted(cell.misses, key=area)[len(cell.misses) // 2]  # the median miss by area
     old = sorted(cell.old_share)[len(cell.old_share) // 2]
     px = sorted(cell.missed_px)[len(cell.missed_px) // 2]
-    return f"{area(box)} ({box[2] - box[0]}x{box[3] - box[1]}) {px} px {old:.0%} old"
+    return f"{box[2] - box[0]}x{box[3] - box[1]} {px}px {old:.0%}old"
 
 
 def main(rounds: int, only: list[str] | None, save: Path | None,
@@ -284,8 +284,9 @@ def main(rounds: int, only: list[str] | None, save: Path | None,
 
     table = Table(title=f"what the step's observation misses vs the screen +{settled_at_s[0]:g}/+{settled_at_s[1]:g} s "
                         f"later ({rounds} rounds, timings rotated; missed/stable samples, +Nu unstable; "
-                        "median miss bbox px² (WxH), median differing pixels (px) and share of them still showing "
-                        "the screen before the action (old); median step ms incl. the PNG observation)")
+                        "bbox: the median miss's bounding box (by area), the median count of differing pixels and "
+                        "share of them still showing the screen before the action (old); median step ms incl. the "
+                        "PNG observation)")
     table.add_column("case")
     table.add_column("shape")
     for t in TIMINGS:
