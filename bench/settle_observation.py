@@ -34,7 +34,11 @@ DIR`` the first miss per case, shape and timing is saved as a pair of cropped PN
 (``...-observation.png``, ``...-settled.png``), the first unstable one as ``unstable-...-settled-a/b.png``,
 and one whole settled screen (``screen.png``, the clock masked) to place them.
 
+With ``--settle-s 1`` the step's observation waits for a still screen and idle apps as osfarm's
+episodes (TaskEnv) take it: what an agent run by ``osfarm eval`` or ``osfarm train`` sees.
+
 Usage: python bench/settle_observation.py [ROUNDS] [--cases tk,gtk,...] [--save DIR] [--settled-at 0.35,0.7]
+       [--settle-s 1]
 """
 
 from __future__ import annotations
@@ -183,11 +187,11 @@ def save_pair(where: Path, stem: str, pair: dict[str, Image.Image], box: tuple[i
 
 
 def sample(desk: RemoteDesktop, race: Race, action: Any, timing: ActionTiming, cell: Cell,
-           settled_at_s: tuple[float, float], save: Path | None, stem: str) -> None:
+           settled_at_s: tuple[float, float], save: Path | None, stem: str, settle_s: float = 0.0) -> None:
     race.prepare(desk)
     before = masked(screenshot_image(desk.observe(**OBSERVE)))
     t0 = time.perf_counter()
-    res = desk.step([action], timing=timing, observe=OBSERVE)
+    res = desk.step([action], timing=timing, observe={**OBSERVE, "settle_s": settle_s})
     returned = time.perf_counter()
     if not res.results[0].ok:
         raise RuntimeError(f"{timing}: {res.results[0].error}")
@@ -221,7 +225,8 @@ def sample(desk: RemoteDesktop, race: Race, action: Any, timing: ActionTiming, c
 
 
 def run_case(desk: RemoteDesktop, race: Race, rounds: int, settled_at_s: tuple[float, float], save: Path | None,
-             console: Console) -> tuple[FirstAction | None, dict[tuple[str, ActionTiming], Cell], str | None]:
+             console: Console, settle_s: float = 0.0
+             ) -> tuple[FirstAction | None, dict[tuple[str, ActionTiming], Cell], str | None]:
     cells = {(s, t): Cell() for s in SHAPES for t in TIMINGS}
     try:
         race.setup(desk)
@@ -235,7 +240,7 @@ def run_case(desk: RemoteDesktop, race: Race, rounds: int, settled_at_s: tuple[f
                 for timing in rotated(i):
                     for shape, action in zip(SHAPES, (first.code, first.computer_13), strict=True):
                         sample(desk, race, action, timing, cells[(shape, timing)], settled_at_s, save,
-                               f"{slug}-{shape.replace(' ', '-')}-{timing}")
+                               f"{slug}-{shape.replace(' ', '-')}-{timing}", settle_s)
                 status.update(f"{race.name}: {i + 1}/{rounds}")
     except Exception as e:  # the samples so far still count
         return first, cells, f"{type(e).__name__}: {e}"[:160]
@@ -264,7 +269,7 @@ def box_text(cell: Cell) -> str:
 
 
 def main(rounds: int, only: list[str] | None, save: Path | None,
-         settled_at_s: tuple[float, float] = SETTLED_AT_S) -> None:
+         settled_at_s: tuple[float, float] = SETTLED_AT_S, settle_s: float = 0.0) -> None:
     console = Console(width=230)
     races = [r for r in RACES if only is None or r is TK_RACE or any(o in r.name.lower() for o in only)]
     if any(isinstance(r, WriterDialogOpens) for r in races):  # it opens the dialog in the Writer the other starts
@@ -279,11 +284,12 @@ def main(rounds: int, only: list[str] | None, save: Path | None,
                     console.print(f"[yellow]carets may blink: {command[0]}: {r}")
             for race in races:
                 t0 = time.monotonic()
-                outcomes.append((race, *run_case(desk, race, rounds, settled_at_s, save, console)))
+                outcomes.append((race, *run_case(desk, race, rounds, settled_at_s, save, console, settle_s)))
                 console.print(f"{race.name}: {time.monotonic() - t0:.0f} s")
 
     table = Table(title=f"what the step's observation misses vs the screen +{settled_at_s[0]:g}/+{settled_at_s[1]:g} s "
-                        f"later ({rounds} rounds, timings rotated; missed/stable samples, +Nu unstable; "
+                        f"later ({rounds} rounds, the step's observation with settle_s {settle_s:g}, "
+                        "timings rotated; missed/stable samples, +Nu unstable; "
                         "bbox: the median miss's bounding box (by area), the median count of differing pixels and "
                         "share of them still showing the screen before the action (old); median step ms incl. the "
                         "PNG observation)")
@@ -337,8 +343,12 @@ if __name__ == "__main__":
     ap.add_argument("--settled-at", default=",".join(f"{t:g}" for t in SETTLED_AT_S),
                     help="when the two settled screenshots are taken, seconds after the step returned "
                          "(default %(default)s; later for apps that are still drawing then, e.g. 1,1.6)")
+    ap.add_argument("--settle-s", type=float, default=0.0,
+                    help="the step's observation waits up to this long for the screen to go still and the apps "
+                         "idle, as osfarm's episodes ask (osfarm.env.SETTLE_S, 1.0); default %(default)s: the "
+                         "step's own observation as the API returns it")
     a = ap.parse_args()
     at = tuple(float(t) for t in a.settled_at.split(","))
     if len(at) != 2 or not 0 < at[0] < at[1]:
         ap.error(f"--settled-at: two increasing times in seconds, got {a.settled_at!r}")
-    main(a.rounds, a.cases.split(",") if a.cases else None, a.save, (at[0], at[1]))
+    main(a.rounds, a.cases.split(",") if a.cases else None, a.save, (at[0], at[1]), a.settle_s)

@@ -266,7 +266,8 @@ class AsyncRemoteDesktop:
                    code_timeout: float = 30.0, timing: ActionTiming = DEFAULT_ACTION_TIMING) -> StepResult:
         """Run one action or a list of them (computer_13 dicts/models or pyautogui code) with
         OSWorld's semantics, each pause cut short once the screen answered (``timing="settle"``,
-        the default), paced exactly as OSWorld paces them (``"osworld"``), or as fast as the
+        the default: an observation taken at once shows the app's first answer, ``settle_s`` waits
+        for the rest), paced exactly as OSWorld paces them (``"osworld"``), or as fast as the
         desktop takes them (``"fast"``)."""
         body = _step_body(actions, observe, code_timeout, timing)
         r = await self.farm._request("POST", self._path("/step"), json=body, headers=self._headers,
@@ -456,7 +457,8 @@ class RemoteDesktop:
              code_timeout: float = 30.0, timing: ActionTiming = DEFAULT_ACTION_TIMING) -> StepResult:
         """Run one action or a list of them (computer_13 dicts/models or pyautogui code) with
         OSWorld's semantics, each pause cut short once the screen answered (``timing="settle"``,
-        the default), paced exactly as OSWorld paces them (``"osworld"``), or as fast as the
+        the default: an observation taken at once shows the app's first answer, ``settle_s`` waits
+        for the rest), paced exactly as OSWorld paces them (``"osworld"``), or as fast as the
         desktop takes them (``"fast"``)."""
         body = _step_body(actions, observe, code_timeout, timing)
         r = self.farm._request("POST", self._path("/step"), json=body, headers=self._headers,
