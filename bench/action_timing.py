@@ -35,7 +35,7 @@ from percentiles import median_ms, p90_ms  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from settle_step import BURST, measure  # noqa: E402
-from timing_races import RACES, TK_RACE, Race  # noqa: E402
+from timing_races import TK_RACE, Race, select_races  # noqa: E402
 
 from osfarm.client import Farm, RemoteDesktop  # noqa: E402
 from osfarm.schema.guest import ActionTiming  # noqa: E402
@@ -98,7 +98,7 @@ def step_costs(desk: RemoteDesktop, rounds: int, think_s: float) -> dict[str, di
 
 def main(rounds: int = 10, only: list[str] | None = None, cost_rounds: int = 20, think_ms: float = 0.0) -> None:
     console = Console(width=160)
-    races = [r for r in RACES if only is None or r is TK_RACE or any(o in r.name.lower() for o in only)]
+    races = select_races(only)
     outcomes: dict[str, dict[str, Any]] = {}
     with running_farm(process=True, pool_min=1, pool_max=1, width=1280, height=800, ready=1) as served:
         with Farm(served.url, served.token) as farm, farm.lease(ttl_s=1800, heartbeat=True) as desk:
@@ -140,7 +140,8 @@ if __name__ == "__main__":
     ap.add_argument("rounds", nargs="?", type=int, default=10, help="race rounds per timing")
     ap.add_argument("--races", default=None,
                     help="comma-separated words of race names to run (e.g. tk,gtk,libreoffice,window,chromium,"
-                         "terminal); default: all. The Tk dialog always runs: the others use it.")
+                         "terminal); default: all. The Tk dialog always runs (the GTK race uses it); 'window' brings "
+                         "the LibreOffice dialog's Writer")
     ap.add_argument("--cost-rounds", type=int, default=20, help="rounds (bursts) of the step cost table")
     ap.add_argument("--think-ms", type=float, default=0.0,
                     help="sleep between the step cost table's steps, as an agent's policy call (default 0)")

@@ -61,8 +61,6 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 from timing_races import (  # noqa: E402
     PYTHON,
-    RACES,
-    TK_RACE,
     Chromium,
     FieldsApp,
     Race,
@@ -70,6 +68,7 @@ from timing_races import (  # noqa: E402
     WriterDialogOpens,
     WriterFindReplace,
     execute,
+    select_races,
 )
 
 from osfarm.client import Farm, RemoteDesktop, screenshot_image  # noqa: E402
@@ -271,9 +270,7 @@ def box_text(cell: Cell) -> str:
 def main(rounds: int, only: list[str] | None, save: Path | None,
          settled_at_s: tuple[float, float] = SETTLED_AT_S, settle_s: float = 0.0) -> None:
     console = Console(width=230)
-    races = [r for r in RACES if only is None or r is TK_RACE or any(o in r.name.lower() for o in only)]
-    if any(isinstance(r, WriterDialogOpens) for r in races):  # it opens the dialog in the Writer the other starts
-        races = [r for r in RACES if r in races or type(r) is WriterFindReplace]
+    races = select_races(only)
     outcomes = []
     t_start = time.monotonic()
     with running_farm(process=True, pool_min=1, pool_max=1, width=1280, height=800, ready=1) as served:

@@ -354,3 +354,13 @@ class WriterDialogOpens(WriterFindReplace):
 
 
 RACES: list[Race] = [TK_RACE, GtkDialog(), WriterFindReplace(), WriterDialogOpens(), Chromium(), Terminal()]
+
+
+def select_races(only: list[str] | None) -> list[Race]:
+    """The races whose names hold one of the words of ``only`` (all with None), in RACES' order; the
+    Tk dialog always (the GTK race uses it), and the LibreOffice dialog race with "typing as a window
+    opens" (that one opens its dialog in the Writer the other starts)."""
+    races = [r for r in RACES if only is None or r is TK_RACE or any(o in r.name.lower() for o in only)]
+    if any(isinstance(r, WriterDialogOpens) for r in races):
+        races = [r for r in RACES if r in races or type(r) is WriterFindReplace]
+    return races
