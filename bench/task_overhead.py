@@ -42,7 +42,7 @@ from rich.table import Table
 from osfarm.farm import metrics
 from osfarm.runner.results import read_episodes
 from osfarm.runner.run import RunOptions, run_eval
-from osfarm.schema.guest import ActionTiming
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING, ActionTiming
 from osfarm.tasks.suite import load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,9 +110,9 @@ def main() -> None:
     ap.add_argument("--reset-modes", default="cold,warm",
                     help="comma-separated farm reset modes to compare side by side (cold,warm; warm is the farm's "
                          "default, with its cold_every)")
-    ap.add_argument("--timings", default="osworld",
-                    help="comma-separated action timings to compare side by side (osworld, fast, and whatever "
-                         "else osfarm.schema.guest.ActionTiming offers, e.g. settle); 'all' = every one")
+    ap.add_argument("--timings", default=DEFAULT_ACTION_TIMING,
+                    help="comma-separated action timings to compare side by side (settle, osworld, fast: "
+                         "osfarm.schema.guest.ActionTiming); 'all' = every one (default: %(default)s, osfarm's)")
     args = ap.parse_args()
     envs_list = [int(x) for x in args.envs.split(",")]
     modes = [m.strip() for m in args.reset_modes.split(",") if m.strip()]
