@@ -30,7 +30,8 @@ class ObserveOptions(BaseModel):
     quality: JsonInt = Field(default=80, ge=1, le=100, description="JPEG/WebP quality")
     a11y: bool = False
     windows: bool = True
-    cursor: bool = True
+    cursor: bool = Field(default=True, description="report the pointer's position (the screenshot shows the "
+                         "pointer either way, as OSWorld's do)")
     settle_s: float = Field(
         default=0.0, ge=0.0, le=10.0,
         description="wait up to this long for the screen to stop changing and the desktop's apps "
