@@ -38,7 +38,7 @@ from settle_step import BURST, measure  # noqa: E402
 from timing_races import TK_RACE, Race, select_races  # noqa: E402
 
 from osfarm.client import Farm, RemoteDesktop  # noqa: E402
-from osfarm.schema.guest import ActionTiming  # noqa: E402
+from osfarm.schema.guest import DEFAULT_ACTION_TIMING, ActionTiming  # noqa: E402
 from osfarm.testing.farms import running_farm  # noqa: E402
 
 TIMINGS: tuple[ActionTiming, ...] = get_args(ActionTiming)
@@ -112,7 +112,7 @@ def main(rounds: int = 10, only: list[str] | None = None, cost_rounds: int = 20,
     table.add_column("race")
     table.add_column("what the agent does")
     for t in TIMINGS:
-        table.add_column(t + (" (default)" if t == "osworld" else ""), justify="right")
+        table.add_column(t + (" (default)" if t == DEFAULT_ACTION_TIMING else ""), justify="right")
     for race in races:
         out = outcomes[race.name]
         table.add_row(race.name, race.what, *(f"{out['right'][t]}/{out['done']}" for t in TIMINGS))
