@@ -179,6 +179,11 @@ async def test_warm_reset_keeps_the_container(state_dir: str) -> None:
         assert cold["digest"] == h.info["warm_digest"] and any(r.startswith("box ") for r in cold["processes"])
         assert (await guest(h, "POST", "/v1/pyautogui", json={"code": DIRTY}))["ok"]
         dirty = await guest(h, "GET", "/v1/session/fingerprint")
+        for _ in range(60):  # the action returns at once (settle): the clipboard owner it launched starts after it
+            if dirty["x"]["selections"]["CLIPBOARD"]:
+                break
+            await asyncio.sleep(0.5)
+            dirty = await guest(h, "GET", "/v1/session/fingerprint")
         assert dirty["digest"] != cold["digest"] and dirty["x"]["selections"]["CLIPBOARD"]
         cpu = p.cpu_seconds(h)
         assert cpu is not None and cpu > 0
